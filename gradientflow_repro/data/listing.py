@@ -1,0 +1,71 @@
+"""Dataset listing and the per-epoch global order shared by every loader.
+
+Each epoch's order is a permutation drawn from (seed, epoch) alone, so every rank computes the same
+one and a resumed run replays the exact epoch it stopped in. Rank r reads the r-th contiguous shard
+of it (the same split DALI's file reader uses for ``shard_id``/``num_shards``); training reads
+``steps_per_epoch * local_batch`` images of its shard, so every rank takes the same number of steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+IMAGE_SUFFIXES = {".jpeg", ".jpg", ".png"}
+
+
+@dataclass(frozen=True)
+class Listing:
+    classes: list[str]
+    files: list[str]
+    labels: list[int]
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+
+class DatasetError(ValueError):
+    pass
+
+
+def list_image_folder(split_dir: Path, classes: list[str] | None = None) -> Listing:
+    """Files of ``split_dir/<class>/*`` in sorted order; labels index ``classes`` (default: the
+    sorted class folders). Empty class folders and classes unknown to ``classes`` are errors."""
+    if not split_dir.is_dir():
+        raise DatasetError(f"{split_dir}: not a directory")
+    found = sorted(p.name for p in split_dir.iterdir() if p.is_dir())
+    if classes is None:
+        classes = found
+    elif found != classes:
+        missing, extra = sorted(set(classes) - set(found)), sorted(set(found) - set(classes))
+        raise DatasetError(f"{split_dir}: class folders differ from training "
+                           f"(missing {missing[:5]}, extra {extra[:5]})")
+    files: list[str] = []
+    labels: list[int] = []
+    for label, name in enumerate(classes):
+        images = sorted(str(p) for p in (split_dir / name).iterdir()
+                        if p.suffix.lower() in IMAGE_SUFFIXES)
+        if not images:
+            raise DatasetError(f"{split_dir / name}: class folder has no images")
+        files += images
+        labels += [label] * len(images)
+    return Listing(classes, files, labels)
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=generator).tolist()
+
+
+def shard_bounds(n: int, shard: int, num_shards: int) -> tuple[int, int]:
+    """The contiguous shard DALI's readers give ``shard_id`` out of ``num_shards``."""
+    return n * shard // num_shards, n * (shard + 1) // num_shards
+
+
+def steps_per_epoch(n: int, global_batch: int) -> int:
+    steps = n // global_batch
+    if steps == 0:
+        raise DatasetError(f"training set of {n} images is smaller than global_batch_size={global_batch}")
+    return steps

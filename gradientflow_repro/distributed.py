@@ -1,0 +1,141 @@
+"""Who am I in the job: world discovery, device choice and the process group.
+
+The world comes from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), else
+from Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, master = first host of the node list),
+else it is a single process. The backend follows the device: NCCL with one GPU per local rank when
+CUDA is there, gloo otherwise. Every collective has a timeout so that a lost rank ends the job with
+an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    source: str  # torchrun | slurm | single
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+class WorldError(RuntimeError):
+    pass
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm node list, e.g. 'gpu[003-010,017],cpu1' -> 'gpu003'."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not match:
+        raise WorldError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
+    prefix, ranges = match.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def discover_world(env: Optional[Mapping[str, str]] = None) -> World:
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = World(
+            rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)), source="torchrun")
+        _check_slurm_agrees(world, env)
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and int(env["SLURM_NTASKS"]) > 1:
+        nodelist = env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1"))
+        tasks_per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        world = World(
+            rank=int(env["SLURM_PROCID"]), world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            local_world_size=int(tasks_per_node) if tasks_per_node.isdigit() else 1,
+            master_addr=env.get("MASTER_ADDR") or first_slurm_host(nodelist),
+            master_port=int(env.get("MASTER_PORT", 29500)), source="slurm")
+    else:
+        world = World(0, 1, 0, 1, "127.0.0.1", int(env.get("MASTER_PORT", 29500)), "single")
+    if not 0 <= world.rank < world.world_size:
+        raise WorldError(f"rank {world.rank} is outside world size {world.world_size} ({world.source})")
+    return world
+
+
+def _check_slurm_agrees(world: World, env: Mapping[str, str]) -> None:
+    """torchrun inside a Slurm step: one task per node, or one task per rank. Anything else is a
+    launch mistake (e.g. srun with 8 tasks each starting torchrun with 8 processes)."""
+    if "SLURM_NTASKS" not in env or "SLURM_STEP_ID" not in env:
+        return
+    ntasks = int(env["SLURM_NTASKS"])
+    nnodes = int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", 1)))
+    if ntasks not in (world.world_size, nnodes):
+        raise WorldError(
+            f"rank {world.rank}: torchrun says WORLD_SIZE={world.world_size} but Slurm started "
+            f"SLURM_NTASKS={ntasks} tasks on {nnodes} node(s); launch either one torchrun per node "
+            f"or one task per rank without torchrun")
+
+
+def select_device(preference: str, world: World) -> torch.device:
+    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise WorldError(f"rank {world.rank}: device=cuda asked for but CUDA is not available")
+    index = world.local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def init_process_group(world: World, device: torch.device, timeout_s: float) -> None:
+    if world.world_size == 1 or dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    os.environ.setdefault("MASTER_ADDR", world.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(world.master_port))
+    dist.init_process_group(
+        backend=backend, init_method="env://", rank=world.rank, world_size=world.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None)
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_scalars(values: list[float], device: torch.device, op: str = "sum") -> list[float]:
+    """Reduce a few Python numbers across ranks in one collective (identity without a group)."""
+    if not dist.is_initialized():
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    dist.all_reduce(tensor, op=reduce_op)
+    return tensor.tolist()
+
+
+def barrier(device: torch.device) -> None:
+    if dist.is_initialized():
+        # An all_reduce rather than dist.barrier(): NCCL barriers guess the device, this does not.
+        all_reduce_scalars([0.0], device)

@@ -1,0 +1,267 @@
+"""The Trainer: one loop over composable parts (data, model, optimizer, precision, communicator).
+
+Two clocks run: the MLPerf clock starts before any data is touched, never pauses and includes
+evaluation; the training clock counts training steps only. Both continue across resumes. Every
+decision that could differ between ranks (stop, skip a step) is taken from all-reduced values.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from gradientflow_repro import checkpoint
+from gradientflow_repro.comm import build_communicator
+from gradientflow_repro.data import build_data
+from gradientflow_repro.distributed import World, all_reduce_scalars, barrier
+from gradientflow_repro.models import build_model
+from gradientflow_repro.optim import build_optimizer, build_schedule, set_lr
+from gradientflow_repro.precision import Precision
+from gradientflow_repro.tracking import Tracker, environment_facts
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    mlperf_s: float = 0.0  # clock time accumulated by earlier (pre-resume) runs
+    train_s: float = 0.0
+    last_top1: Optional[float] = None
+    best_top1: Optional[float] = None
+    reached_at: Optional[dict] = None  # clocks when the target was first reached
+    comm_totals: dict = field(default_factory=lambda: {"bytes": 0, "collectives": 0, "wait_s": 0.0})
+
+
+class Trainer:
+    def __init__(self, cfg: DictConfig, world: World, device: torch.device, clock_start: float) -> None:
+        self.cfg, self.world, self.device, self.clock_start = cfg, world, device, clock_start
+        self.run_dir = Path(cfg.run_dir)
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        self.model = build_model(cfg.model.name, cfg.data.num_classes, cfg.data.image_size,
+                                 cfg.model.width, cfg.model.dropout).to(device)
+        self.data = build_data(cfg.data, global_batch=cfg.global_batch_size, rank=world.rank,
+                               world_size=world.world_size, device=device, seed=cfg.seed)
+        comm_options = OmegaConf.to_container(cfg.comm)
+        self.comm = build_communicator(comm_options.pop("strategy"), device, **comm_options)
+        self.train_model = self.comm.attach(self.model)
+        self.optimizer = build_optimizer(self.model, cfg.optim, cfg.global_batch_size)
+        self.schedule = build_schedule(cfg.optim, cfg.global_batch_size, self.data.steps_per_epoch,
+                                       cfg.epochs)
+        self.precision = Precision(cfg.precision, device)
+        self.criterion = nn.CrossEntropyLoss()
+        self.total_steps = cfg.epochs * self.data.steps_per_epoch
+        if cfg.max_steps:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
+        self.progress = Progress()
+        self._step_time = 0.0  # training-clock seconds of this process (added to progress.train_s)
+        self._saved_step = -1
+        torch.manual_seed(cfg.seed + 1 + world.rank)  # dropout differs between ranks, as on a cluster
+        wandb_id = self._resume()
+        self.tracker = Tracker(self.run_dir, cfg.logger, enabled=world.is_main,
+                               name=cfg.comm.strategy, group=cfg.logger.group or cfg.experiment,
+                               config=OmegaConf.to_container(cfg, resolve=True), run_id=wandb_id)
+
+    # ---------------------------------------------------------------- the loop
+    def fit(self) -> dict[str, Any]:
+        p, steps_per_epoch = self.progress, self.data.steps_per_epoch
+        self._log({"kind": "start", "resumed_from_step": p.step, "world_size": self.world.world_size})
+        self._last_log = (p.step, self.train_s)
+        while p.step < self.total_steps and not p.reached_at:
+            epoch = p.step // steps_per_epoch
+            for images, labels in self.data.train_batches(epoch, skip=p.step % steps_per_epoch):
+                self.train_step(images, labels)
+                if p.step >= self.total_steps:
+                    break
+            if p.step % steps_per_epoch == 0:  # a whole epoch ended (not a max_steps cut)
+                done_epochs = p.step // steps_per_epoch
+                if done_epochs % self.cfg.eval_every_epochs == 0 or done_epochs == self.cfg.epochs:
+                    self.evaluate()
+                if done_epochs % self.cfg.checkpoint.every_epochs == 0:
+                    self.save()
+        self.save()
+        return self._finish()
+
+    def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        started = time.perf_counter()
+        lr = self.schedule(self.progress.step)
+        set_lr(self.optimizer, lr)
+        self.train_model.train()
+        with self.precision.autocast():
+            loss = self.criterion(self.train_model(images), labels)
+        self.precision.backward(loss)
+        self.comm.synchronize()
+        self.precision.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.progress.step += 1
+        self._step_time += time.perf_counter() - started
+        if self.progress.step % self.cfg.logger.log_every == 0 or self.progress.step == self.total_steps:
+            self._log_step(loss, lr)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        local_buffers = [b.clone() for b in self.model.buffers()]
+        self._average_buffers()  # evaluate the consensus model; keep local stats for training
+        self.model.eval()
+        correct = total = 0
+        for images, labels in self.data.val_batches():
+            with self.precision.autocast():
+                logits = self.model(images)
+            correct += (logits.argmax(1) == labels).sum().item()
+            total += labels.numel()
+        for buffer, saved in zip(self.model.buffers(), local_buffers):
+            buffer.copy_(saved)
+        correct, total = all_reduce_scalars([correct, total], self.device)
+        if int(total) != self.data.num_val:
+            raise RuntimeError(f"evaluation saw {int(total)} images, the validation set has "
+                               f"{self.data.num_val}: sharding is broken")
+        top1 = 100.0 * correct / total
+        p = self.progress
+        p.last_top1, p.best_top1 = top1, max(top1, p.best_top1 or 0.0)
+        target = self.cfg.target_top1
+        if target is not None and top1 >= target and not p.reached_at:
+            p.reached_at = {"step": p.step, "mlperf_s": self.mlperf_s, "train_s": self.train_s}
+        self._log({"kind": "eval", "top1": top1, "target_top1": target,
+                   "epoch": p.step / self.data.steps_per_epoch})
+        self._print(f"eval  step {p.step} epoch {p.step / self.data.steps_per_epoch:.1f}: "
+                    f"top-1 {top1:.2f}% (target {target}) at {self.mlperf_s:.1f}s")
+        return top1
+
+    # ---------------------------------------------------------------- state
+    @property
+    def mlperf_s(self) -> float:
+        return self.progress.mlperf_s + time.perf_counter() - self.clock_start
+
+    @property
+    def train_s(self) -> float:
+        return self.progress.train_s + self._step_time
+
+    def save(self) -> None:
+        p = self.progress
+        if p.step == self._saved_step:
+            return
+        self._saved_step = p.step
+        shared = None
+        if self.world.is_main:
+            shared = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                      "precision": self.precision.state_dict(), "wandb_id": self.tracker.run_id,
+                      "progress": {**p.__dict__, "mlperf_s": self.mlperf_s, "train_s": self.train_s},
+                      "model_name": self.cfg.model.name}
+        per_rank = {"torch_rng": torch.get_rng_state(),
+                    "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+                    "buffers": [b.clone() for b in self.model.buffers()],
+                    "comm": self.comm.state_dict()}
+        checkpoint.save_checkpoint(self.run_dir, p.step, shared, per_rank, rank=self.world.rank,
+                                   world_size=self.world.world_size,
+                                   barrier=lambda: barrier(self.device), keep=self.cfg.checkpoint.keep)
+
+    def _resume(self) -> Optional[str]:
+        mode = self.cfg.resume
+        if mode == "never":
+            return None
+        path = [checkpoint.find_resumable(self.run_dir) if mode == "auto" else Path(mode)]
+        if dist.is_initialized():  # rank 0 decides, so every rank resumes from the same one
+            dist.broadcast_object_list(path, src=0)
+        if path[0] is None:
+            return None
+        shared, mine = checkpoint.load_checkpoint(path[0], self.world.rank, self.world.world_size)
+        if shared["model_name"] != self.cfg.model.name:
+            raise checkpoint.CheckpointError(f"{path[0]} holds a {shared['model_name']} model, the "
+                                             f"config asks for {self.cfg.model.name}")
+        self.model.load_state_dict(shared["model"])
+        for buffer, saved in zip(self.model.buffers(), mine["buffers"]):
+            buffer.copy_(saved)
+        self.optimizer.load_state_dict(shared["optimizer"])
+        self.precision.load_state_dict(shared["precision"])
+        self.progress = Progress(**shared["progress"])
+        self.comm.load_state_dict(mine["comm"])
+        torch.set_rng_state(mine["torch_rng"])
+        if mine["cuda_rng"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(mine["cuda_rng"])
+        self._print(f"resumed from {path[0]} at step {self.progress.step}")
+        return shared["wandb_id"]
+
+    def _average_buffers(self) -> None:
+        if self.world.world_size == 1:
+            return
+        for buffer in self.model.buffers():
+            if buffer.is_floating_point():
+                dist.all_reduce(buffer)
+                buffer.div_(self.world.world_size)
+
+    # ---------------------------------------------------------------- reporting
+    def _log_step(self, loss: torch.Tensor, lr: float) -> None:
+        p = self.progress
+        comm = self.comm.stats.take()
+        last_step, last_train_s = self._last_log
+        steps = max(1, p.step - last_step)
+        interval = max(1e-9, self.train_s - last_train_s)
+        self._last_log = (p.step, self.train_s)
+        for key in p.comm_totals:
+            p.comm_totals[key] += comm[key]
+        images_per_s = steps * self.cfg.global_batch_size / interval
+        record = {"kind": "train", "loss": loss.item(), "lr": lr, "images_per_s": images_per_s,
+                  "step_s": interval / steps, "bytes_per_step": comm["bytes"] / steps,
+                  "collectives_per_step": comm["collectives"] / steps,
+                  "sync_wait_s_per_step": comm["wait_s"] / steps,
+                  "loss_scale": self.precision.loss_scale, "skipped_steps": self.precision.skipped_steps,
+                  "epoch": p.step / self.data.steps_per_epoch}
+        self._log(record)
+        eta = (self.total_steps - p.step) * interval / steps
+        top1 = f"{p.last_top1:.2f}%" if p.last_top1 is not None else "-"
+        self._print(f"step {p.step}/{self.total_steps} epoch {record['epoch']:.2f}/{self.cfg.epochs} "
+                    f"loss {record['loss']:.4f} top-1 {top1} {images_per_s:.0f} img/s lr {lr:.4g} "
+                    f"eta {_duration(eta)}")
+
+    def _log(self, record: dict) -> None:
+        self.tracker.log({**record, "step": self.progress.step, "mlperf_s": self.mlperf_s,
+                          "train_s": self.train_s})
+
+    def _print(self, line: str) -> None:
+        if self.world.is_main:
+            print(f"[{self.cfg.experiment}/{self.cfg.comm.strategy}] {line}", flush=True)
+
+    def _finish(self) -> dict[str, Any]:
+        p, steps = self.progress, max(1, self.progress.step)
+        reached = p.reached_at or {}
+        summary = {
+            "name": f"{self.cfg.experiment}/{self.cfg.comm.strategy}", "experiment": self.cfg.experiment,
+            "strategy": self.cfg.comm.strategy, "world_size": self.world.world_size,
+            "device": str(self.device), "precision": self.cfg.precision.dtype,
+            "global_batch_size": self.cfg.global_batch_size, "steps": p.step,
+            "epochs": p.step / self.data.steps_per_epoch, "target_top1": self.cfg.target_top1,
+            "reached_target": bool(p.reached_at),
+            "time_to_target_mlperf_s": reached.get("mlperf_s"),
+            "time_to_target_train_s": reached.get("train_s"),
+            "final_top1": p.last_top1, "best_top1": p.best_top1,
+            "mlperf_s": self.mlperf_s, "train_s": self.train_s,
+            "images_per_s": p.step * self.cfg.global_batch_size / max(1e-9, self.train_s),
+            "bytes_per_step": p.comm_totals["bytes"] / steps,
+            "collectives_per_step": p.comm_totals["collectives"] / steps,
+            "sync_wait_s_per_step": p.comm_totals["wait_s"] / steps,
+            "skipped_steps": self.precision.skipped_steps,
+            "clock_policy": "mlperf_s: from before data loading, never paused, evaluation included; "
+                            "train_s: training steps only",
+            "command": "python -m gradientflow_repro.train " + " ".join(sys.argv[1:]), **environment_facts()}
+        if self.cfg.save_final_params:
+            torch.save({n: t.detach().cpu() for n, t in self.model.state_dict().items()},
+                       self.run_dir / f"final_params_rank{self.world.rank}.pt")
+        self.tracker.finish(summary)
+        if p.reached_at:
+            self._print(f"target {self.cfg.target_top1}% reached at step {reached['step']}: "
+                        f"{reached['mlperf_s']:.1f}s (MLPerf clock), {reached['train_s']:.1f}s (training)")
+        return summary
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"

@@ -1,0 +1,70 @@
+"""LARS for large batches, with the schedule large-batch training needs.
+
+The optimizer is timm's ``Lars``. BatchNorm and bias parameters (every parameter with fewer than two
+dimensions) go in a group with no weight decay, which timm's Lars also leaves without trust-ratio
+adaptation (You et al. 2017; the MLPerf reference does the same). The peak learning rate scales
+linearly with the global batch (``base_lr * global_batch / base_batch_size``); it ramps up linearly
+per iteration over the warm-up, then decays polynomially (power 2 by default) to ``end_lr``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from timm.optim import Lars
+from torch import nn
+
+from gradientflow_repro.config import OptimConfig
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    adapted, plain = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (adapted if param.ndim > 1 else plain).append(param)
+    return [{"params": adapted, "weight_decay": weight_decay},
+            {"params": plain, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, global_batch: int) -> Lars:
+    if cfg.name != "lars":
+        raise ValueError(f"config key 'optim.name' = {cfg.name!r}: only 'lars' is provided")
+    return Lars(parameter_groups(model, cfg.weight_decay), lr=peak_lr(cfg, global_batch),
+                momentum=cfg.momentum, trust_coeff=cfg.trust_coeff)
+
+
+def peak_lr(cfg: OptimConfig, global_batch: int) -> float:
+    return cfg.base_lr * global_batch / cfg.base_batch_size
+
+
+@dataclass(frozen=True)
+class WarmupPolySchedule:
+    """lr(step) for step = 0, 1, ...: linear warm-up from peak/warmup_steps to peak over
+    ``warmup_steps`` iterations, then (peak - end) * (1 - progress)^power + end."""
+
+    peak: float
+    warmup_steps: int
+    total_steps: int
+    power: float = 2.0
+    end: float = 0.0
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.peak * (step + 1) / self.warmup_steps
+        decay_steps = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        return (self.peak - self.end) * (1.0 - progress) ** self.power + self.end
+
+
+def build_schedule(cfg: OptimConfig, global_batch: int, steps_per_epoch: int,
+                   epochs: int) -> WarmupPolySchedule:
+    return WarmupPolySchedule(peak=peak_lr(cfg, global_batch),
+                              warmup_steps=round(cfg.warmup_epochs * steps_per_epoch),
+                              total_steps=epochs * steps_per_epoch, power=cfg.poly_power,
+                              end=cfg.end_lr)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,142 @@
+"""Results: a JSONL file under the run directory is the source of truth; wandb mirrors it.
+
+Only rank 0 writes. Each record is flushed as it is written, so a killed run keeps everything up to
+its last log line. wandb runs offline by default (no login, no network) in ``<run_dir>/wandb``; any
+wandb failure turns it off with one warning and training goes on. The wandb run id is kept in the
+checkpoint so a resumed run continues the same wandb run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+from gradientflow_repro.config import LoggerConfig
+
+
+class Tracker:
+    def __init__(self, run_dir: Path, cfg: LoggerConfig, *, enabled: bool, name: str, group: str,
+                 config: dict, run_id: Optional[str] = None) -> None:
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.wandb_run = None
+        self.run_id = run_id
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.metrics_path, "a", buffering=1)
+        if cfg.wandb and cfg.mode != "disabled":
+            self._start_wandb(cfg, name, group, config, run_id)
+
+    def _start_wandb(self, cfg: LoggerConfig, name: str, group: str, config: dict,
+                     run_id: Optional[str]) -> None:
+        try:
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.wandb_run = wandb.init(
+                project=cfg.project, entity=cfg.entity, group=group, name=name, config=config,
+                dir=str(self.run_dir), mode=cfg.mode, id=run_id, resume="allow" if run_id else None,
+                settings=wandb.Settings(init_timeout=60, console="off", x_disable_stats=True))
+            self.run_id = self.wandb_run.id
+            self.wandb_run.define_metric("time/mlperf_s")
+            self.wandb_run.define_metric("val/*", step_metric="time/mlperf_s")
+        except Exception as error:  # noqa: BLE001 - tracking must never stop training
+            warnings.warn(f"wandb is off for this run: {type(error).__name__}: {error}")
+            self.wandb_run = None
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            try:
+                flat = {k: v for k, v in record.items() if isinstance(v, (int, float)) and v is not None}
+                self.wandb_run.log(flat, step=record.get("step"))
+            except Exception as error:  # noqa: BLE001
+                warnings.warn(f"wandb is off for this run: {type(error).__name__}: {error}")
+                self.wandb_run = None
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self._file.close()
+        plot_top1(self.metrics_path, self.run_dir / "top1_vs_time.png", title=summary.get("name", ""))
+        if self.wandb_run is not None:
+            try:
+                self.wandb_run.summary.update({k: v for k, v in summary.items()
+                                               if isinstance(v, (int, float, str))})
+                self.wandb_run.finish()
+            except Exception as error:  # noqa: BLE001
+                warnings.warn(f"wandb could not finish: {error}")
+
+
+def read_records(path: Path) -> list[dict]:
+    records = []
+    with open(path) as handle:
+        for line in handle:
+            line = line.strip()
+            if line:
+                records.append(json.loads(line))
+    return records
+
+
+def plot_top1(metrics_path: Path, out: Path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    evals = [r for r in read_records(metrics_path) if r.get("kind") == "eval"]
+    figure, axes = plt.subplots(figsize=(6, 4))
+    axes.plot([r["mlperf_s"] for r in evals], [r["top1"] for r in evals], marker="o")
+    target = next((r.get("target_top1") for r in evals if r.get("target_top1")), None)
+    if target:
+        axes.axhline(target, linestyle="--", color="grey", label=f"target {target}%")
+        axes.legend()
+    axes.set_xlabel("wall-clock seconds (MLPerf clock: from start, evaluation included)")
+    axes.set_ylabel("validation top-1 (%)")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(out, dpi=100)
+    plt.close(figure)
+
+
+def environment_facts() -> dict[str, Any]:
+    """What produced a number: commit, library versions, hardware."""
+    import torch
+
+    facts: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                             "platform": platform.platform(), "cpu": _cpu_model(),
+                             "cpu_count": os.cpu_count()}
+    for module in ("torchvision", "nvidia.dali", "timm", "hydra", "wandb"):
+        try:
+            facts[module.split(".")[-1]] = __import__(module, fromlist=["__version__"]).__version__
+        except Exception:  # noqa: BLE001
+            facts[module.split(".")[-1]] = None
+    facts["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    try:
+        facts["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                             text=True, timeout=5,
+                                             cwd=Path(__file__).parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        facts["git_commit"] = None
+    return facts
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

@@ -1,0 +1,49 @@
+"""Entry point: compose the Hydra config, check it, join the process group, train.
+
+    torchrun --nproc-per-node=4 -m gradientflow_repro.train +experiment=digits_cpu
+    srun python -m gradientflow_repro.train +experiment=alexnet_512gpu data.root=/imagenet
+
+Configuration errors are reported before any process group starts, naming the key at fault.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import hydra
+from omegaconf import DictConfig
+
+from gradientflow_repro.config import ConfigError, register_configs, validate
+
+register_configs()
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    clock_start = time.perf_counter()  # the MLPerf clock: before any data is touched
+    from gradientflow_repro import distributed
+
+    try:
+        world = distributed.discover_world()
+        validate(cfg, world.world_size)
+    except (ConfigError, distributed.WorldError) as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    import torch
+
+    from gradientflow_repro.engine import Trainer
+
+    torch.set_num_threads(max(1, cfg.threads_per_rank))
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    device = distributed.select_device(cfg.device, world)
+    distributed.init_process_group(world, device, cfg.dist_timeout_s)
+    try:
+        Trainer(cfg, world, device, clock_start).fit()
+    finally:
+        distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
