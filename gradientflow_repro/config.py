@@ -7,6 +7,7 @@ group starts, so a bad configuration never costs a cluster allocation more than 
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -17,6 +18,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 MODEL_NAMES = ("alexnet_bn", "alexnet", "resnet50")
 DATA_KINDS = ("folder", "synthetic")
 LOADERS = ("dali", "torchvision")
+OPTIMIZERS = ("lars", "apex_larc")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -151,6 +153,10 @@ def validate(cfg: Config | DictConfig, world_size: int) -> None:
         value = OmegaConf.select(cfg, key) if isinstance(cfg, DictConfig) else _select(cfg, key)
         if value is None or value <= 0:
             _fail(key, value, "must be positive")
+    if cfg.optim.name not in OPTIMIZERS:
+        _fail("optim.name", cfg.optim.name, f"allowed values are {', '.join(OPTIMIZERS)}")
+    if cfg.optim.name == "apex_larc" and importlib.util.find_spec("apex") is None:
+        _fail("optim.name", cfg.optim.name, "needs NVIDIA apex, which is not installed (README: apex)")
     if cfg.optim.warmup_epochs < 0:
         _fail("optim.warmup_epochs", cfg.optim.warmup_epochs, "must be zero or positive")
     if cfg.optim.warmup_epochs > cfg.epochs:

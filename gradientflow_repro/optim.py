@@ -27,11 +27,15 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": plain, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, global_batch: int) -> Lars:
-    if cfg.name != "lars":
-        raise ValueError(f"config key 'optim.name' = {cfg.name!r}: only 'lars' is provided")
-    return Lars(parameter_groups(model, cfg.weight_decay), lr=peak_lr(cfg, global_batch),
-                momentum=cfg.momentum, trust_coeff=cfg.trust_coeff)
+def build_optimizer(model: nn.Module, cfg: OptimConfig, global_batch: int) -> torch.optim.Optimizer:
+    groups, lr = parameter_groups(model, cfg.weight_decay), peak_lr(cfg, global_batch)
+    if cfg.name == "apex_larc":
+        # Optional, where apex is built: LARC adapts every parameter (BN and bias too), unlike Lars.
+        from apex.parallel.LARC import LARC
+
+        return LARC(torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum),
+                    trust_coefficient=cfg.trust_coeff, clip=False)
+    return Lars(groups, lr=lr, momentum=cfg.momentum, trust_coeff=cfg.trust_coeff)
 
 
 def peak_lr(cfg: OptimConfig, global_batch: int) -> float:

@@ -2,10 +2,10 @@
 
 DDP fuses gradients into ~25 MB buckets and allreduces each bucket as soon as backward fills it, so
 its communication happens inside ``backward()`` and ``synchronize()`` has nothing left to wait for.
-A pass-through communication hook counts the buckets and bytes it sends.
+A pass-through communication hook counts the buckets and bytes it sends. (No postponed
+annotations in this file: DDP checks the hook's annotation at run time.)
 """
 
-from __future__ import annotations
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gradientflow_repro.comm.base import CommStats, Communicator, register
 
 
-def _counting_allreduce_hook(stats: CommStats, bucket: dist.GradBucket) -> torch.futures.Future:
+def _counting_allreduce_hook(stats: CommStats, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     buffer = bucket.buffer()
     stats.bytes += buffer.numel() * buffer.element_size()
     stats.collectives += 1

@@ -9,7 +9,7 @@ with the last batch padded by the reader and trimmed by the iterator, so no imag
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 from nvidia.dali import fn, pipeline_def, types
@@ -57,8 +57,7 @@ class DaliSource:
     def __init__(self, train: Listing, val: Listing, *, local_batch: int, global_batch: int,
                  rank: int, world_size: int, device: torch.device, seed: int, image_size: int,
                  val_resize: int, min_crop_scale: float, flip: bool, mean: list[float],
-                 std: list[float], num_threads: int, prefetch: int,
-                 val_labels: Optional[list[int]] = None) -> None:
+                 std: list[float], num_threads: int, prefetch: int) -> None:
         self.train, self.val = train, val
         self.num_train, self.num_val = len(train), len(val)
         self.steps_per_epoch = steps_per_epoch(len(train), global_batch)
@@ -69,12 +68,7 @@ class DaliSource:
                            device_id=self.device_id, prefetch_queue_depth=prefetch,
                            mean=list(mean), std=list(std), image_size=image_size, on_gpu=self.on_gpu)
         self.augment = dict(min_crop_scale=min_crop_scale, flip=flip)
-        val_pipe = val_pipeline(files=val.files, labels=val_labels or val.labels, shard_id=rank,
-                                num_shards=world_size, resize=val_resize, seed=seed, **self.common)
-        val_pipe.build()
-        self._val_iter = DALIGenericIterator(val_pipe, ["images", "labels"], reader_name=READER,
-                                             last_batch_policy=LastBatchPolicy.PARTIAL,
-                                             auto_reset=True)
+        self.val_resize = val_resize
 
     def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
         order = epoch_permutation(len(self.train), self.seed, epoch)
@@ -94,5 +88,13 @@ class DaliSource:
         del iterator, pipe
 
     def val_batches(self) -> Iterator[Batch]:
-        for output in self._val_iter:
+        # A fresh pipeline per pass: an evaluation cut short can never shift the next one.
+        pipe = val_pipeline(files=self.val.files, labels=self.val.labels, shard_id=self.rank,
+                            num_shards=self.world_size, resize=self.val_resize, seed=self.seed,
+                            **self.common)
+        pipe.build()
+        iterator = DALIGenericIterator(pipe, ["images", "labels"], reader_name=READER,
+                                       last_batch_policy=LastBatchPolicy.PARTIAL)
+        for output in iterator:
             yield _as_batch(output)
+        del iterator, pipe

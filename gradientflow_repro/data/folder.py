@@ -16,14 +16,19 @@ from gradientflow_repro.data.listing import Listing, epoch_permutation, shard_bo
 
 
 class _Files(Dataset):
-    def __init__(self, files: list[str], labels: list[int], transform: transforms.Compose) -> None:
-        self.files, self.labels, self.transform = files, labels, transform
+    """Each sample's augmentation is seeded by (``seed``, position), so batches do not depend on the
+    number of workers or on what ran before, and the trainer's own RNG is left untouched."""
+
+    def __init__(self, files: list[str], labels: list[int], transform: transforms.Compose,
+                 seed: int = 0) -> None:
+        self.files, self.labels, self.transform, self.seed = files, labels, transform, seed
 
     def __len__(self) -> int:
         return len(self.files)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        with Image.open(self.files[index]) as image:
+        with Image.open(self.files[index]) as image, torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed + index)
             return self.transform(image.convert("RGB")), self.labels[index]
 
 
@@ -55,10 +60,9 @@ class TorchvisionSource:
         start, _ = shard_bounds(len(order), self.rank, self.world_size)
         mine = order[start:start + self.steps_per_epoch * self.local_batch]
         dataset = _Files([self.train.files[i] for i in mine], [self.train.labels[i] for i in mine],
-                         self.train_transform)
-        generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch * 1_009 + self.rank)
-        loader = DataLoader(dataset, shuffle=False, drop_last=True, generator=generator,
-                            **self.loader_args)
+                         self.train_transform,
+                         seed=(self.seed * 100_003 + epoch * 1_009 + self.rank) * 1_000_003)
+        loader = DataLoader(dataset, shuffle=False, drop_last=True, **self.loader_args)
         for step, (images, labels) in enumerate(loader):
             if step >= skip:
                 yield images.to(self.device, non_blocking=True), labels.to(self.device)

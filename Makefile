@@ -1,0 +1,42 @@
+# gradientflow-repro: every target sets up what it needs on a fresh machine.
+#   make reproduce            train on the embedded digits data (4 gloo ranks on CPU)
+#   make reproduce DATA=/imagenet [EXPERIMENT=alexnet_512gpu NPROC=8]
+#   make test                 the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+NPROC ?= 4
+EXPERIMENT ?= digits_cpu
+DATA ?=
+ARGS ?=
+DIGITS := data/digits
+
+.PHONY: venv data reproduce test bench clean
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+$(DIGITS)/train: | $(STAMP)
+	$(PY) -m gradientflow_repro.data.digits $(DIGITS)
+
+data: $(DIGITS)/train
+
+reproduce: venv $(if $(DATA),,data)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) -m gradientflow_repro.train \
+	  +experiment=$(EXPERIMENT) $(if $(DATA),data=imagenet data.root=$(DATA)) $(ARGS)
+
+test: venv data
+	$(PY) -m pytest -ra $(ARGS)
+
+bench: venv data
+	$(PY) scripts/bench_loader.py
+
+clean:
+	rm -rf results/runs .pytest_cache

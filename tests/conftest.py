@@ -1,0 +1,57 @@
+"""Shared helpers: the embedded dataset, and launching real multi-process training with torchrun."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+
+@pytest.fixture(scope="session")
+def digits_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from gradientflow_repro.data.digits import build_digits
+
+    built = REPO / "data" / "digits"
+    if (built / "train").is_dir():
+        return built
+    return build_digits(tmp_path_factory.mktemp("data") / "digits")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# Small and quick: 1/8-width AlexNet-BN on the digits, no wandb.
+FAST = ["+experiment=digits_cpu", "model.width=0.125", "logger=jsonl", "logger.log_every=1",
+        "threads_per_rank=1", "dist_timeout_s=60"]
+
+
+def torchrun(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 240,
+             check: bool = True) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+               f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+               "-m", "gradientflow_repro.train", f"run_dir={run_dir}", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and result.returncode != 0:
+        raise AssertionError(f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
+                             f"{result.stderr[-6000:]}")
+    return result
+
+
+def final_params(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / f"final_params_rank{rank}.pt", weights_only=True)
+
+
+def requires_cuda(reason: str = "needs a CUDA GPU") -> pytest.MarkDecorator:
+    return pytest.mark.skipif(not torch.cuda.is_available(), reason=reason)
