@@ -57,6 +57,7 @@ class Trainer:
                                        cfg.epochs)
         self.precision = Precision(cfg.precision, device)
         self.criterion = nn.CrossEntropyLoss()
+        self.model.train()
         self.total_steps = cfg.epochs * self.data.steps_per_epoch
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
@@ -68,12 +69,12 @@ class Trainer:
         self.tracker = Tracker(self.run_dir, cfg.logger, enabled=world.is_main,
                                name=cfg.comm.strategy, group=cfg.logger.group or cfg.experiment,
                                config=OmegaConf.to_container(cfg, resolve=True), run_id=wandb_id)
+        self._last_log = (self.progress.step, self.train_s)  # for rates between progress lines
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> dict[str, Any]:
         p, steps_per_epoch = self.progress, self.data.steps_per_epoch
         self._log({"kind": "start", "resumed_from_step": p.step, "world_size": self.world.world_size})
-        self._last_log = (p.step, self.train_s)
         while p.step < self.total_steps and not p.reached_at:
             epoch = p.step // steps_per_epoch
             for images, labels in self.data.train_batches(epoch, skip=p.step % steps_per_epoch):
@@ -93,7 +94,6 @@ class Trainer:
         started = time.perf_counter()
         lr = self.schedule(self.progress.step)
         set_lr(self.optimizer, lr)
-        self.train_model.train()
         with self.precision.autocast():
             loss = self.criterion(self.train_model(images), labels)
         self.precision.backward(loss)
@@ -118,6 +118,7 @@ class Trainer:
             total += labels.numel()
         for buffer, saved in zip(self.model.buffers(), local_buffers):
             buffer.copy_(saved)
+        self.model.train()
         correct, total = all_reduce_scalars([correct, total], self.device)
         if int(total) != self.data.num_val:
             raise RuntimeError(f"evaluation saw {int(total)} images, the validation set has "
@@ -203,7 +204,6 @@ class Trainer:
         last_step, last_train_s = self._last_log
         steps = max(1, p.step - last_step)
         interval = max(1e-9, self.train_s - last_train_s)
-        self._last_log = (p.step, self.train_s)
         for key in p.comm_totals:
             p.comm_totals[key] += comm[key]
         images_per_s = steps * self.cfg.global_batch_size / interval

@@ -45,9 +45,8 @@ class Precision:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"]
                  if p.grad is not None]
         overflow = torch.zeros(1, device=self.device)
-        if grads:
-            norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
-            overflow = (~torch.isfinite(norms).all()).float().view(1)
+        if grads:  # one fused norm over all gradients: non-finite iff some element is
+            overflow = (~torch.isfinite(torch.nn.utils.get_total_norm(grads))).float().view(1)
         if dist.is_initialized():
             dist.all_reduce(overflow, op=dist.ReduceOp.MAX)
         if overflow.item() > 0:

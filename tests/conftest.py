@@ -55,3 +55,25 @@ def final_params(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:
 
 def requires_cuda(reason: str = "needs a CUDA GPU") -> pytest.MarkDecorator:
     return pytest.mark.skipif(not torch.cuda.is_available(), reason=reason)
+
+
+def _worker(rank: int, world: int, port: int, fn, args: tuple) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args) -> None:
+    """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; a failure in any rank fails."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True,
+                       start_method="spawn")

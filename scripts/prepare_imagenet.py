@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Check an ImageNet-layout folder, and arrange a flat validation set into class folders.
+
+    python scripts/prepare_imagenet.py /data/imagenet                  # check train/ and val/
+    python scripts/prepare_imagenet.py /data/imagenet --arrange-val LOC_val_solution.csv
+
+Checking prints the number of classes and images per split, the smallest and largest classes,
+classes present in one split only, and every file that cannot be decoded (by path); exit code 1 if
+any problem was found. The label file for --arrange-val is either the Kaggle CSV
+(``ImageId,PredictionString`` with the wnid first) or lines of ``<file name> <wnid>``; images are
+moved (same filesystem) into ``val/<wnid>/``. Nothing is moved unless every listed file exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+SUFFIXES = {".jpeg", ".jpg", ".png"}
+
+
+def decode_problem(path: str) -> str | None:
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            image.load()
+        return None
+    except Exception as error:  # noqa: BLE001 - every failure is reported by path
+        return f"{type(error).__name__}: {error}"
+
+
+def check_split(split_dir: Path, workers: int) -> tuple[Counter, list[tuple[str, str]]]:
+    counts: Counter = Counter()
+    files: list[str] = []
+    for class_dir in sorted(p for p in split_dir.iterdir() if p.is_dir()):
+        images = [str(p) for p in class_dir.iterdir() if p.suffix.lower() in SUFFIXES]
+        counts[class_dir.name] = len(images)
+        files += images
+    problems: list[tuple[str, str]] = []
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        for done, (path, problem) in enumerate(zip(files, pool.map(decode_problem, files, chunksize=256)), 1):
+            if problem:
+                problems.append((path, problem))
+            if done % 20000 == 0 or done == len(files):
+                print(f"  {split_dir.name}: checked {done}/{len(files)} files", file=sys.stderr, flush=True)
+    return counts, problems
+
+
+def read_val_labels(label_file: Path) -> dict[str, str]:
+    labels: dict[str, str] = {}
+    text = label_file.read_text()
+    if text.startswith("ImageId"):
+        for row in csv.DictReader(text.splitlines()):
+            labels[row["ImageId"]] = row["PredictionString"].split()[0]
+    else:
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                parts = line.split()
+                if len(parts) < 2:
+                    raise SystemExit(f"{label_file}:{number}: expected '<file name> <wnid>'")
+                labels[Path(parts[0]).stem] = parts[1]
+    return labels
+
+
+def arrange_val(val_dir: Path, label_file: Path) -> int:
+    labels = read_val_labels(label_file)
+    flat = {p.stem: p for p in val_dir.iterdir() if p.is_file() and p.suffix.lower() in SUFFIXES}
+    missing = sorted(set(labels) - set(flat))
+    unlabelled = sorted(set(flat) - set(labels))
+    if missing:
+        raise SystemExit(f"{len(missing)} labelled images are not in {val_dir}, e.g. {missing[:3]}")
+    for stem, wnid in labels.items():
+        (val_dir / wnid).mkdir(exist_ok=True)
+        os.replace(flat[stem], val_dir / wnid / flat[stem].name)
+    print(f"moved {len(labels)} images into {len(set(labels.values()))} class folders under {val_dir}")
+    if unlabelled:
+        print(f"warning: {len(unlabelled)} images have no label and stay in place, e.g. {unlabelled[:3]}")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("root", type=Path)
+    parser.add_argument("--arrange-val", type=Path, metavar="LABELS")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    if args.arrange_val:
+        return arrange_val(args.root / "val", args.arrange_val)
+    failed = False
+    classes = {}
+    for split in ("train", "val"):
+        split_dir = args.root / split
+        if not split_dir.is_dir():
+            print(f"{split_dir}: missing")
+            failed = True
+            continue
+        counts, problems = check_split(split_dir, args.workers)
+        classes[split] = set(counts)
+        empty = sorted(c for c, n in counts.items() if n == 0)
+        print(f"{split}: {len(counts)} classes, {sum(counts.values())} images")
+        if counts:
+            (small, n_small), (large, n_large) = min(counts.items(), key=lambda kv: kv[1]), max(counts.items(), key=lambda kv: kv[1])
+            print(f"  smallest class {small} ({n_small}), largest {large} ({n_large})")
+        for name in empty:
+            print(f"  empty class folder: {split_dir / name}")
+        for path, problem in problems:
+            print(f"  unreadable: {path}: {problem}")
+        failed |= bool(empty or problems or not counts)
+    if len(classes) == 2 and classes["train"] != classes["val"]:
+        print(f"classes differ between train and val: only in train {sorted(classes['train'] - classes['val'])[:5]}, "
+              f"only in val {sorted(classes['val'] - classes['train'])[:5]}")
+        failed = True
+    print("problems found" if failed else "ok")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
