@@ -67,8 +67,24 @@ class OptimConfig:
 
 @dataclass
 class CommConfig:
+    """``strategy`` names a preset (gradientflow_repro/comm/factory.py); a null knob takes the
+    preset's value, a set one overrides it, so each technique can be switched alone."""
+
     strategy: str = "allreduce"
-    bucket_cap_mb: float = 25.0  # ddp only
+    algorithm: Optional[str] = None  # builtin | ring | hierarchical
+    wire: Optional[str] = None  # fp32 | fp16
+    fusion: Optional[str] = None  # per_tensor | lazy | ddp
+    overlap: Optional[bool] = None  # lazy: send pool parts during backward
+    sparsity: Optional[str] = None  # dense | csc
+    bucket_mb: float = 32.0  # lazy-allreduce pool part (fusion threshold)
+    ddp_bucket_mb: float = 25.0
+    segment_kb: int = 1024  # ring: pipelining segment
+    ranks_per_node: Optional[int] = None  # hierarchical: default LOCAL_WORLD_SIZE
+    chunk_size: int = 32768  # csc: elements per chunk
+    density: float = 0.1  # csc: fraction of chunks sent
+    csc_warmup_epochs: float = 1.0  # csc: dense training before sparsifying
+    momentum_correction: bool = True
+    momentum_masking: bool = True
 
 
 @dataclass
@@ -131,14 +147,21 @@ def _fail(key: str, value: Any, allowed: str) -> None:
 
 def validate(cfg: Config | DictConfig, world_size: int) -> None:
     """Raise ConfigError naming the first bad key. Called before the process group starts."""
-    from gradientflow_repro.comm import STRATEGIES  # late: comm imports torch.distributed
+    from gradientflow_repro.comm import resolve  # late: comm imports torch.distributed
 
     if cfg.model.name not in MODEL_NAMES:
         _fail("model.name", cfg.model.name, f"allowed values are {', '.join(MODEL_NAMES)}")
     if cfg.model.width <= 0:
         _fail("model.width", cfg.model.width, "must be positive")
-    if cfg.comm.strategy not in STRATEGIES:
-        _fail("comm.strategy", cfg.comm.strategy, f"allowed values are {', '.join(sorted(STRATEGIES))}")
+    try:
+        knobs = resolve(OmegaConf.to_container(cfg.comm) if isinstance(cfg, DictConfig) else vars(cfg.comm))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if knobs["algorithm"] == "hierarchical" and cfg.comm.ranks_per_node and world_size % cfg.comm.ranks_per_node:
+        _fail("comm.ranks_per_node", cfg.comm.ranks_per_node, f"must divide the world size {world_size}")
+    for key in ("comm.bucket_mb", "comm.chunk_size", "comm.segment_kb"):
+        if _select(cfg, key) <= 0:
+            _fail(key, _select(cfg, key), "must be positive")
     if cfg.precision.dtype not in PRECISIONS:
         _fail("precision.dtype", cfg.precision.dtype, f"allowed values are {', '.join(PRECISIONS)}")
     if cfg.device not in DEVICES:
@@ -150,7 +173,7 @@ def validate(cfg: Config | DictConfig, world_size: int) -> None:
     for key in ("optim.base_lr", "optim.base_batch_size", "global_batch_size", "epochs",
                 "eval_every_epochs", "data.image_size", "data.num_classes", "data.num_threads",
                 "dist_timeout_s", "logger.log_every", "checkpoint.every_epochs", "checkpoint.keep"):
-        value = OmegaConf.select(cfg, key) if isinstance(cfg, DictConfig) else _select(cfg, key)
+        value = _select(cfg, key)
         if value is None or value <= 0:
             _fail(key, value, "must be positive")
     if cfg.optim.name not in OPTIMIZERS:

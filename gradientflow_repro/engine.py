@@ -49,10 +49,9 @@ class Trainer:
                                  cfg.model.width, cfg.model.dropout).to(device)
         self.data = build_data(cfg.data, global_batch=cfg.global_batch_size, rank=world.rank,
                                world_size=world.world_size, device=device, seed=cfg.seed)
-        comm_options = OmegaConf.to_container(cfg.comm)
-        self.comm = build_communicator(comm_options.pop("strategy"), device, **comm_options)
-        self.train_model = self.comm.attach(self.model)
         self.optimizer = build_optimizer(self.model, cfg.optim, cfg.global_batch_size)
+        self.comm = build_communicator(OmegaConf.to_container(cfg.comm), device)
+        self.train_model = self.comm.attach(self.model, self.optimizer)
         self.schedule = build_schedule(cfg.optim, cfg.global_batch_size, self.data.steps_per_epoch,
                                        cfg.epochs)
         self.precision = Precision(cfg.precision, device)
@@ -88,17 +87,19 @@ class Trainer:
                 if done_epochs % self.cfg.checkpoint.every_epochs == 0:
                     self.save()
         self.save()
+        self.comm.close()
         return self._finish()
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
         started = time.perf_counter()
         lr = self.schedule(self.progress.step)
         set_lr(self.optimizer, lr)
+        self.comm.begin_step(self.progress.step / self.data.steps_per_epoch, self.precision.loss_scale)
         with self.precision.autocast():
             loss = self.criterion(self.train_model(images), labels)
         self.precision.backward(loss)
         self.comm.synchronize()
-        self.precision.step(self.optimizer)
+        self.comm.end_step(applied=self.precision.step(self.optimizer))
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step += 1
         self._step_time += time.perf_counter() - started

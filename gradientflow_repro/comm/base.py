@@ -1,17 +1,24 @@
-"""The one interface through which the trainer reaches gradients, and the strategy registry.
+"""The one interface through which the trainer reaches gradients.
 
-A communicator is attached to the model once, then after every backward ``synchronize()`` leaves
-each ``p.grad`` holding the global mean over ranks. Per-rank state (residuals, velocities of sparse
-strategies) travels through ``state_dict``/``load_state_dict`` into each rank's checkpoint file.
-``stats`` counts, per step, the bytes handed to collectives, the collectives issued and the seconds
-the trainer waited in ``synchronize()``. Hydra's ``comm.strategy`` picks a class from ``STRATEGIES``.
+A communicator is attached once to the model (and its optimizer, which sparse communication must
+adjust); then every step the trainer calls ``begin_step`` before the forward pass and
+``synchronize`` after ``backward``, which leaves each ``p.grad`` holding the global mean over ranks
+(or, under sparse communication, the mean of what was sent this step). Strategies that work during
+backward do so from gradient hooks. Per-rank state (residuals, velocities) travels through
+``state_dict``/``load_state_dict`` into each rank's own checkpoint file. ``stats`` counts, per step,
+the bytes this rank put on the wire, the collectives it issued and the seconds the trainer waited
+in ``synchronize()``.
+
+Byte accounting: algorithms built here count the bytes they send. For builtin collectives
+(``dist.all_reduce``, DDP's buckets), whose internal algorithm the backend picks, the count is the
+ring-equivalent 2(N-1)/N of the payload, so all strategies are compared on the same footing.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import asdict, dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,9 +27,9 @@ from torch import nn
 
 @dataclass
 class CommStats:
-    bytes: int = 0  # payload handed to collectives by this rank
-    collectives: int = 0
-    wait_s: float = 0.0  # seconds spent inside synchronize()
+    bytes: int = 0  # bytes this rank sent (ring-equivalent for builtin collectives)
+    collectives: int = 0  # collective operations issued (a ring allreduce counts as one)
+    wait_s: float = 0.0  # seconds the trainer spent inside synchronize()
 
     def take(self) -> dict:
         """Return the counts since the last call and start new ones."""
@@ -31,26 +38,57 @@ class CommStats:
         return snapshot
 
 
+# An in-place SUM over ranks that records what it sent: builtin, ring, hierarchical, fp16-wrapped.
+SumFn = Callable[[torch.Tensor, CommStats], None]
+
+
+def ring_bytes(payload_bytes: int, world: int) -> int:
+    return 2 * (world - 1) * payload_bytes // world if world > 1 else 0
+
+
+def builtin_sum(group: Optional[dist.ProcessGroup] = None) -> SumFn:
+    """The backend's own allreduce (NCCL or gloo)."""
+    def sum_(tensor: torch.Tensor, stats: CommStats) -> None:
+        world = dist.get_world_size(group)
+        if world > 1:
+            dist.all_reduce(tensor, group=group)
+            stats.collectives += 1
+            stats.bytes += ring_bytes(tensor.numel() * tensor.element_size(), world)
+    return sum_
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 class Communicator(abc.ABC):
     name: str = "abstract"
 
-    def __init__(self, device: torch.device, **options: object) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.stats = CommStats()
 
-    def attach(self, model: nn.Module) -> nn.Module:
+    def attach(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> nn.Module:
         """Prepare for ``model``; returns the module to run forward on. Broadcasts rank 0's
         parameters and buffers so that every rank starts from the same weights."""
         if self.world_size > 1:
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor.data, src=0)
-        self.model = model
+        self.model, self.optimizer = model, optimizer
         return model
+
+    def begin_step(self, epoch: float, grad_scale: float = 1.0) -> None:
+        """Called before each forward pass: training progress in epochs, and the loss scale the
+        coming gradients will carry (fp16)."""
 
     @abc.abstractmethod
     def synchronize(self) -> None:
         """After backward: every parameter's ``grad`` becomes the mean over ranks."""
+
+    def end_step(self, applied: bool) -> None:
+        """After the optimizer decision: ``applied`` is False when the step was skipped on every
+        rank (non-finite gradients), so stateful strategies can discard what this step added."""
 
     def state_dict(self) -> dict:
         return {}
@@ -58,20 +96,5 @@ class Communicator(abc.ABC):
     def load_state_dict(self, state: dict) -> None:
         pass
 
-
-STRATEGIES: dict[str, type[Communicator]] = {}
-C = TypeVar("C", bound=type[Communicator])
-
-
-def register(name: str) -> Callable[[C], C]:
-    def wrap(cls: C) -> C:
-        cls.name = name
-        STRATEGIES[name] = cls
-        return cls
-    return wrap
-
-
-def build_communicator(strategy: str, device: torch.device, **options: object) -> Communicator:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown comm.strategy '{strategy}' (allowed: {', '.join(sorted(STRATEGIES))})")
-    return STRATEGIES[strategy](device, **options)
+    def close(self) -> None:
+        """Release threads and hooks."""

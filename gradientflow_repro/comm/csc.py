@@ -1,0 +1,180 @@
+"""Coarse-grained sparse communication (CSC) over the lazy-allreduce pool.
+
+Element-wise top-k sparsification (Deep Gradient Compression) needs an allgather of indices and
+values whose volume grows with the number of workers. GradientFlow sparsifies coarsely instead:
+1. each pool part of weight gradients is cut into chunks of ``chunk_size`` elements;
+2. each rank adds its new gradient to its residual (error feedback) and computes the L1 norm of
+   every chunk;
+3. the vector of chunk norms (one float per chunk: tiny) is allreduced, so every rank ranks the
+   chunks by the same global importance and picks the same top ``density`` fraction (ties broken
+   by chunk index, so the choice is deterministic);
+4. the chosen chunks are packed contiguously and allreduced densely by the chosen algorithm
+   (ring, fp16 wire ...): no indices travel, and the volume is ``density`` times the dense one;
+5. the chunks not chosen stay in the per-rank residual and are added to the next step, so no
+   gradient is ever dropped, only delayed.
+Momentum correction (DGC, Lin et al. 2018): while sparsifying, momentum is accumulated *before*
+sparsification, in a local velocity u <- m u + g whose sum v <- v + u is what gets chunked and sent;
+sent chunks of v (and, with momentum factor masking, of u) are cleared. The optimizer's own momentum
+is then set to 0 so momentum is not applied twice; it is restored during dense phases. One-
+dimensional tensors (BatchNorm, bias) are small and sensitive: they are always sent densely (with
+the same velocity while momentum correction is on). Training starts dense for ``warmup_epochs``
+(dense warm-up); with ``density`` 1 nothing is sparsified and this is exactly lazy allreduce.
+
+State per rank (residual v and velocity u per part) is saved in that rank's checkpoint. Updates to
+it are staged and committed by ``end_step``: a step skipped on every rank (fp16 overflow) leaves the
+state as it was. Residuals are kept in unscaled units (the fp16 loss scale is divided out on the way
+in and multiplied back on the way out), so a changing loss scale never corrupts them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from gradientflow_repro.comm.base import SumFn, builtin_sum
+from gradientflow_repro.comm.lazy import Bucket, LazyAllreduce
+
+
+def chunk_l1_norms(flat: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    full = flat.numel() // chunk_size
+    norms = [flat[:full * chunk_size].view(full, chunk_size).abs().sum(1, dtype=torch.float32)]
+    if flat.numel() % chunk_size:
+        norms.append(flat[full * chunk_size:].abs().sum(dtype=torch.float32).view(1))
+    return torch.cat(norms)
+
+
+def select_chunks(global_norms: torch.Tensor, density: float) -> torch.Tensor:
+    """Indices (ascending) of the ``ceil(density * n)`` largest norms; ties go to the lower index."""
+    count = min(global_norms.numel(), max(1, math.ceil(density * global_norms.numel())))
+    order = torch.sort(global_norms, descending=True, stable=True).indices[:count]
+    return order.sort().values
+
+
+def chunk_spans(indices: torch.Tensor, chunk_size: int, numel: int) -> list[tuple[int, int]]:
+    return [(i * chunk_size, min((i + 1) * chunk_size, numel)) for i in indices.tolist()]
+
+
+class CSCCommunicator(LazyAllreduce):
+    def __init__(self, device: torch.device, sum_fn: SumFn, bucket_bytes: int, overlap: bool,
+                 chunk_size: int, density: float, warmup_epochs: float,
+                 momentum_correction: bool = True, momentum_masking: bool = True) -> None:
+        super().__init__(device, sum_fn, bucket_bytes, overlap)
+        if not 0 < density <= 1:
+            raise ValueError(f"config key 'comm.density' = {density}: must be in (0, 1]")
+        self.chunk_size, self.density, self.warmup_epochs = chunk_size, density, warmup_epochs
+        self.momentum_correction, self.momentum_masking = momentum_correction, momentum_masking
+        self.norm_sum = builtin_sum()
+        self.sparse_now = False
+        self.grad_scale = 1.0
+        self.residual: dict[int, torch.Tensor] = {}
+        self.velocity: dict[int, torch.Tensor] = {}
+        self._staged: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+        self.last_selection: dict[int, torch.Tensor] = {}  # part index -> chunks sent (for tests)
+        self._optimizer_momentum: Optional[list[float]] = None
+
+    def layout(self, params: list[nn.Parameter]) -> list[Bucket]:
+        return (self.pack([p for p in params if p.ndim > 1], dense=False)
+                + self.pack([p for p in params if p.ndim <= 1], dense=True))
+
+    def attach(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> nn.Module:
+        super().attach(model, optimizer)
+        for index, bucket in enumerate(self.buckets):
+            if not bucket.dense:
+                self.residual[index] = torch.zeros_like(bucket.flat)
+            self.velocity[index] = torch.zeros_like(bucket.flat)
+        return model
+
+    @property
+    def uses_velocity(self) -> bool:
+        return self.momentum_correction and self.sparse_now
+
+    def begin_step(self, epoch: float, grad_scale: float = 1.0) -> None:
+        self.grad_scale = grad_scale
+        self.sparse_now = epoch >= self.warmup_epochs and self.density < 1
+        self._hand_momentum_to_optimizer(not self.uses_velocity)
+
+    def _hand_momentum_to_optimizer(self, optimizer_owns: bool) -> None:
+        if self.optimizer is None or not self.momentum_correction:
+            return
+        groups = self.optimizer.param_groups
+        if not optimizer_owns and self._optimizer_momentum is None:
+            self._optimizer_momentum = [group.get("momentum", 0.0) for group in groups]
+            for group in groups:
+                group["momentum"] = 0.0
+        elif optimizer_owns and self._optimizer_momentum is not None:
+            for group, momentum in zip(groups, self._optimizer_momentum):
+                group["momentum"] = momentum
+            self._optimizer_momentum = None
+
+    def momentum(self) -> float:
+        if self._optimizer_momentum is not None:
+            return self._optimizer_momentum[0]
+        return self.optimizer.param_groups[0].get("momentum", 0.0) if self.optimizer else 0.0
+
+    def reduce_bucket(self, bucket: Bucket) -> None:
+        index = bucket.index
+        if not self.sparse_now:
+            super().reduce_bucket(bucket)
+            return
+        gradient = bucket.flat / self.grad_scale
+        velocity = None
+        if self.uses_velocity:
+            velocity = self.velocity[index] * self.momentum() + gradient
+            gradient = velocity
+        if bucket.dense:
+            bucket.flat.copy_(gradient * self.grad_scale)
+            super().reduce_bucket(bucket)
+            self._staged[index] = (None, velocity)
+            return
+        accumulated = self.residual[index] + gradient
+        norms = chunk_l1_norms(accumulated, self.chunk_size)
+        self.norm_sum(norms, self.stats)  # every rank now ranks chunks by the same global norms
+        chosen = select_chunks(norms, self.density)
+        spans = chunk_spans(chosen, self.chunk_size, accumulated.numel())
+        packed = torch.cat([accumulated[lo:hi] for lo, hi in spans])
+        self.sum_fn(packed, self.stats)
+        bucket.flat.zero_()
+        position = 0
+        for lo, hi in spans:
+            bucket.flat[lo:hi] = packed[position:position + hi - lo] * self.grad_scale
+            accumulated[lo:hi] = 0.0
+            if velocity is not None and self.momentum_masking:
+                velocity[lo:hi] = 0.0
+            position += hi - lo
+        self._staged[index] = (accumulated, velocity)
+        self.last_selection[index] = chosen
+
+    def end_step(self, applied: bool) -> None:
+        if applied:
+            for index, (residual, velocity) in self._staged.items():
+                if residual is not None:
+                    self.residual[index] = residual
+                if velocity is not None:
+                    self.velocity[index] = velocity
+        self._staged = {}
+
+    def state_dict(self) -> dict:
+        return {"residual": {i: t.cpu() for i, t in self.residual.items()},
+                "velocity": {i: t.cpu() for i, t in self.velocity.items()},
+                "optimizer_momentum": self._optimizer_momentum,
+                "layout": [b.flat.numel() for b in self.buckets]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state:
+            return
+        if state["layout"] != [b.flat.numel() for b in self.buckets]:
+            raise ValueError("csc state was saved with another pool layout (model or comm.bucket_mb "
+                             "changed); it cannot be restored")
+        for index, tensor in state["residual"].items():
+            self.residual[int(index)].copy_(tensor)
+        for index, tensor in state["velocity"].items():
+            self.velocity[int(index)].copy_(tensor)
+        self._optimizer_momentum = state["optimizer_momentum"]
+
+    def residual_sum(self) -> torch.Tensor:
+        """Everything this rank holds back, in layout order (for the no-loss check)."""
+        return torch.cat([self.residual[i] for i in sorted(self.residual)]) if self.residual \
+            else torch.zeros(0)

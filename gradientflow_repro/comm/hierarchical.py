@@ -1,0 +1,53 @@
+"""Hierarchical allreduce: reduce inside each node, ring among node leaders, broadcast back.
+
+On a cluster the links inside a node (NVLink, PCIe) are far faster than those between nodes. Only
+one rank per node (its leader, the lowest rank) takes part in the inter-node ring, so the slow
+network carries 2(M-1)/M of the tensor for M nodes instead of for N = M * G ranks, and each message
+is G times larger, which amortises per-message latency. Nodes are consecutive blocks of
+``ranks_per_node`` global ranks (torchrun and Slurm number ranks node by node); on one machine any
+block size can be chosen, which is how the tests emulate several nodes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from gradientflow_repro.comm.base import CommStats
+from gradientflow_repro.comm.ring import DEFAULT_SEGMENT_BYTES, ring_allreduce_
+
+
+class HierarchicalSum:
+    """An in-place SUM over all ranks (a ``SumFn``). Creating it is collective: every rank must
+    construct it, in the same order relative to other process groups."""
+
+    def __init__(self, ranks_per_node: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if ranks_per_node < 1 or world % ranks_per_node:
+            raise ValueError(f"config key 'comm.ranks_per_node' = {ranks_per_node}: must divide the "
+                             f"world size {world}")
+        self.ranks_per_node, self.segment_bytes = ranks_per_node, segment_bytes
+        self.nodes = world // ranks_per_node
+        self.leader = rank - rank % ranks_per_node
+        self.node_group = self.leader_group = None
+        for node in range(self.nodes):  # new_group is collective: every rank creates every group
+            members = list(range(node * ranks_per_node, (node + 1) * ranks_per_node))
+            group = dist.new_group(members)
+            if rank in members:
+                self.node_group = group
+        leaders_group = dist.new_group([node * ranks_per_node for node in range(self.nodes)])
+        if rank == self.leader:
+            self.leader_group = leaders_group
+        self.is_leader = rank == self.leader
+
+    def __call__(self, tensor: torch.Tensor, stats: CommStats) -> None:
+        payload = tensor.numel() * tensor.element_size()
+        if self.ranks_per_node > 1:
+            dist.reduce(tensor, dst=self.leader, group=self.node_group)
+            stats.bytes += 0 if self.is_leader else payload
+        if self.is_leader and self.nodes > 1:
+            stats.bytes += ring_allreduce_(tensor, self.leader_group, self.segment_bytes)
+        if self.ranks_per_node > 1:
+            dist.broadcast(tensor, src=self.leader, group=self.node_group)
+            stats.bytes += payload * (self.ranks_per_node - 1) if self.is_leader else 0
+        stats.collectives += 1

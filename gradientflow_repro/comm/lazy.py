@@ -1,0 +1,176 @@
+"""Lazy allreduce: gradients gathered in a memory pool, one fused allreduce per full pool part,
+overlapped with the rest of backward.
+
+Per-tensor allreduce pays a network latency for every tensor and sends small messages that do not
+fill the link. GradientFlow instead lets backward write each gradient, as soon as autograd has
+finished it, into a contiguous memory pool, and "lazily" allreduces a part of the pool once it holds
+at least ``bucket_bytes`` (the paper's fusion threshold; the idea of Horovod's tensor fusion and of
+DDP's buckets). While that part travels on a communication thread, backward keeps computing the
+gradients of earlier layers: computation/communication overlap. ``synchronize()`` sends what is
+left and waits.
+
+The pool's layout is fixed at ``attach`` from the parameter order (reversed, since backward meets
+the last layers first) and is the same on every rank; parts are sent strictly in layout order, so
+every rank issues the same collectives in the same order whatever order its hooks fire in. A part
+holding a parameter that got no gradient this step (unused branch) is completed with zeros at
+``synchronize()``. Under ``accumulating()`` (micro-batches of gradient accumulation) hooks do
+nothing, and the last micro-batch's hooks copy the accumulated gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from gradientflow_repro.comm.base import Communicator, SumFn, trainable
+
+
+@dataclass(eq=False)
+class Bucket:
+    params: list[nn.Parameter]
+    offsets: list[int]
+    flat: torch.Tensor  # the pool part: gradients of ``params`` laid end to end (fp32)
+    dense: bool = True  # csc: False for parts that may be sparsified
+    index: int = -1  # position in the layout (the order parts are sent in)
+    seen: list[bool] = field(default_factory=list)
+
+    @property
+    def full(self) -> bool:
+        return all(self.seen)
+
+
+class LazyAllreduce(Communicator):
+    def __init__(self, device: torch.device, sum_fn: SumFn, bucket_bytes: int, overlap: bool) -> None:
+        super().__init__(device)
+        self.sum_fn, self.bucket_bytes, self.overlap = sum_fn, bucket_bytes, overlap
+        self.buckets: list[Bucket] = []
+        self._slot: dict[nn.Parameter, tuple[int, int]] = {}  # parameter -> (bucket, position)
+        self._hooks: list = []
+        self._futures: list[Future] = []
+        self._next_launch = 0
+        self._accumulating = False
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    # ------------------------------------------------------------------ layout
+    def attach(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> nn.Module:
+        super().attach(model, optimizer)
+        self.buckets = self.layout(trainable(model)[::-1])
+        for index, bucket in enumerate(self.buckets):
+            bucket.index = index
+            for position, param in enumerate(bucket.params):
+                self._slot[param] = (index, position)
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
+        if self.overlap:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradientflow-comm")
+        return model
+
+    def layout(self, params: list[nn.Parameter]) -> list[Bucket]:
+        return self.pack(params, dense=True)
+
+    def pack(self, params: list[nn.Parameter], dense: bool) -> list[Bucket]:
+        """Consecutive parameters into parts of at least ``bucket_bytes`` (the last may be smaller)."""
+        buckets, current, size = [], [], 0
+        for param in params:
+            current.append(param)
+            size += param.numel() * 4
+            if size >= self.bucket_bytes:
+                buckets.append(self._bucket(current, dense))
+                current, size = [], 0
+        if current:
+            buckets.append(self._bucket(current, dense))
+        return buckets
+
+    def _bucket(self, params: list[nn.Parameter], dense: bool) -> Bucket:
+        offsets, total = [], 0
+        for param in params:
+            offsets.append(total)
+            total += param.numel()
+        return Bucket(params, offsets, torch.zeros(total, dtype=torch.float32, device=self.device),
+                      dense=dense, seen=[False] * len(params))
+
+    # ------------------------------------------------------------------ during backward
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Backward passes inside accumulate into ``p.grad`` without communicating."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if self._accumulating:
+            return
+        index, position = self._slot[param]
+        bucket = self.buckets[index]
+        offset = bucket.offsets[position]
+        bucket.flat[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        bucket.seen[position] = True
+        self._launch_full_buckets()
+
+    def _launch_full_buckets(self) -> None:
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].full:
+            if self._executor is not None:
+                ready = None
+                if self._stream is not None:  # the copy into the pool must land before sending
+                    ready = torch.cuda.Event()
+                    ready.record()
+                self._futures.append(self._executor.submit(self._reduce_on_stream, self._next_launch, ready))
+            self._next_launch += 1
+
+    def _reduce_on_stream(self, index: int, ready: Optional[torch.cuda.Event]) -> None:
+        if self._stream is None:
+            self.reduce_bucket(self.buckets[index])
+            return
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            self.reduce_bucket(self.buckets[index])
+
+    def reduce_bucket(self, bucket: Bucket) -> None:
+        """Sum one pool part over ranks, in place (overridden by sparse communication)."""
+        self.sum_fn(bucket.flat, self.stats)
+
+    # ------------------------------------------------------------------ after backward
+    def synchronize(self) -> None:
+        started = time.perf_counter()
+        for bucket in self.buckets:
+            for position, param in enumerate(bucket.params):
+                if not bucket.seen[position]:  # no hook fired: unused parameter (or hooks bypassed)
+                    view = bucket.flat[bucket.offsets[position]:bucket.offsets[position] + param.numel()]
+                    view.copy_(param.grad.reshape(-1)) if param.grad is not None else view.zero_()
+                    bucket.seen[position] = True
+        already_launched = self._next_launch
+        self._launch_full_buckets()
+        if self._executor is None:
+            for bucket in self.buckets[already_launched:]:
+                self.reduce_bucket(bucket)
+        for future in self._futures:
+            future.result()  # re-raises a failure of the communication thread here
+        if self._stream is not None:
+            torch.cuda.current_stream().wait_stream(self._stream)
+        for bucket in self.buckets:
+            bucket.flat.div_(self.world_size)
+            for param, offset in zip(bucket.params, bucket.offsets):
+                mean = bucket.flat[offset:offset + param.numel()].view_as(param)
+                if param.grad is None:
+                    param.grad = mean.clone()
+                else:
+                    param.grad.copy_(mean)
+            bucket.seen = [False] * len(bucket.params)
+        self._futures, self._next_launch = [], 0
+        self.stats.wait_s += time.perf_counter() - started
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
