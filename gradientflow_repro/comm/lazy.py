@@ -113,16 +113,17 @@ class LazyAllreduce(Communicator):
         offset = bucket.offsets[position]
         bucket.flat[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
         bucket.seen[position] = True
-        self._launch_full_buckets()
+        if self._executor is not None:
+            self._launch_full_buckets()
 
     def _launch_full_buckets(self) -> None:
+        """Hand full parts to the communication thread, strictly in layout order."""
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].full:
-            if self._executor is not None:
-                ready = None
-                if self._stream is not None:  # the copy into the pool must land before sending
-                    ready = torch.cuda.Event()
-                    ready.record()
-                self._futures.append(self._executor.submit(self._reduce_on_stream, self._next_launch, ready))
+            ready = None
+            if self._stream is not None:  # the copy into the pool must land before sending
+                ready = torch.cuda.Event()
+                ready.record()
+            self._futures.append(self._executor.submit(self._reduce_on_stream, self._next_launch, ready))
             self._next_launch += 1
 
     def _reduce_on_stream(self, index: int, ready: Optional[torch.cuda.Event]) -> None:
@@ -146,10 +147,10 @@ class LazyAllreduce(Communicator):
                     view = bucket.flat[bucket.offsets[position]:bucket.offsets[position] + param.numel()]
                     view.copy_(param.grad.reshape(-1)) if param.grad is not None else view.zero_()
                     bucket.seen[position] = True
-        already_launched = self._next_launch
-        self._launch_full_buckets()
-        if self._executor is None:
-            for bucket in self.buckets[already_launched:]:
+        if self._executor is not None:
+            self._launch_full_buckets()
+        else:  # no overlap: everything is sent now, after backward
+            for bucket in self.buckets:
                 self.reduce_bucket(bucket)
         for future in self._futures:
             future.result()  # re-raises a failure of the communication thread here

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Bus bandwidth of builtin allreduce, ring and hierarchical -> results/allreduce.md and .csv
+
+For each world size, one set of processes measures every message size with the three algorithms
+side by side (interleaved per size), so ratios are not skewed by drift. Bus bandwidth follows
+nccl-tests: algbw = bytes / time, busbw = algbw * 2(N-1)/N (what each link carries for a
+bandwidth-optimal allreduce). Hierarchical treats blocks of ``--ranks-per-node`` ranks as nodes.
+
+    python scripts/bench_allreduce.py [--worlds 2 4] [--max-mb 256] [--backend gloo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from gradientflow_repro.comm.base import CommStats  # noqa: E402
+from gradientflow_repro.comm.hierarchical import HierarchicalSum  # noqa: E402
+from gradientflow_repro.comm.ring import ring_allreduce_  # noqa: E402
+from gradientflow_repro.tracking import environment_facts  # noqa: E402
+
+
+def sizes(max_mb: int) -> list[int]:
+    out, size = [], 4 * 1024
+    while size <= max_mb * 2**20:
+        out.append(size)
+        size *= 4
+    return out
+
+
+def _time(fn, tensor: torch.Tensor, budget_s: float, device: torch.device) -> float:
+    """Median seconds of one call: at least 3 timed calls, more while under ``budget_s``."""
+    fn(tensor)  # warm-up
+    times: list[float] = []
+    while len(times) < 3 or (sum(times) < budget_s and len(times) < 50):
+        flag = torch.zeros(1, device=device)
+        dist.all_reduce(flag)  # start together
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        fn(tensor)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = torch.tensor([time.perf_counter() - started], device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the collective ends when the last rank ends
+        times.append(elapsed.item())
+    return statistics.median(times)
+
+
+def _worker(rank: int, world: int, port: int, backend: str, max_mb: int, per_node: int,
+            out: str, budget_s: float) -> None:
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    hierarchical = HierarchicalSum(per_node if world % per_node == 0 else 1)
+    algorithms = {"builtin": lambda t: dist.all_reduce(t), "ring": ring_allreduce_,
+                  "hierarchical": lambda t: hierarchical(t, CommStats())}
+    rows = []
+    for size in sizes(max_mb):
+        tensor = torch.ones(size // 4, device=device)
+        for name, fn in algorithms.items():
+            seconds = _time(fn, tensor, budget_s, device)
+            busbw = size / seconds * 2 * (world - 1) / world / 1e9
+            rows.append({"world": world, "bytes": size, "algorithm": name, "seconds": seconds,
+                         "busbw_GBps": busbw})
+            if rank == 0:
+                print(f"world {world} {size / 2**20:9.3f} MiB {name:12s} {seconds * 1e3:9.2f} ms "
+                      f"busbw {busbw:7.3f} GB/s", flush=True)
+        del tensor
+    if rank == 0:
+        torch.save(rows, Path(out) / f"world{world}.pt")
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--max-mb", type=int, default=256)
+    parser.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo")
+    parser.add_argument("--ranks-per-node", type=int, default=2)
+    parser.add_argument("--budget-s", type=float, default=1.0, help="timing budget per point")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "allreduce")
+    args = parser.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for world in args.worlds:
+        mp.start_processes(_worker, args=(world, free_port(), args.backend, args.max_mb,
+                                          args.ranks_per_node, str(args.out.parent), args.budget_s),
+                           nprocs=world, join=True, start_method="spawn")
+        rows += torch.load(args.out.parent / f"world{world}.pt")
+        os.remove(args.out.parent / f"world{world}.pt")
+    with open(args.out.with_suffix(".csv"), "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    facts = environment_facts()
+    machine = facts["gpu"] or f"{facts['cpu']}, {facts['cpu_count']} cores"
+    command = "python scripts/bench_allreduce.py " + " ".join(sys.argv[1:])
+    lines = ["# Allreduce bus bandwidth: builtin vs ring vs hierarchical", "",
+             f"Machine: {machine}; backend {args.backend}, all ranks on this one machine "
+             f"(hierarchical: blocks of {args.ranks_per_node} ranks as nodes). torch {facts['torch']}, "
+             f"commit {facts['git_commit']}.", f"Command: `{command}`. Median time per call, measured "
+             "side by side (interleaved per size); busbw = bytes/time * 2(N-1)/N (nccl-tests).", ""]
+    for world in args.worlds:
+        lines += [f"## World size {world}", "",
+                  "| size | builtin GB/s | ring GB/s | hierarchical GB/s | ring / builtin |",
+                  "|---|---|---|---|---|"]
+        for size in sizes(args.max_mb):
+            point = {r["algorithm"]: r for r in rows if r["world"] == world and r["bytes"] == size}
+            ratio = point["ring"]["busbw_GBps"] / point["builtin"]["busbw_GBps"]
+            label = f"{size // 1024} KiB" if size < 2**20 else f"{size // 2**20} MiB"
+            lines.append(f"| {label} | {point['builtin']['busbw_GBps']:.3f} | {point['ring']['busbw_GBps']:.3f} "
+                         f"| {point['hierarchical']['busbw_GBps']:.3f} | {ratio:.2f}x |")
+        big = [r for r in rows if r["world"] == world and r["bytes"] >= 4 * 2**20]
+        worst = min((next(x for x in big if x["bytes"] == r["bytes"] and x["algorithm"] == "ring")["busbw_GBps"]
+                     / r["busbw_GBps"]) for r in big if r["algorithm"] == "builtin")
+        lines += ["", f"Goal (ring at least 0.9x builtin from 4 MiB up): worst ratio {worst:.2f}x: "
+                  f"{'met' if worst >= 0.9 else 'NOT met'}.", ""]
+    args.out.with_suffix(".md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

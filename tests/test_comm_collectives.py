@@ -1,0 +1,153 @@
+"""Ring, hierarchical, fp16 wire and the lazy pool against torch.distributed.all_reduce, in real
+gloo processes (world sizes 2, 3, 4), on odd sizes and on fp32, bf16 and fp16."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conftest import spawn
+from gradientflow_repro.comm.base import CommStats, builtin_sum
+from gradientflow_repro.comm.compression import Fp16Wire
+from gradientflow_repro.comm.hierarchical import HierarchicalSum
+from gradientflow_repro.comm.lazy import LazyAllreduce
+from gradientflow_repro.comm.ring import ring_allreduce_, ring_sum
+
+SIZES = [1, 7, 4099, 1_000_003]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOLERANCE = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
+
+
+def _local(size: int, dtype: torch.dtype, rank: int, salt: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * rank + size + salt)
+    return torch.randn(size, generator=generator).to(dtype)
+
+
+def _algorithms(rank: int, world: int, out: str) -> None:
+    per_node = 2 if world % 2 == 0 else 1  # world 4: two emulated nodes of two ranks
+    hierarchical = HierarchicalSum(per_node, segment_bytes=4096)
+    failures = []
+    for size in SIZES:
+        for dtype in DTYPES:
+            reference = _local(size, dtype, rank)
+            dist.all_reduce(reference)
+            for name, run in (("ring", lambda t: ring_allreduce_(t, segment_bytes=4096)),
+                              ("hierarchical", lambda t: hierarchical(t, CommStats()))):
+                mine = _local(size, dtype, rank)
+                run(mine)
+                rtol, atol = TOLERANCE[dtype]
+                if not torch.allclose(mine.float(), reference.float(), rtol=rtol, atol=atol * world):
+                    failures.append(f"{name} size {size} {dtype}: max error "
+                                    f"{(mine.float() - reference.float()).abs().max():.3g}")
+    # a ring allreduce sends exactly 2(N-1)/N of the tensor
+    sent = ring_allreduce_(torch.ones(4099 * world))
+    if sent != 2 * (world - 1) * 4099 * 4:
+        failures.append(f"ring sent {sent} bytes")
+    # fp16 wire around the ring stays within half precision of the fp32 sum
+    stats = CommStats()
+    reference = _local(4099, torch.float32, rank, salt=1)
+    dist.all_reduce(reference)
+    mine = _local(4099, torch.float32, rank, salt=1)
+    # half precision: every rounding (one per hop) errs by at most 2^-11 of |partial sum| <= N * max
+    bound = world * world * 2.0 ** -11 * mine.abs().max().item()
+    Fp16Wire(ring_sum(), world)(mine, stats)
+    if not torch.allclose(mine, reference, rtol=0, atol=bound) or mine.dtype != torch.float32:
+        failures.append(f"fp16 wire: max error {(mine - reference).abs().max():.3g}")
+    if stats.bytes > 2 * (world - 1) * 4099 * 2 // world * 1.01 + 64:
+        failures.append(f"fp16 wire sent {stats.bytes} bytes: not half of fp32")
+    # gradients far below fp16's smallest number survive thanks to the agreed power-of-two scale
+    tiny = _local(4099, torch.float32, rank, salt=2) * 1e-9
+    tiny_reference = tiny.clone()
+    dist.all_reduce(tiny_reference)
+    bound = world * world * 2.0 ** -11 * tiny.abs().max().item()
+    Fp16Wire(builtin_sum(), world)(tiny, CommStats())
+    if not torch.allclose(tiny, tiny_reference, rtol=0, atol=bound) or not tiny.abs().sum() > 0:
+        failures.append("fp16 wire flushed tiny gradients")
+    # an inf on one rank reaches every rank (so the step is skipped everywhere), never clamped
+    poisoned = torch.ones(10)
+    if rank == 0:
+        poisoned[3] = float("inf")
+    Fp16Wire(ring_sum(), world)(poisoned, CommStats())
+    if torch.isfinite(poisoned).all():
+        failures.append("fp16 wire hid an inf")
+    torch.save(failures, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_hierarchical_fp16_wire_match_builtin_allreduce(world: int, tmp_path: Path) -> None:
+    spawn(_algorithms, world, str(tmp_path))
+    for rank in range(world):
+        assert torch.load(tmp_path / f"rank{rank}.pt") == [], f"rank {rank}"
+
+
+class Leaves(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensors = nn.ParameterList([nn.Parameter(torch.zeros(n)) for n in SIZES])
+        self.unused = nn.Parameter(torch.zeros(5))
+
+
+def _lazy_pool(rank: int, world: int, out: str, overlap: bool) -> None:
+    model = Leaves()
+    pool = LazyAllreduce(torch.device("cpu"), ring_sum(segment_bytes=8192), bucket_bytes=16 * 1024,
+                         overlap=overlap)
+    pool.attach(model)
+    failures = []
+    for step in range(3):
+        weights = [_local(p.numel(), torch.float32, rank, salt=step) for p in model.tensors]
+        # hooks fire in a rank-dependent order: the pool must still send parts in one order
+        order = torch.randperm(len(weights), generator=torch.Generator().manual_seed(rank + 10 * step))
+        loss = sum((model.tensors[i] * weights[i]).sum() for i in order.tolist())
+        if rank == 0 and step == 1:  # a parameter used on one rank only, in one step
+            loss = loss + model.unused.sum()
+        loss.backward()
+        pool.synchronize()
+        for param, local in zip(model.tensors, weights):
+            dist.all_reduce(local)
+            if not torch.allclose(param.grad, local / world, rtol=1e-5, atol=1e-6):
+                failures.append(f"step {step}: size {param.numel()} differs")
+        expected_unused = (1.0 / world) if step == 1 else 0.0
+        if model.unused.grad is None or not torch.allclose(model.unused.grad, torch.full((5,), expected_unused)):
+            failures.append(f"step {step}: unused parameter got {model.unused.grad}")
+        model.zero_grad(set_to_none=True)
+    if len(pool.buckets) < 3:
+        failures.append(f"only {len(pool.buckets)} pool parts: the threshold was not applied")
+    pool.close()
+    torch.save(failures, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_lazy_pool_matches_allreduce_average(world: int, overlap: bool, tmp_path: Path) -> None:
+    spawn(_lazy_pool, world, str(tmp_path), overlap)
+    for rank in range(world):
+        assert torch.load(tmp_path / f"rank{rank}.pt") == [], f"rank {rank}"
+
+
+def _accumulation(rank: int, world: int, out: str) -> None:
+    model = nn.Linear(3, 2)
+    pool = LazyAllreduce(torch.device("cpu"), builtin_sum(), bucket_bytes=1 << 20, overlap=True)
+    pool.attach(model)
+    batches = [torch.randn(4, 3, generator=torch.Generator().manual_seed(rank * 7 + i)) for i in range(3)]
+    with pool.accumulating():
+        for batch in batches[:2]:
+            model(batch).sum().backward()
+    model(batches[2]).sum().backward()
+    pool.synchronize()
+    reference = nn.Linear(3, 2)
+    reference.load_state_dict(model.state_dict())
+    reference(torch.cat(batches)).sum().backward()
+    expected = reference.weight.grad.clone()
+    dist.all_reduce(expected)
+    ok = torch.allclose(model.weight.grad, expected / world, rtol=1e-5, atol=1e-6)
+    pool.close()
+    torch.save(ok, Path(out) / f"rank{rank}.pt")
+
+
+def test_lazy_pool_gradient_accumulation(tmp_path: Path) -> None:
+    spawn(_accumulation, 2, str(tmp_path))
+    assert all(torch.load(tmp_path / f"rank{r}.pt") for r in range(2))

@@ -1,0 +1,185 @@
+"""Coarse-grained sparse communication in real gloo processes: same choice on every rank, density 1
+equals dense, nothing lost (sent + residuals = all gradients), exact restore from a checkpoint,
+a skipped step leaves the state untouched."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conftest import spawn
+from gradientflow_repro.comm.base import builtin_sum
+from gradientflow_repro.comm.csc import CSCCommunicator, chunk_l1_norms, select_chunks
+from gradientflow_repro.comm.lazy import LazyAllreduce
+from gradientflow_repro.comm.ring import ring_sum
+
+CPU = torch.device("cpu")
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(37, 53)  # 1961 + 53
+        self.b = nn.Linear(53, 11)  # 583 + 11
+        self.norm = nn.BatchNorm1d(11)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.b(torch.relu(self.a(x))))
+
+
+def csc(density: float, momentum_correction: bool = False, overlap: bool = True) -> CSCCommunicator:
+    return CSCCommunicator(CPU, ring_sum(segment_bytes=1024), bucket_bytes=4096, overlap=overlap,
+                           chunk_size=100, density=density, warmup_epochs=0.0,
+                           momentum_correction=momentum_correction)
+
+
+def backward(model: nn.Module, rank: int, step: int) -> None:
+    x = torch.randn(8, 37, generator=torch.Generator().manual_seed(rank * 100 + step))
+    model(x).pow(2).mean().backward()
+
+
+def test_chunk_norms_and_deterministic_selection() -> None:
+    flat = torch.tensor([1.0, -1.0, 3.0, 0.5, -0.5, 2.0, 2.0])
+    assert chunk_l1_norms(flat, 2).tolist() == [2.0, 3.5, 2.5, 2.0]
+    assert select_chunks(torch.tensor([2.0, 3.5, 2.5, 2.0]), 0.5).tolist() == [1, 2]
+    assert select_chunks(torch.tensor([1.0, 5.0, 1.0, 1.0]), 0.5).tolist() == [0, 1]  # tie: lower index
+    assert select_chunks(torch.tensor([1.0, 2.0, 3.0]), 0.01).tolist() == [2]  # at least one chunk
+
+
+def _same_selection_and_no_loss(rank: int, world: int, out: str) -> None:
+    model = Net()
+    comm = csc(density=0.3)
+    comm.attach(model)
+    sent_total = [torch.zeros_like(b.flat) for b in comm.buckets]
+    grad_total = [torch.zeros_like(b.flat) for b in comm.buckets]
+    failures = []
+    for step in range(5):
+        comm.begin_step(epoch=1.0)
+        backward(model, rank, step)
+        # what this rank produced, in pool layout (reduced only after synchronize(): while the
+        # communication thread runs, no other collective may be issued)
+        produced = [torch.cat([p.grad.reshape(-1) for p in bucket.params]) for bucket in comm.buckets]
+        comm.synchronize()
+        for i, local in enumerate(produced):
+            dist.all_reduce(local)
+            grad_total[i] += local
+        comm.end_step(applied=True)
+        for i, bucket in enumerate(comm.buckets):
+            sent_total[i] += torch.cat([p.grad.reshape(-1) for p in bucket.params]) * world
+        selections = [None] * world
+        dist.all_gather_object(selections, {k: v.tolist() for k, v in comm.last_selection.items()})
+        if any(s != selections[0] for s in selections):
+            failures.append(f"step {step}: ranks chose different chunks {selections}")
+        if not comm.last_selection:
+            failures.append("nothing was sparsified")
+        model.zero_grad(set_to_none=True)
+    for i, bucket in enumerate(comm.buckets):
+        held_back = comm.residual[i].clone() if i in comm.residual else torch.zeros_like(bucket.flat)
+        dist.all_reduce(held_back)
+        if not torch.allclose(sent_total[i] + held_back, grad_total[i], rtol=1e-5, atol=1e-5):
+            failures.append(f"part {i}: sent + residual != gradients "
+                            f"({(sent_total[i] + held_back - grad_total[i]).abs().max():.3g})")
+    if not any(r.abs().sum() > 0 for r in comm.residual.values()):
+        failures.append("residuals are empty: density < 1 held nothing back")
+    comm.close()
+    torch.save(failures, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_same_chunks_everywhere_and_nothing_lost(world: int, tmp_path: Path) -> None:
+    spawn(_same_selection_and_no_loss, world, str(tmp_path))
+    for rank in range(world):
+        assert torch.load(tmp_path / f"rank{rank}.pt") == [], f"rank {rank}"
+
+
+def _density_one_is_dense(rank: int, world: int, out: str) -> None:
+    sparse_model, dense_model = Net(), Net()
+    sparse, dense = csc(density=1.0, momentum_correction=True), LazyAllreduce(
+        CPU, builtin_sum(), bucket_bytes=4096, overlap=False)
+    sparse.attach(sparse_model, torch.optim.SGD(sparse_model.parameters(), lr=0.1, momentum=0.9))
+    dense.attach(dense_model)
+    same = True
+    for step in range(3):
+        for model, comm in ((sparse_model, sparse), (dense_model, dense)):
+            comm.begin_step(epoch=5.0)
+            backward(model, rank, step)
+            comm.synchronize()
+            comm.end_step(True)
+        for a, b in zip(sparse_model.parameters(), dense_model.parameters()):
+            same &= torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+        sparse_model.zero_grad(set_to_none=True)
+        dense_model.zero_grad(set_to_none=True)
+    same &= sparse.optimizer.param_groups[0]["momentum"] == 0.9  # optimizer keeps its momentum
+    torch.save(same, Path(out) / f"rank{rank}.pt")
+
+
+def test_density_one_equals_dense(tmp_path: Path) -> None:
+    spawn(_density_one_is_dense, 3, str(tmp_path))
+    assert all(torch.load(tmp_path / f"rank{r}.pt") for r in range(3))
+
+
+def _checkpoint_and_skip(rank: int, world: int, out: str) -> None:
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    comm = csc(density=0.25, momentum_correction=True)
+    comm.attach(model, optimizer)
+    for step in range(3):
+        comm.begin_step(epoch=1.0)
+        backward(model, rank, step)
+        comm.synchronize()
+        comm.end_step(True)
+        model.zero_grad(set_to_none=True)
+    failures = []
+    if optimizer.param_groups[0]["momentum"] != 0.0:
+        failures.append("momentum correction on, but the optimizer still applies momentum")
+    buffer = io.BytesIO()
+    torch.save(comm.state_dict(), buffer)
+    buffer.seek(0)
+    restored_model = Net()
+    restored_model.load_state_dict(model.state_dict())
+    restored = csc(density=0.25, momentum_correction=True)
+    restored.attach(restored_model, torch.optim.SGD(restored_model.parameters(), lr=0.1, momentum=0.9))
+    restored.load_state_dict(torch.load(buffer, weights_only=False))
+    for i in comm.residual:
+        if not torch.equal(comm.residual[i], restored.residual[i]):
+            failures.append(f"residual {i} not restored exactly")
+    for i in comm.velocity:
+        if not torch.equal(comm.velocity[i], restored.velocity[i]):
+            failures.append(f"velocity {i} not restored exactly")
+    # both continue in lockstep
+    for m, c in ((model, comm), (restored_model, restored)):
+        c.begin_step(epoch=1.0)
+        backward(m, rank, 10)
+        c.synchronize()
+        c.end_step(True)
+    if not all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), restored_model.parameters())):
+        failures.append("restored communicator does not step in lockstep")
+    # a skipped step (fp16 overflow on some rank) leaves residuals and velocities untouched
+    before = {i: t.clone() for i, t in comm.residual.items()}
+    comm.begin_step(epoch=1.0, grad_scale=1024.0)
+    if rank == world - 1:  # the gradient overflows inside backward, on one rank only
+        hook = model.a.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+    backward(model, rank, 11)
+    if rank == world - 1:
+        hook.remove()
+    comm.synchronize()
+    if all(torch.isfinite(p.grad).all() for p in model.parameters()):
+        failures.append("the inf on one rank did not reach this rank's gradients")
+    comm.end_step(applied=False)
+    if any(not torch.equal(before[i], comm.residual[i]) for i in before):
+        failures.append("a skipped step changed the residuals")
+    comm.close()
+    restored.close()
+    torch.save(failures, Path(out) / f"rank{rank}.pt")
+
+
+def test_checkpoint_restores_state_and_skipped_step_changes_nothing(tmp_path: Path) -> None:
+    spawn(_checkpoint_and_skip, 2, str(tmp_path))
+    for rank in range(2):
+        assert torch.load(tmp_path / f"rank{rank}.pt") == [], f"rank {rank}"
