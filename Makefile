@@ -37,6 +37,8 @@ test: venv data
 
 bench: venv data
 	$(PY) scripts/bench_loader.py
+	$(PY) scripts/bench_allreduce.py
+	$(PY) scripts/bench_comm.py
 
 clean:
 	rm -rf results/runs .pytest_cache

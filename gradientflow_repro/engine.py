@@ -205,6 +205,7 @@ class Trainer:
         last_step, last_train_s = self._last_log
         steps = max(1, p.step - last_step)
         interval = max(1e-9, self.train_s - last_train_s)
+        self._last_log = (p.step, self.train_s)
         for key in p.comm_totals:
             p.comm_totals[key] += comm[key]
         images_per_s = steps * self.cfg.global_batch_size / interval

@@ -151,3 +151,29 @@ def _accumulation(rank: int, world: int, out: str) -> None:
 def test_lazy_pool_gradient_accumulation(tmp_path: Path) -> None:
     spawn(_accumulation, 2, str(tmp_path))
     assert all(torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+
+
+def _ddp_ring_hook(rank: int, world: int, out: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradientflow_repro.comm.ddp import SumHookState, sum_hook
+
+    torch.manual_seed(0)
+    model = nn.Linear(33, 7)
+    reference = nn.Linear(33, 7)
+    reference.load_state_dict(model.state_dict())
+    ddp = DistributedDataParallel(model)
+    state = SumHookState(ring_sum(segment_bytes=256))
+    ddp.register_comm_hook(state, sum_hook)
+    x = torch.randn(5, 33, generator=torch.Generator().manual_seed(rank))
+    ddp(x).pow(2).sum().backward()
+    reference(x).pow(2).sum().backward()
+    expected = reference.weight.grad.clone()
+    dist.all_reduce(expected)
+    ok = torch.allclose(model.weight.grad, expected / world, rtol=1e-5, atol=1e-6) and state.stats.bytes > 0
+    torch.save(ok, Path(out) / f"rank{rank}.pt")
+
+
+def test_ring_as_a_ddp_communication_hook(tmp_path: Path) -> None:
+    spawn(_ddp_ring_hook, 3, str(tmp_path))
+    assert all(torch.load(tmp_path / f"rank{r}.pt") for r in range(3))

@@ -37,6 +37,8 @@ def test_ranks_end_with_identical_parameters_and_full_results(world: int, tmp_pa
     assert [r["kind"] for r in records if r["kind"] == "eval"] == ["eval"]
     assert sum(r["kind"] == "train" for r in records) >= 4
     assert all(r["collectives_per_step"] > 0 for r in records if r["kind"] == "train")
+    # per-tensor allreduce sends the same bytes every step: per-interval accounting must show that
+    assert len({round(r["bytes_per_step"]) for r in records if r["kind"] == "train"}) == 1
     assert (run / "top1_vs_time.png").stat().st_size > 1000
     assert list((run / "wandb").glob("offline-run-*")), "no offline wandb run was written"
 
@@ -118,12 +120,12 @@ def test_gradientflow_at_density_0_1_reaches_the_digits_target(tmp_path: Path, d
     """The paper's full stack (ring, fp16 wire, lazy pool with overlap, CSC sending 10% of the
     chunks after one dense epoch) still trains the embedded digits to 95% top-1."""
     torchrun(4, ["+experiment=digits_cpu", "comm=gradientflow", "comm.density=0.1",
-                 "comm.chunk_size=4096", "logger=jsonl", f"data.root={digits_root}"],
+                 "comm.chunk_size=4096", "logger=jsonl", "logger.log_every=11", f"data.root={digits_root}"],
              tmp_path / "run", timeout=420)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["reached_target"], summary
     assert summary["best_top1"] >= 95.0 and summary["time_to_target_mlperf_s"] > 0
     records = read_records(tmp_path / "run" / "metrics.jsonl")
     dense = [r["bytes_per_step"] for r in records if r["kind"] == "train" and r["epoch"] <= 1]
-    sparse = [r["bytes_per_step"] for r in records if r["kind"] == "train" and r["epoch"] > 2]
+    sparse = [r["bytes_per_step"] for r in records if r["kind"] == "train" and r["epoch"] >= 3]
     assert sparse and dense and max(sparse) < 0.5 * min(dense)  # sparsification really cut the bytes

@@ -60,9 +60,9 @@ def resolve(options: Mapping[str, Any]) -> dict[str, Any]:
     if knobs["sparsity"] == "csc" and knobs["fusion"] != "lazy":
         raise ValueError("config key 'comm.sparsity' = 'csc' works over the memory pool: it needs "
                          "comm.fusion=lazy")
-    if knobs["fusion"] == "ddp" and (knobs["algorithm"], knobs["wire"]) != ("builtin", "fp32"):
-        raise ValueError("config key 'comm.fusion' = 'ddp' uses DDP's own allreduce: "
-                         "comm.algorithm and comm.wire cannot be changed with it")
+    if knobs["fusion"] == "ddp" and knobs["sparsity"] != "dense":
+        raise ValueError("config key 'comm.sparsity' = 'csc' works over our memory pool, not DDP's "
+                         "buckets: use comm.fusion=lazy")
     if not 0 < float(knobs.get("density", 1.0)) <= 1:
         raise ValueError(f"config key 'comm.density' = {knobs['density']}: must be in (0, 1]")
     return knobs
@@ -85,10 +85,11 @@ def build_sum(algorithm: str, wire: str, ranks_per_node: int | None = None,
 
 def build_communicator(options: Mapping[str, Any], device: torch.device) -> Communicator:
     knobs = resolve(options)
-    if knobs["fusion"] == "ddp":
-        return DDPCommunicator(device, knobs.get("ddp_bucket_mb", 25.0))
     sum_fn = build_sum(knobs["algorithm"], knobs["wire"], knobs.get("ranks_per_node"),
                        knobs.get("segment_kb", 1024))
+    if knobs["fusion"] == "ddp":
+        custom = (knobs["algorithm"], knobs["wire"]) != ("builtin", "fp32")
+        return DDPCommunicator(device, knobs.get("ddp_bucket_mb", 25.0), sum_fn if custom else None)
     bucket_bytes = int(float(knobs.get("bucket_mb", 32.0)) * 2**20)
     if knobs["sparsity"] == "csc":
         return CSCCommunicator(device, sum_fn, bucket_bytes, knobs["overlap"],
