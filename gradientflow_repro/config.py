@@ -78,7 +78,7 @@ class CommConfig:
     sparsity: Optional[str] = None  # dense | csc
     bucket_mb: float = 32.0  # lazy-allreduce pool part (fusion threshold)
     ddp_bucket_mb: float = 25.0
-    segment_kb: int = 1024  # ring: pipelining segment
+    segment_kb: int = 4096  # ring: pipelining segment
     ranks_per_node: Optional[int] = None  # hierarchical: default LOCAL_WORLD_SIZE
     chunk_size: int = 32768  # csc: elements per chunk
     density: float = 0.1  # csc: fraction of chunks sent

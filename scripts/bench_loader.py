@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 from gradientflow_repro.data.dali import DaliSource  # noqa: E402
 from gradientflow_repro.data.digits import build_digits  # noqa: E402
 from gradientflow_repro.data.folder import TorchvisionSource  # noqa: E402
-from gradientflow_repro.data.listing import list_image_folder  # noqa: E402
+from gradientflow_repro.data.listing import ImageOptions, list_image_folder  # noqa: E402
 from gradientflow_repro.tracking import environment_facts  # noqa: E402
 
 
@@ -49,10 +49,11 @@ def imagenet_sized_copy(digits: Path, dest: Path, per_class: int = 60) -> Path:
 def loader_rate(kind: type, root: Path, threads: int, batch: int, batches: int, size: int) -> float:
     train = list_image_folder(root / "train")
     val = list_image_folder(root / "val", train.classes)
-    source = kind(train, val, local_batch=batch, global_batch=batch, rank=0, world_size=1,
-                  device=torch.device("cpu"), seed=0, image_size=size, val_resize=size,
-                  min_crop_scale=0.25, flip=True, mean=[124.0, 116.0, 104.0], std=[58.0, 57.0, 57.0],
-                  num_threads=threads, prefetch=2)
+    options = ImageOptions(image_size=size, val_resize=size, min_crop_scale=0.25, flip=True,
+                           mean=(124.0, 116.0, 104.0), std=(58.0, 57.0, 57.0), num_threads=threads,
+                           prefetch=2)
+    source = kind(train, val, options, device=torch.device("cpu"), local_batch=batch,
+                  global_batch=batch, rank=0, world_size=1, seed=0)
     epoch, seen, started = 0, 0, None
     while seen < batches:
         for images, _ in source.train_batches(epoch):

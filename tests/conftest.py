@@ -77,3 +77,10 @@ def spawn(fn, world: int, *args) -> None:
 
     mp.start_processes(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True,
                        start_method="spawn")
+
+
+def assert_no_failures(out: Path, world: int) -> None:
+    """Each spawned rank saved the list of what went wrong on it as ``out/rank<r>.pt``."""
+    for rank in range(world):
+        failures = torch.load(out / f"rank{rank}.pt")
+        assert failures == [], f"rank {rank}: {failures}"

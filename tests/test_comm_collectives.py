@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conftest import spawn
+from conftest import assert_no_failures, spawn
 from gradientflow_repro.comm.base import CommStats, builtin_sum
 from gradientflow_repro.comm.compression import Fp16Wire
 from gradientflow_repro.comm.hierarchical import HierarchicalSum
@@ -80,8 +80,7 @@ def _algorithms(rank: int, world: int, out: str) -> None:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_hierarchical_fp16_wire_match_builtin_allreduce(world: int, tmp_path: Path) -> None:
     spawn(_algorithms, world, str(tmp_path))
-    for rank in range(world):
-        assert torch.load(tmp_path / f"rank{rank}.pt") == [], f"rank {rank}"
+    assert_no_failures(tmp_path, world)
 
 
 class Leaves(nn.Module):
@@ -124,8 +123,7 @@ def _lazy_pool(rank: int, world: int, out: str, overlap: bool) -> None:
 @pytest.mark.parametrize("overlap", [True, False])
 def test_lazy_pool_matches_allreduce_average(world: int, overlap: bool, tmp_path: Path) -> None:
     spawn(_lazy_pool, world, str(tmp_path), overlap)
-    for rank in range(world):
-        assert torch.load(tmp_path / f"rank{rank}.pt") == [], f"rank {rank}"
+    assert_no_failures(tmp_path, world)
 
 
 def _accumulation(rank: int, world: int, out: str) -> None:

@@ -11,7 +11,7 @@ import torch
 from gradientflow_repro.data.dali import DaliSource
 from gradientflow_repro.data.digits import build_digits
 from gradientflow_repro.data.folder import TorchvisionSource
-from gradientflow_repro.data.listing import DatasetError, Listing, list_image_folder
+from gradientflow_repro.data.listing import DatasetError, ImageOptions, Listing, list_image_folder
 
 CPU = torch.device("cpu")
 
@@ -21,15 +21,13 @@ def indexed(listing: Listing) -> Listing:
     return Listing(listing.classes, listing.files, list(range(len(listing))))
 
 
-def source(kind: type, root: Path, rank: int, world: int, global_batch: int, **extra):
+def source(kind: type, root: Path, rank: int, world: int, global_batch: int, threads: int = 1):
     train = indexed(list_image_folder(root / "train"))
     val = indexed(list_image_folder(root / "val", train.classes))
-    options = dict(local_batch=global_batch // world, global_batch=global_batch, rank=rank,
-                   world_size=world, device=CPU, seed=3, image_size=32, val_resize=32,
-                   min_crop_scale=0.5, flip=True, mean=[0.0] * 3, std=[255.0] * 3,
-                   num_threads=1, prefetch=2)
-    options.update(extra)
-    return kind(train, val, **options)
+    options = ImageOptions(image_size=32, val_resize=32, min_crop_scale=0.5, flip=True,
+                           mean=(0.0,) * 3, std=(255.0,) * 3, num_threads=threads, prefetch=2)
+    return kind(train, val, options, device=CPU, local_batch=global_batch // world,
+                global_batch=global_batch, rank=rank, world_size=world, seed=3)
 
 
 def test_digits_build_is_deterministic(tmp_path: Path) -> None:
@@ -82,7 +80,7 @@ def test_epochs_differ_and_repeat_exactly(digits_root: Path) -> None:
 
 @pytest.mark.parametrize("kind", [DaliSource, TorchvisionSource])
 def test_mid_epoch_resume_replays_the_same_batches(digits_root: Path, kind: type) -> None:
-    src = source(kind, digits_root, 1, 2, 64, num_threads=0 if kind is TorchvisionSource else 1)
+    src = source(kind, digits_root, 1, 2, 64, threads=0 if kind is TorchvisionSource else 1)
     full = list(src.train_batches(epoch=2))
     tail = list(src.train_batches(epoch=2, skip=5))
     assert len(tail) == len(full) - 5
@@ -92,7 +90,7 @@ def test_mid_epoch_resume_replays_the_same_batches(digits_root: Path, kind: type
 
 def test_torchvision_fallback_reads_the_same_shards(digits_root: Path) -> None:
     dali = source(DaliSource, digits_root, 1, 3, 48)
-    folder = source(TorchvisionSource, digits_root, 1, 3, 48, num_threads=0)
+    folder = source(TorchvisionSource, digits_root, 1, 3, 48, threads=0)
     assert [y.tolist() for _, y in dali.train_batches(4)] == [y.tolist() for _, y in folder.train_batches(4)]
     assert sorted(int(i) for _, y in dali.val_batches() for i in y) == \
         sorted(int(i) for _, y in folder.val_batches() for i in y)

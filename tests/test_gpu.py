@@ -11,7 +11,7 @@ import torch
 
 from conftest import free_port, requires_cuda
 from gradientflow_repro.data.dali import DaliSource
-from gradientflow_repro.data.listing import list_image_folder
+from gradientflow_repro.data.listing import ImageOptions, list_image_folder
 
 pytestmark = requires_cuda("CUDA path: needs a GPU (DALI mixed decoding, NCCL)")
 
@@ -19,10 +19,10 @@ pytestmark = requires_cuda("CUDA path: needs a GPU (DALI mixed decoding, NCCL)")
 def test_dali_mixed_decoding_on_gpu(digits_root: Path) -> None:
     train = list_image_folder(digits_root / "train")
     val = list_image_folder(digits_root / "val", train.classes)
-    src = DaliSource(train, val, local_batch=32, global_batch=32, rank=0, world_size=1,
-                     device=torch.device("cuda", 0), seed=0, image_size=32, val_resize=32,
-                     min_crop_scale=0.6, flip=False, mean=[0.0] * 3, std=[255.0] * 3,
-                     num_threads=2, prefetch=2)
+    options = ImageOptions(image_size=32, val_resize=32, min_crop_scale=0.6, flip=False,
+                           mean=(0.0,) * 3, std=(255.0,) * 3, num_threads=2, prefetch=2)
+    src = DaliSource(train, val, options, device=torch.device("cuda", 0), local_batch=32,
+                     global_batch=32, rank=0, world_size=1, seed=0)
     images, labels = next(src.train_batches(0))
     assert images.is_cuda and labels.is_cuda and images.shape == (32, 3, 32, 32)
     assert sum(y.numel() for _, y in src.val_batches()) == len(val)

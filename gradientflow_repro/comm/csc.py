@@ -39,11 +39,17 @@ from gradientflow_repro.comm.lazy import Bucket, LazyAllreduce
 
 
 def chunk_l1_norms(flat: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    full = flat.numel() // chunk_size
-    norms = [flat[:full * chunk_size].view(full, chunk_size).abs().sum(1, dtype=torch.float32)]
-    if flat.numel() % chunk_size:
-        norms.append(flat[full * chunk_size:].abs().sum(dtype=torch.float32).view(1))
-    return torch.cat(norms)
+    return as_chunks(flat, chunk_size).abs().sum(1, dtype=torch.float32)
+
+
+def as_chunks(flat: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """``flat`` as a [chunks, chunk_size] matrix, zero-padding the last chunk."""
+    rows = -(-flat.numel() // chunk_size)
+    if flat.numel() == rows * chunk_size:
+        return flat.view(rows, chunk_size)
+    padded = flat.new_zeros(rows * chunk_size)
+    padded[:flat.numel()] = flat
+    return padded.view(rows, chunk_size)
 
 
 def select_chunks(global_norms: torch.Tensor, density: float) -> torch.Tensor:
@@ -51,10 +57,6 @@ def select_chunks(global_norms: torch.Tensor, density: float) -> torch.Tensor:
     count = min(global_norms.numel(), max(1, math.ceil(density * global_norms.numel())))
     order = torch.sort(global_norms, descending=True, stable=True).indices[:count]
     return order.sort().values
-
-
-def chunk_spans(indices: torch.Tensor, chunk_size: int, numel: int) -> list[tuple[int, int]]:
-    return [(i * chunk_size, min((i + 1) * chunk_size, numel)) for i in indices.tolist()]
 
 
 class CSCCommunicator(LazyAllreduce):
@@ -81,10 +83,11 @@ class CSCCommunicator(LazyAllreduce):
 
     def attach(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> nn.Module:
         super().attach(model, optimizer)
-        for index, bucket in enumerate(self.buckets):
+        for index, bucket in enumerate(self.buckets):  # sparse parts: [chunks, chunk_size] matrices
+            state = torch.zeros_like(bucket.flat) if bucket.dense else as_chunks(bucket.flat, self.chunk_size)
             if not bucket.dense:
-                self.residual[index] = torch.zeros_like(bucket.flat)
-            self.velocity[index] = torch.zeros_like(bucket.flat)
+                self.residual[index] = torch.zeros_like(state)
+            self.velocity[index] = torch.zeros_like(state)
         return model
 
     @property
@@ -120,6 +123,8 @@ class CSCCommunicator(LazyAllreduce):
             super().reduce_bucket(bucket)
             return
         gradient = bucket.flat / self.grad_scale
+        if not bucket.dense:
+            gradient = as_chunks(gradient, self.chunk_size)
         velocity = None
         if self.uses_velocity:
             velocity = self.velocity[index] * self.momentum() + gradient
@@ -130,20 +135,16 @@ class CSCCommunicator(LazyAllreduce):
             self._staged[index] = (None, velocity)
             return
         accumulated = self.residual[index] + gradient
-        norms = chunk_l1_norms(accumulated, self.chunk_size)
+        norms = accumulated.abs().sum(1, dtype=torch.float32)
         self.norm_sum(norms, self.stats)  # every rank now ranks chunks by the same global norms
         chosen = select_chunks(norms, self.density)
-        spans = chunk_spans(chosen, self.chunk_size, accumulated.numel())
-        packed = torch.cat([accumulated[lo:hi] for lo, hi in spans])
-        self.sum_fn(packed, self.stats)
-        bucket.flat.zero_()
-        position = 0
-        for lo, hi in spans:
-            bucket.flat[lo:hi] = packed[position:position + hi - lo] * self.grad_scale
-            accumulated[lo:hi] = 0.0
-            if velocity is not None and self.momentum_masking:
-                velocity[lo:hi] = 0.0
-            position += hi - lo
+        packed = accumulated.index_select(0, chosen)
+        self.sum_fn(packed.view(-1), self.stats)
+        sent = torch.zeros_like(accumulated).index_copy_(0, chosen, packed)
+        bucket.flat.copy_(sent.view(-1)[:bucket.flat.numel()] * self.grad_scale)
+        accumulated.index_fill_(0, chosen, 0.0)
+        if velocity is not None and self.momentum_masking:
+            velocity.index_fill_(0, chosen, 0.0)
         self._staged[index] = (accumulated, velocity)
         self.last_selection[index] = chosen
 
@@ -160,21 +161,16 @@ class CSCCommunicator(LazyAllreduce):
         return {"residual": {i: t.cpu() for i, t in self.residual.items()},
                 "velocity": {i: t.cpu() for i, t in self.velocity.items()},
                 "optimizer_momentum": self._optimizer_momentum,
-                "layout": [b.flat.numel() for b in self.buckets]}
+                "layout": [b.flat.numel() for b in self.buckets], "chunk_size": self.chunk_size}
 
     def load_state_dict(self, state: dict) -> None:
         if not state:
             return
-        if state["layout"] != [b.flat.numel() for b in self.buckets]:
-            raise ValueError("csc state was saved with another pool layout (model or comm.bucket_mb "
-                             "changed); it cannot be restored")
+        if (state["layout"], state["chunk_size"]) != ([b.flat.numel() for b in self.buckets], self.chunk_size):
+            raise ValueError("csc state was saved with another pool layout (model, comm.bucket_mb or "
+                             "comm.chunk_size changed); it cannot be restored")
         for index, tensor in state["residual"].items():
             self.residual[int(index)].copy_(tensor)
         for index, tensor in state["velocity"].items():
             self.velocity[int(index)].copy_(tensor)
         self._optimizer_momentum = state["optimizer_momentum"]
-
-    def residual_sum(self) -> torch.Tensor:
-        """Everything this rank holds back, in layout order (for the no-loss check)."""
-        return torch.cat([self.residual[i] for i in sorted(self.residual)]) if self.residual \
-            else torch.zeros(0)

@@ -69,7 +69,7 @@ def resolve(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def build_sum(algorithm: str, wire: str, ranks_per_node: int | None = None,
-              segment_kb: int = 1024) -> SumFn:
+              segment_kb: int = 4096) -> SumFn:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         return builtin_sum()  # nothing to sum with
@@ -86,7 +86,7 @@ def build_sum(algorithm: str, wire: str, ranks_per_node: int | None = None,
 def build_communicator(options: Mapping[str, Any], device: torch.device) -> Communicator:
     knobs = resolve(options)
     sum_fn = build_sum(knobs["algorithm"], knobs["wire"], knobs.get("ranks_per_node"),
-                       knobs.get("segment_kb", 1024))
+                       knobs.get("segment_kb", 4096))
     if knobs["fusion"] == "ddp":
         custom = (knobs["algorithm"], knobs["wire"]) != ("builtin", "fp32")
         return DDPCommunicator(device, knobs.get("ddp_bucket_mb", 25.0), sum_fn if custom else None)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from gradientflow_repro.comm.base import CommStats, SumFn
 
-DEFAULT_SEGMENT_BYTES = 1 << 20
+DEFAULT_SEGMENT_BYTES = 4 << 20
 
 
 def _peer(group: Optional[dist.ProcessGroup], rank_in_group: int) -> int:
@@ -54,20 +54,22 @@ def ring_allreduce_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = N
             out_chunk, in_chunk = (rank - step + shift) % world, (rank - step - 1 + shift) % world
             out_lo, out_hi = bounds[out_chunk], bounds[out_chunk + 1]
             in_lo, in_hi = bounds[in_chunk], bounds[in_chunk + 1]
-            receives = [(lo, hi, dist.irecv(inbox[lo - in_lo:hi - in_lo], src=left, group=group))
+            # all-gather receives finished chunks straight into place; reduce-scatter needs an inbox
+            target = (lambda lo, hi: inbox[lo - in_lo:hi - in_lo]) if phase == "reduce_scatter" \
+                else (lambda lo, hi: flat[lo:hi])
+            receives = [(lo, hi, dist.irecv(target(lo, hi), src=left, group=group))
                         for lo, hi in _segments(in_lo, in_hi, segment)]
             sends = [dist.isend(flat[lo:hi], dst=right, group=group)
                      for lo, hi in _segments(out_lo, out_hi, segment)]
             for lo, hi, request in receives:
                 request.wait()
+                if phase == "all_gather":
+                    continue
                 arrived = inbox[lo - in_lo:hi - in_lo]
-                if phase == "reduce_scatter":
-                    if flat.dtype == torch.float32:
-                        flat[lo:hi].add_(arrived)
-                    else:
-                        flat[lo:hi].copy_(flat[lo:hi].float() + arrived.float())
+                if flat.dtype == torch.float32:
+                    flat[lo:hi].add_(arrived)
                 else:
-                    flat[lo:hi].copy_(arrived)
+                    flat[lo:hi].copy_(flat[lo:hi].float() + arrived.float())
             for request in sends:
                 request.wait()
             sent += (out_hi - out_lo) * flat.element_size()

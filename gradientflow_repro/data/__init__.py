@@ -8,7 +8,7 @@ import torch
 
 from gradientflow_repro.config import DataConfig
 from gradientflow_repro.data.base import Batch, DataSource
-from gradientflow_repro.data.listing import DatasetError, list_image_folder
+from gradientflow_repro.data.listing import DatasetError, ImageOptions, list_image_folder
 
 
 def build_data(cfg: DataConfig, *, global_batch: int, rank: int, world_size: int,
@@ -26,16 +26,15 @@ def build_data(cfg: DataConfig, *, global_batch: int, rank: int, world_size: int
     if len(train.classes) != cfg.num_classes:
         raise DatasetError(f"{root}: {len(train.classes)} class folders but data.num_classes="
                            f"{cfg.num_classes}")
-    options = dict(local_batch=local_batch, global_batch=global_batch, rank=rank,
-                   world_size=world_size, device=device, seed=seed, image_size=cfg.image_size,
-                   val_resize=cfg.val_resize, min_crop_scale=cfg.min_crop_scale, flip=cfg.flip,
-                   mean=list(cfg.mean), std=list(cfg.std), num_threads=cfg.num_threads,
-                   prefetch=cfg.prefetch)
+    options = ImageOptions(cfg.image_size, cfg.val_resize, cfg.min_crop_scale, cfg.flip,
+                           tuple(cfg.mean), tuple(cfg.std), cfg.num_threads, cfg.prefetch)
+    shard = dict(local_batch=local_batch, global_batch=global_batch, rank=rank,
+                 world_size=world_size, seed=seed)
     if cfg.loader == "dali":
         from gradientflow_repro.data.dali import DaliSource
-        return DaliSource(train, val, **options)
+        return DaliSource(train, val, options, device=device, **shard)
     from gradientflow_repro.data.folder import TorchvisionSource
-    return TorchvisionSource(train, val, **options)
+    return TorchvisionSource(train, val, options, device=device, **shard)
 
 
 __all__ = ["Batch", "DataSource", "DatasetError", "build_data"]

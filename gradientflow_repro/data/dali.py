@@ -16,7 +16,7 @@ from nvidia.dali import fn, pipeline_def, types
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
 from gradientflow_repro.data.base import Batch
-from gradientflow_repro.data.listing import Listing, epoch_permutation, steps_per_epoch
+from gradientflow_repro.data.listing import ImageOptions, Listing, ShardedFolder, epoch_permutation
 
 READER = "Reader"
 
@@ -53,30 +53,23 @@ def _as_batch(output: list[dict]) -> Batch:
     return output[0]["images"], output[0]["labels"].view(-1).long()
 
 
-class DaliSource:
-    def __init__(self, train: Listing, val: Listing, *, local_batch: int, global_batch: int,
-                 rank: int, world_size: int, device: torch.device, seed: int, image_size: int,
-                 val_resize: int, min_crop_scale: float, flip: bool, mean: list[float],
-                 std: list[float], num_threads: int, prefetch: int) -> None:
-        self.train, self.val = train, val
-        self.num_train, self.num_val = len(train), len(val)
-        self.steps_per_epoch = steps_per_epoch(len(train), global_batch)
-        self.local_batch, self.rank, self.world_size, self.seed = local_batch, rank, world_size, seed
+class DaliSource(ShardedFolder):
+    def __init__(self, train: Listing, val: Listing, options: ImageOptions, *, device: torch.device,
+                 **shard: int) -> None:
+        super().__init__(train, val, options, **shard)
         self.on_gpu = device.type == "cuda"
-        self.device_id = device.index if self.on_gpu else None
-        self.common = dict(batch_size=local_batch, num_threads=num_threads,
-                           device_id=self.device_id, prefetch_queue_depth=prefetch,
-                           mean=list(mean), std=list(std), image_size=image_size, on_gpu=self.on_gpu)
-        self.augment = dict(min_crop_scale=min_crop_scale, flip=flip)
-        self.val_resize = val_resize
+        self.common = dict(batch_size=self.local_batch, num_threads=options.num_threads,
+                           device_id=device.index if self.on_gpu else None,
+                           prefetch_queue_depth=options.prefetch, mean=list(options.mean),
+                           std=list(options.std), image_size=options.image_size, on_gpu=self.on_gpu)
 
     def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
         order = epoch_permutation(len(self.train), self.seed, epoch)
         pipe = train_pipeline(files=[self.train.files[i] for i in order],
                               labels=[self.train.labels[i] for i in order],
                               shard_id=self.rank, num_shards=self.world_size,
-                              seed=(self.seed * 100_003 + epoch * 1_009 + self.rank) % 2**31,
-                              **self.common, **self.augment)
+                              seed=self.epoch_seed(epoch), min_crop_scale=self.options.min_crop_scale,
+                              flip=self.options.flip, **self.common)
         pipe.build()
         iterator = DALIGenericIterator(pipe, ["images", "labels"], reader_name=READER,
                                        last_batch_policy=LastBatchPolicy.DROP)
@@ -90,7 +83,7 @@ class DaliSource:
     def val_batches(self) -> Iterator[Batch]:
         # A fresh pipeline per pass: an evaluation cut short can never shift the next one.
         pipe = val_pipeline(files=self.val.files, labels=self.val.labels, shard_id=self.rank,
-                            num_shards=self.world_size, resize=self.val_resize, seed=self.seed,
+                            num_shards=self.world_size, resize=self.options.val_resize, seed=self.seed,
                             **self.common)
         pipe.build()
         iterator = DALIGenericIterator(pipe, ["images", "labels"], reader_name=READER,

@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 
 from gradientflow_repro.data.base import Batch
-from gradientflow_repro.data.listing import Listing, epoch_permutation, shard_bounds, steps_per_epoch
+from gradientflow_repro.data.listing import (ImageOptions, Listing, ShardedFolder, epoch_permutation,
+                                             shard_bounds)
 
 
 class _Files(Dataset):
@@ -32,27 +33,22 @@ class _Files(Dataset):
             return self.transform(image.convert("RGB")), self.labels[index]
 
 
-class TorchvisionSource:
-    def __init__(self, train: Listing, val: Listing, *, local_batch: int, global_batch: int,
-                 rank: int, world_size: int, device: torch.device, seed: int, image_size: int,
-                 val_resize: int, min_crop_scale: float, flip: bool, mean: list[float],
-                 std: list[float], num_threads: int, prefetch: int) -> None:
-        self.train, self.val = train, val
-        self.num_train, self.num_val = len(train), len(val)
-        self.steps_per_epoch = steps_per_epoch(len(train), global_batch)
-        self.local_batch, self.rank, self.world_size, self.seed = local_batch, rank, world_size, seed
+class TorchvisionSource(ShardedFolder):
+    def __init__(self, train: Listing, val: Listing, options: ImageOptions, *, device: torch.device,
+                 **shard: int) -> None:
+        super().__init__(train, val, options, **shard)
         self.device = device
-        self.loader_args = dict(batch_size=local_batch, num_workers=num_threads,
+        workers = options.num_threads
+        self.loader_args = dict(batch_size=self.local_batch, num_workers=workers,
                                 pin_memory=device.type == "cuda",
-                                prefetch_factor=prefetch if num_threads > 0 else None,
-                                persistent_workers=False)
-        normalize = transforms.Normalize([m / 255 for m in mean], [s / 255 for s in std])
-        augment = [transforms.RandomResizedCrop(image_size, scale=(min_crop_scale, 1.0))]
-        if flip:
+                                prefetch_factor=options.prefetch if workers > 0 else None)
+        normalize = transforms.Normalize([m / 255 for m in options.mean], [s / 255 for s in options.std])
+        augment = [transforms.RandomResizedCrop(options.image_size, scale=(options.min_crop_scale, 1.0))]
+        if options.flip:
             augment.append(transforms.RandomHorizontalFlip())
         self.train_transform = transforms.Compose([*augment, transforms.ToTensor(), normalize])
-        self.val_transform = transforms.Compose([transforms.Resize(val_resize),
-                                                 transforms.CenterCrop(image_size),
+        self.val_transform = transforms.Compose([transforms.Resize(options.val_resize),
+                                                 transforms.CenterCrop(options.image_size),
                                                  transforms.ToTensor(), normalize])
 
     def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
@@ -60,8 +56,7 @@ class TorchvisionSource:
         start, _ = shard_bounds(len(order), self.rank, self.world_size)
         mine = order[start:start + self.steps_per_epoch * self.local_batch]
         dataset = _Files([self.train.files[i] for i in mine], [self.train.labels[i] for i in mine],
-                         self.train_transform,
-                         seed=(self.seed * 100_003 + epoch * 1_009 + self.rank) * 1_000_003)
+                         self.train_transform, seed=self.epoch_seed(epoch) * 1_000_003)
         loader = DataLoader(dataset, shuffle=False, drop_last=True, **self.loader_args)
         for step, (images, labels) in enumerate(loader):
             if step >= skip:

@@ -69,3 +69,32 @@ def steps_per_epoch(n: int, global_batch: int) -> int:
     if steps == 0:
         raise DatasetError(f"training set of {n} images is smaller than global_batch_size={global_batch}")
     return steps
+
+
+@dataclass(frozen=True)
+class ImageOptions:
+    """Decoding and augmentation settings shared by the DALI and torchvision loaders."""
+
+    image_size: int
+    val_resize: int
+    min_crop_scale: float
+    flip: bool
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    num_threads: int
+    prefetch: int
+
+
+class ShardedFolder:
+    """What both folder loaders share: the listings, this rank's place, steps per epoch, and the
+    seed of each (epoch, rank) that makes augmentation replayable."""
+
+    def __init__(self, train: Listing, val: Listing, options: ImageOptions, *, local_batch: int,
+                 global_batch: int, rank: int, world_size: int, seed: int) -> None:
+        self.train, self.val, self.options = train, val, options
+        self.num_train, self.num_val = len(train), len(val)
+        self.steps_per_epoch = steps_per_epoch(len(train), global_batch)
+        self.local_batch, self.rank, self.world_size, self.seed = local_batch, rank, world_size, seed
+
+    def epoch_seed(self, epoch: int) -> int:
+        return (self.seed * 100_003 + epoch * 1_009 + self.rank) % 2**31
