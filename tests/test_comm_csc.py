@@ -44,9 +44,17 @@ def backward(model: nn.Module, rank: int, step: int) -> None:
     model(x).pow(2).mean().backward()
 
 
+def pool_layout(bucket, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` laid out as in the pool part (zero padding included)."""
+    flat = torch.zeros_like(bucket.flat)
+    for tensor, offset in zip(tensors, bucket.offsets):
+        flat[offset:offset + tensor.numel()] = tensor.reshape(-1)
+    return flat
+
+
 def test_chunk_norms_and_deterministic_selection() -> None:
-    flat = torch.tensor([1.0, -1.0, 3.0, 0.5, -0.5, 2.0, 2.0])
-    assert chunk_l1_norms(flat, 2).tolist() == [2.0, 3.5, 2.5, 2.0]
+    flat = torch.tensor([1.0, -1.0, 3.0, 0.5, -0.5, 2.0, 2.0, 0.0])
+    assert chunk_l1_norms(flat.view(4, 2)).tolist() == [2.0, 3.5, 2.5, 2.0]
     assert select_chunks(torch.tensor([2.0, 3.5, 2.5, 2.0]), 0.5).tolist() == [1, 2]
     assert select_chunks(torch.tensor([1.0, 5.0, 1.0, 1.0]), 0.5).tolist() == [0, 1]  # tie: lower index
     assert select_chunks(torch.tensor([1.0, 2.0, 3.0]), 0.01).tolist() == [2]  # at least one chunk
@@ -64,14 +72,14 @@ def _same_selection_and_no_loss(rank: int, world: int, out: str) -> None:
         backward(model, rank, step)
         # what this rank produced, in pool layout (reduced only after synchronize(): while the
         # communication thread runs, no other collective may be issued)
-        produced = [torch.cat([p.grad.reshape(-1) for p in bucket.params]) for bucket in comm.buckets]
+        produced = [pool_layout(bucket, [p.grad for p in bucket.params]) for bucket in comm.buckets]
         comm.synchronize()
         for i, local in enumerate(produced):
             dist.all_reduce(local)
             grad_total[i] += local
         comm.end_step(applied=True)
         for i, bucket in enumerate(comm.buckets):
-            sent_total[i] += torch.cat([p.grad.reshape(-1) for p in bucket.params]) * world
+            sent_total[i] += pool_layout(bucket, [p.grad for p in bucket.params]) * world
         selections = [None] * world
         dist.all_gather_object(selections, {k: v.tolist() for k, v in comm.last_selection.items()})
         if any(s != selections[0] for s in selections):
@@ -80,8 +88,7 @@ def _same_selection_and_no_loss(rank: int, world: int, out: str) -> None:
             failures.append("nothing was sparsified")
         model.zero_grad(set_to_none=True)
     for i, bucket in enumerate(comm.buckets):
-        held_back = (comm.residual[i].reshape(-1)[:bucket.flat.numel()].clone() if i in comm.residual
-                     else torch.zeros_like(bucket.flat))
+        held_back = comm.residual[i].reshape(-1).clone() if i in comm.residual else torch.zeros_like(bucket.flat)
         dist.all_reduce(held_back)
         if not torch.allclose(sent_total[i] + held_back, grad_total[i], rtol=1e-5, atol=1e-5):
             failures.append(f"part {i}: sent + residual != gradients "

@@ -38,18 +38,9 @@ from gradientflow_repro.comm.base import SumFn, builtin_sum
 from gradientflow_repro.comm.lazy import Bucket, LazyAllreduce
 
 
-def chunk_l1_norms(flat: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    return as_chunks(flat, chunk_size).abs().sum(1, dtype=torch.float32)
-
-
-def as_chunks(flat: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """``flat`` as a [chunks, chunk_size] matrix, zero-padding the last chunk."""
-    rows = -(-flat.numel() // chunk_size)
-    if flat.numel() == rows * chunk_size:
-        return flat.view(rows, chunk_size)
-    padded = flat.new_zeros(rows * chunk_size)
-    padded[:flat.numel()] = flat
-    return padded.view(rows, chunk_size)
+def chunk_l1_norms(chunks: torch.Tensor) -> torch.Tensor:
+    """L1 norm of every row of a [chunks, chunk_size] matrix."""
+    return torch.linalg.vector_norm(chunks, ord=1, dim=1, dtype=torch.float32)
 
 
 def select_chunks(global_norms: torch.Tensor, density: float) -> torch.Tensor:
@@ -78,13 +69,17 @@ class CSCCommunicator(LazyAllreduce):
         self._optimizer_momentum: Optional[list[float]] = None
 
     def layout(self, params: list[nn.Parameter]) -> list[Bucket]:
-        return (self.pack([p for p in params if p.ndim > 1], dense=False)
+        # sparse parts are padded to whole chunks, so they are [chunks, chunk_size] matrices for free
+        return (self.pack([p for p in params if p.ndim > 1], dense=False, multiple=self.chunk_size)
                 + self.pack([p for p in params if p.ndim <= 1], dense=True))
+
+    def chunks(self, bucket: Bucket) -> torch.Tensor:
+        return bucket.flat.view(-1, self.chunk_size)
 
     def attach(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> nn.Module:
         super().attach(model, optimizer)
-        for index, bucket in enumerate(self.buckets):  # sparse parts: [chunks, chunk_size] matrices
-            state = torch.zeros_like(bucket.flat) if bucket.dense else as_chunks(bucket.flat, self.chunk_size)
+        for index, bucket in enumerate(self.buckets):
+            state = bucket.flat if bucket.dense else self.chunks(bucket)
             if not bucket.dense:
                 self.residual[index] = torch.zeros_like(state)
             self.velocity[index] = torch.zeros_like(state)
@@ -122,26 +117,26 @@ class CSCCommunicator(LazyAllreduce):
         if not self.sparse_now:
             super().reduce_bucket(bucket)
             return
-        gradient = bucket.flat / self.grad_scale
-        if not bucket.dense:
-            gradient = as_chunks(gradient, self.chunk_size)
+        gradient = bucket.flat if bucket.dense else self.chunks(bucket)
+        if self.grad_scale != 1.0:
+            gradient.div_(self.grad_scale)  # in place: the pool part is overwritten below anyway
         velocity = None
         if self.uses_velocity:
-            velocity = self.velocity[index] * self.momentum() + gradient
+            velocity = torch.add(gradient, self.velocity[index], alpha=self.momentum())
             gradient = velocity
         if bucket.dense:
-            bucket.flat.copy_(gradient * self.grad_scale)
+            torch.mul(gradient, self.grad_scale, out=bucket.flat)
             super().reduce_bucket(bucket)
             self._staged[index] = (None, velocity)
             return
         accumulated = self.residual[index] + gradient
-        norms = accumulated.abs().sum(1, dtype=torch.float32)
+        norms = chunk_l1_norms(accumulated)
         self.norm_sum(norms, self.stats)  # every rank now ranks chunks by the same global norms
         chosen = select_chunks(norms, self.density)
         packed = accumulated.index_select(0, chosen)
         self.sum_fn(packed.view(-1), self.stats)
-        sent = torch.zeros_like(accumulated).index_copy_(0, chosen, packed)
-        bucket.flat.copy_(sent.view(-1)[:bucket.flat.numel()] * self.grad_scale)
+        bucket.flat.zero_()
+        self.chunks(bucket).index_copy_(0, chosen, packed.mul_(self.grad_scale) if self.grad_scale != 1.0 else packed)
         accumulated.index_fill_(0, chosen, 0.0)
         if velocity is not None and self.momentum_masking:
             velocity.index_fill_(0, chosen, 0.0)

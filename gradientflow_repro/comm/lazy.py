@@ -74,24 +74,26 @@ class LazyAllreduce(Communicator):
     def layout(self, params: list[nn.Parameter]) -> list[Bucket]:
         return self.pack(params, dense=True)
 
-    def pack(self, params: list[nn.Parameter], dense: bool) -> list[Bucket]:
-        """Consecutive parameters into parts of at least ``bucket_bytes`` (the last may be smaller)."""
+    def pack(self, params: list[nn.Parameter], dense: bool, multiple: int = 1) -> list[Bucket]:
+        """Consecutive parameters into parts of at least ``bucket_bytes`` (the last may be smaller),
+        each part's length padded with zeros to a multiple of ``multiple`` elements."""
         buckets, current, size = [], [], 0
         for param in params:
             current.append(param)
             size += param.numel() * 4
             if size >= self.bucket_bytes:
-                buckets.append(self._bucket(current, dense))
+                buckets.append(self._bucket(current, dense, multiple))
                 current, size = [], 0
         if current:
-            buckets.append(self._bucket(current, dense))
+            buckets.append(self._bucket(current, dense, multiple))
         return buckets
 
-    def _bucket(self, params: list[nn.Parameter], dense: bool) -> Bucket:
+    def _bucket(self, params: list[nn.Parameter], dense: bool, multiple: int) -> Bucket:
         offsets, total = [], 0
         for param in params:
             offsets.append(total)
             total += param.numel()
+        total = -(-total // multiple) * multiple
         return Bucket(params, offsets, torch.zeros(total, dtype=torch.float32, device=self.device),
                       dense=dense, seen=[False] * len(params))
 
