@@ -251,7 +251,8 @@ class Trainer:
             "skipped_steps": self.precision.skipped_steps,
             "clock_policy": "mlperf_s: from before data loading, never paused, evaluation included; "
                             "train_s: training steps only",
-            "command": "python -m gradientflow_repro.train " + " ".join(sys.argv[1:]), **environment_facts()}
+            "command": f"{_launcher_line(self.world)} -m gradientflow_repro.train " + " ".join(sys.argv[1:]),
+            **environment_facts()}
         if self.cfg.save_final_params:
             torch.save({n: t.detach().cpu() for n, t in self.model.state_dict().items()},
                        self.run_dir / f"final_params_rank{self.world.rank}.pt")
@@ -260,6 +261,13 @@ class Trainer:
             self._print(f"target {self.cfg.target_top1}% reached at step {reached['step']}: "
                         f"{reached['mlperf_s']:.1f}s (MLPerf clock), {reached['train_s']:.1f}s (training)")
         return summary
+
+
+def _launcher_line(world: World) -> str:
+    if world.source == "torchrun":
+        return (f"torchrun --nnodes={world.world_size // world.local_world_size} "
+                f"--nproc-per-node={world.local_world_size}")
+    return {"slurm": f"srun --ntasks={world.world_size} python"}.get(world.source, "python")
 
 
 def _duration(seconds: float) -> str:

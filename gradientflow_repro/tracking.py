@@ -57,8 +57,7 @@ class Tracker:
         self._file.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
             try:
-                flat = {k: v for k, v in record.items() if isinstance(v, (int, float)) and v is not None}
-                self.wandb_run.log(flat, step=record.get("step"))
+                self.wandb_run.log(wandb_keys(record), step=record.get("step"))
             except Exception as error:  # noqa: BLE001
                 warnings.warn(f"wandb is off for this run: {type(error).__name__}: {error}")
                 self.wandb_run = None
@@ -76,6 +75,23 @@ class Tracker:
                 self.wandb_run.finish()
             except Exception as error:  # noqa: BLE001
                 warnings.warn(f"wandb could not finish: {error}")
+
+
+def wandb_keys(record: dict[str, Any]) -> dict[str, float]:
+    """A JSONL record as wandb metrics: clocks under ``time/``, evaluations under ``val/``,
+    communication counts under ``comm/``, the rest under ``train/``."""
+    prefix = "val" if record.get("kind") == "eval" else "train"
+    metrics = {}
+    for key, value in record.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or key == "step":
+            continue
+        if key in ("mlperf_s", "train_s"):
+            metrics[f"time/{key}"] = value
+        elif key in ("bytes_per_step", "collectives_per_step", "sync_wait_s_per_step"):
+            metrics[f"comm/{key}"] = value
+        else:
+            metrics[f"{prefix}/{key}"] = value
+    return metrics
 
 
 def read_records(path: Path) -> list[dict]:

@@ -44,3 +44,4 @@ def test_checkpoint_from_another_world_size_is_refused(tmp_path: Path) -> None:
     path = save(tmp_path, 3, 1.0)
     with pytest.raises(checkpoint.CheckpointError, match="written by 1 ranks, this job has 4"):
         checkpoint.load_checkpoint(path, rank=0, world_size=4)
+
