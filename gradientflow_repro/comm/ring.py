@@ -33,6 +33,17 @@ def _segments(start: int, end: int, step: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + step, end)) for lo in range(start, end, step)]
 
 
+_INBOXES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _inbox(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A receive buffer kept between calls: a fresh large allocation costs page faults every time."""
+    buffer = _INBOXES.get((dtype, device))
+    if buffer is None or buffer.numel() < numel:
+        buffer = _INBOXES[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel]
+
+
 def ring_allreduce_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
                     segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> int:
     """Sum ``tensor`` over ``group`` in place. Returns the bytes this rank sent."""
@@ -46,7 +57,7 @@ def ring_allreduce_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = N
     bounds = [flat.numel() * i // world for i in range(world + 1)]
     segment = max(1, segment_bytes // flat.element_size())
     right, left = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
-    inbox = torch.empty(bounds[1] - bounds[0] + 1, dtype=flat.dtype, device=flat.device)
+    inbox = _inbox(bounds[1] - bounds[0] + 1, flat.dtype, flat.device)
     sent = 0
     for phase in ("reduce_scatter", "all_gather"):
         for step in range(world - 1):
