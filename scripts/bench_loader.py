@@ -93,13 +93,13 @@ def step_overhead(steps: int, rounds: int) -> tuple[float, float]:
         optimizer.zero_grad(set_to_none=True)
 
     harness_times, plain_times = [], []
-    for _ in range(rounds):
+    for fn in (lambda: trainer.train_step(images, labels), plain):
+        fn()  # warm
+    for _ in range(rounds * steps):  # alternate step by step: both loops see the same machine state
         for fn, times in ((lambda: trainer.train_step(images, labels), harness_times), (plain, plain_times)):
-            fn()  # warm
             started = time.perf_counter()
-            for _ in range(steps):
-                fn()
-            times.append((time.perf_counter() - started) / steps)
+            fn()
+            times.append(time.perf_counter() - started)
     trainer.tracker.finish({"name": "bench_overhead"})
     return statistics.median(harness_times), statistics.median(plain_times)
 
@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batches", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=60, help="overhead: steps per round, alternated")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "loader.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -134,7 +134,7 @@ def main() -> None:
         "",
         f"Machine: {facts['cpu']}, {facts['cpu_count']} cores, no GPU. torch {facts['torch']}, DALI "
         f"{facts['dali']}, commit {facts['git_commit']}. One process (world size 1).",
-        f"Command: `{command}` (medians of {args.rounds} alternating rounds, {args.batches} batches each after a "
+        f"Command: `{command}` (loaders: medians of {args.rounds} alternating rounds, {args.batches} batches each after a "
         f"warm-up batch; {args.threads} DALI threads vs {args.threads} DataLoader workers; torch uses 1 thread).",
         "",
         "## DALI CPU pipeline vs torchvision loader (training augmentation: random-resized crop, flip, normalize)",
@@ -151,7 +151,8 @@ def main() -> None:
         "",
         "## Harness per-step overhead",
         "",
-        "AlexNet-BN (width 0.25, 32-px input), batch 64, bf16 autocast, LARS, synthetic batch, world size 1, 2 torch threads.",
+        "AlexNet-BN (width 0.25, 32-px input), batch 64, bf16 autocast, LARS, synthetic batch, world size 1, 2 torch threads; "
+        f"{args.rounds * args.steps} steps of each loop, alternated step by step; median step time.",
         "",
         "| loop | seconds per step (median) |",
         "|---|---|",
