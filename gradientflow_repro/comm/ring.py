@@ -7,8 +7,8 @@ rank r holds the complete sum of chunk (r + 1) mod N. All-gather: N-1 more steps
 chunks around the ring. Each rank sends 2(N-1)/N of the tensor whatever N is: the bandwidth-optimal
 volume, and the reason the paper (like Baidu and Horovod before it) builds on the ring.
 
-Each chunk travels in segments (``segment_bytes``), all posted at once, and a received segment is
-added while later ones are still arriving, so reduction overlaps transfer on large messages.
+Each chunk travels in segments (``segment_bytes``); a segment is forwarded to the next rank as soon
+as it has been reduced, so reduction, receiving and sending overlap across steps (as in NCCL).
 Low-precision tensors travel in their own type; each addition is done in fp32 and rounded once, as
 NCCL does.
 """
@@ -46,7 +46,12 @@ def _inbox(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 def ring_allreduce_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
                     segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> int:
-    """Sum ``tensor`` over ``group`` in place. Returns the bytes this rank sent."""
+    """Sum ``tensor`` over ``group`` in place. Returns the bytes this rank sent.
+
+    Both phases are one pipeline of 2(N-1) steps: in step k rank r receives chunk (r - k - 1) mod N
+    (added to its own in the first N-1 steps, copied in the rest) and sends chunk (r - k) mod N,
+    which is exactly what it received in step k - 1. So every segment is forwarded as soon as it
+    has been reduced, without waiting for the rest of its chunk: no barrier between steps."""
     world = dist.get_world_size(group)
     if world == 1 or tensor.numel() == 0:
         return 0
@@ -57,33 +62,41 @@ def ring_allreduce_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = N
     bounds = [flat.numel() * i // world for i in range(world + 1)]
     segment = max(1, segment_bytes // flat.element_size())
     right, left = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
-    inbox = _inbox(bounds[1] - bounds[0] + 1, flat.dtype, flat.device)
-    sent = 0
-    for phase in ("reduce_scatter", "all_gather"):
-        for step in range(world - 1):
-            shift = 0 if phase == "reduce_scatter" else 1
-            out_chunk, in_chunk = (rank - step + shift) % world, (rank - step - 1 + shift) % world
-            out_lo, out_hi = bounds[out_chunk], bounds[out_chunk + 1]
-            in_lo, in_hi = bounds[in_chunk], bounds[in_chunk + 1]
-            # all-gather receives finished chunks straight into place; reduce-scatter needs an inbox
-            target = (lambda lo, hi: inbox[lo - in_lo:hi - in_lo]) if phase == "reduce_scatter" \
-                else (lambda lo, hi: flat[lo:hi])
-            receives = [(lo, hi, dist.irecv(target(lo, hi), src=left, group=group))
-                        for lo, hi in _segments(in_lo, in_hi, segment)]
-            sends = [dist.isend(flat[lo:hi], dst=right, group=group)
-                     for lo, hi in _segments(out_lo, out_hi, segment)]
-            for lo, hi, request in receives:
-                request.wait()
-                if phase == "all_gather":
-                    continue
-                arrived = inbox[lo - in_lo:hi - in_lo]
+    largest = bounds[1] - bounds[0] + 1
+    inboxes = _inbox(2 * largest, flat.dtype, flat.device).view(2, largest)
+    steps, reducing_steps = 2 * (world - 1), world - 1
+
+    def spans(chunk: int) -> list[tuple[int, int]]:
+        return _segments(bounds[chunk], bounds[chunk + 1], segment)
+
+    def post_receives(step: int) -> list[tuple[int, int, torch.Tensor, dist.Work]]:
+        chunk = (rank - step - 1) % world
+        posted = []
+        for lo, hi in spans(chunk):
+            # reduce steps land in an inbox (double-buffered by step); gather steps land in place
+            target = (inboxes[step % 2][lo - bounds[chunk]:hi - bounds[chunk]] if step < reducing_steps
+                      else flat[lo:hi])
+            posted.append((lo, hi, target, dist.irecv(target, src=left, group=group, tag=step)))
+        return posted
+
+    sends = [dist.isend(flat[lo:hi], dst=right, group=group, tag=0) for lo, hi in spans(rank)]
+    sent = (bounds[rank + 1] - bounds[rank]) * flat.element_size()
+    receives = post_receives(0)
+    for step in range(steps):
+        upcoming = post_receives(step + 1) if step + 1 < steps else []
+        for lo, hi, arrived, request in receives:
+            request.wait()
+            if step < reducing_steps:
                 if flat.dtype == torch.float32:
                     flat[lo:hi].add_(arrived)
                 else:
                     flat[lo:hi].copy_(flat[lo:hi].float() + arrived.float())
-            for request in sends:
-                request.wait()
-            sent += (out_hi - out_lo) * flat.element_size()
+            if step + 1 < steps:  # forward this segment at once: it is step + 1's send
+                sends.append(dist.isend(flat[lo:hi], dst=right, group=group, tag=step + 1))
+                sent += (hi - lo) * flat.element_size()
+        receives = upcoming
+    for request in sends:
+        request.wait()
     return sent
 
 
