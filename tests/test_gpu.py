@@ -6,7 +6,6 @@ import datetime
 import os
 from pathlib import Path
 
-import pytest
 import torch
 
 from conftest import free_port, requires_cuda

@@ -21,14 +21,13 @@ clamp).
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from gradientflow_repro.comm.base import CommStats
+from gradientflow_repro.comm.base import CommStats, SumFn, ring_bytes
 
-SumFn = Callable[[torch.Tensor, CommStats], None]
 FP16_SAFE_MAX = 2.0 ** 15
 
 
@@ -48,7 +47,7 @@ def agreed_scale(tensor: torch.Tensor, world: int, group: Optional[dist.ProcessG
     if world > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         stats.collectives += 1
-        stats.bytes += 4 * 2 * (world - 1) // world
+        stats.bytes += ring_bytes(peak.numel() * peak.element_size(), world)
     value = peak.item()
     if not math.isfinite(value) or value == 0.0:
         return 1.0
