@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import socket
 import subprocess
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -96,6 +97,15 @@ def _check_slurm_agrees(world: World, env: Mapping[str, str]) -> None:
             f"rank {world.rank}: torchrun says WORLD_SIZE={world.world_size} but Slurm started "
             f"SLURM_NTASKS={ntasks} tasks on {nnodes} node(s); launch either one torchrun per node "
             f"or one task per rank without torchrun")
+
+
+def describe_rank(world: World, device: torch.device) -> str:
+    """One line per rank for the job log: where every rank landed, e.g. to check a Slurm layout."""
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    node_id = os.environ.get("SLURM_NODEID", os.environ.get("GROUP_RANK", "0"))
+    return (f"rank {world.rank}/{world.world_size} local_rank {world.local_rank}/"
+            f"{world.local_world_size} node {node} node_id {node_id} device {device} "
+            f"(world from {world.source}, master {world.master_addr}:{world.master_port})")
 
 
 def select_device(preference: str, world: World) -> torch.device:

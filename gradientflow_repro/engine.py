@@ -26,6 +26,7 @@ from gradientflow_repro.distributed import World, all_reduce_scalars, barrier
 from gradientflow_repro.models import build_model
 from gradientflow_repro.optim import build_optimizer, build_schedule, set_lr
 from gradientflow_repro.precision import Precision
+from gradientflow_repro.preemption import StopRequests
 from gradientflow_repro.tracking import Tracker, environment_facts
 
 
@@ -44,6 +45,7 @@ class Trainer:
     def __init__(self, cfg: DictConfig, world: World, device: torch.device, clock_start: float) -> None:
         self.cfg, self.world, self.device, self.clock_start = cfg, world, device, clock_start
         self.run_dir = Path(cfg.run_dir)
+        self.stop = StopRequests()  # before the slow start-up, so an early signal is not lost
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.model = build_model(cfg.model.name, cfg.data.num_classes, cfg.data.image_size,
                                  cfg.model.width, cfg.model.dropout).to(device)
@@ -74,11 +76,11 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         p, steps_per_epoch = self.progress, self.data.steps_per_epoch
         self._log({"kind": "start", "resumed_from_step": p.step, "world_size": self.world.world_size})
-        while p.step < self.total_steps and not p.reached_at:
+        while p.step < self.total_steps and not p.reached_at and not self.stop.agreed_signal:
             epoch = p.step // steps_per_epoch
             for images, labels in self.data.train_batches(epoch, skip=p.step % steps_per_epoch):
                 self.train_step(images, labels)
-                if p.step >= self.total_steps:
+                if p.step >= self.total_steps or self.stop.agreed(self.device):
                     break
             if p.step % steps_per_epoch == 0:  # a whole epoch ended (not a max_steps cut)
                 done_epochs = p.step // steps_per_epoch
@@ -87,7 +89,11 @@ class Trainer:
                 if done_epochs % self.cfg.checkpoint.every_epochs == 0:
                     self.save()
         self.save()
+        self.stop.ignore_from_now()
         self.comm.close()
+        if self.stop.agreed_signal:
+            self._print(f"stopped by {self.stop.name} after step {p.step}: checkpoint saved"
+                        + (", asking for a requeue" if self.stop.requeue else ""))
         return self._finish()
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
@@ -249,6 +255,8 @@ class Trainer:
             "collectives_per_step": p.comm_totals["collectives"] / steps,
             "sync_wait_s_per_step": p.comm_totals["wait_s"] / steps,
             "skipped_steps": self.precision.skipped_steps,
+            "stopped_by": self.stop.name or None, "exit_code": self.stop.exit_code,
+            "wandb_run_id": self.tracker.run_id,
             "clock_policy": "mlperf_s: from before data loading, never paused, evaluation included; "
                             "train_s: training steps only",
             "command": f"{_launcher_line(self.world)} -m gradientflow_repro.train " + " ".join(sys.argv[1:]),

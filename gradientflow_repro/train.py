@@ -4,6 +4,8 @@
     srun python -m gradientflow_repro.train +experiment=alexnet_512gpu data.root=/imagenet
 
 Configuration errors are reported before any process group starts, naming the key at fault.
+Exit codes: 0 done; 2 bad configuration or launch; 75 stopped by SIGUSR1 after a checkpoint (the
+Slurm templates requeue the job); 143 stopped by SIGTERM after a checkpoint.
 """
 
 from __future__ import annotations
@@ -39,10 +41,13 @@ def main(cfg: DictConfig) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
     device = distributed.select_device(cfg.device, world)
     distributed.init_process_group(world, device, cfg.dist_timeout_s)
+    print(distributed.describe_rank(world, device), flush=True)
     try:
-        Trainer(cfg, world, device, clock_start).fit()
+        summary = Trainer(cfg, world, device, clock_start).fit()
     finally:
         distributed.destroy_process_group()
+    if summary["exit_code"]:  # stopped by a signal after a checkpoint; 75 asks for a requeue
+        sys.exit(summary["exit_code"])
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from gradientflow_repro.comm.csc import CSCCommunicator
 from gradientflow_repro.comm.ddp import DDPCommunicator
 from gradientflow_repro.comm.hierarchical import HierarchicalSum
 from gradientflow_repro.comm.lazy import LazyAllreduce
-from gradientflow_repro.comm.ring import ring_sum
+from gradientflow_repro.comm.ring import DEFAULT_SEGMENT_BYTES, ring_sum
 
 _BASE = dict(algorithm="builtin", wire="fp32", fusion="per_tensor", overlap=False, sparsity="dense")
 STRATEGIES: dict[str, dict[str, Any]] = {
@@ -69,7 +69,7 @@ def resolve(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def build_sum(algorithm: str, wire: str, ranks_per_node: int | None = None,
-              segment_kb: int = 4096) -> SumFn:
+              segment_kb: int = DEFAULT_SEGMENT_BYTES // 1024) -> SumFn:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         return builtin_sum()  # nothing to sum with
@@ -86,7 +86,7 @@ def build_sum(algorithm: str, wire: str, ranks_per_node: int | None = None,
 def build_communicator(options: Mapping[str, Any], device: torch.device) -> Communicator:
     knobs = resolve(options)
     sum_fn = build_sum(knobs["algorithm"], knobs["wire"], knobs.get("ranks_per_node"),
-                       knobs.get("segment_kb", 4096))
+                       knobs.get("segment_kb", DEFAULT_SEGMENT_BYTES // 1024))
     if knobs["fusion"] == "ddp":
         custom = (knobs["algorithm"], knobs["wire"]) != ("builtin", "fp32")
         return DDPCommunicator(device, knobs.get("ddp_bucket_mb", 25.0), sum_fn if custom else None)

@@ -1,0 +1,42 @@
+#!/bin/bash
+# Any experiment of configs/experiment/ on a Slurm allocation (default: one node, 8 GPUs).
+#
+#   sbatch slurm/train.sh EXPERIMENT [Hydra overrides]    (from the repository root)
+#   sbatch --nodes=4 slurm/train.sh alexnet_512gpu comm=lazy
+#   sbatch --gpus-per-node=0 --ntasks-per-node=4 --cpus-per-task=1 slurm/train.sh digits_cpu
+#
+# Preemption, requeue and the run directory work as in slurm/alexnet_512gpu.sh.
+#
+# ---- cluster settings: what an admin edits ----------------------------------------------------
+#SBATCH --job-name=gf-train
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=12
+#SBATCH --time=01:00:00
+#SBATCH --signal=USR1@180
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=slurm/logs/%x-%j.out
+##SBATCH --partition=gpu
+##SBATCH --account=my-project
+##SBATCH --exclusive
+#   (one task per GPU; 12 CPUs per task feed DALI; the warning comes 3 min before the limit, as
+#    Slurm may send it up to a minute late; remove one '#' from a '##SBATCH' line to use it)
+# module load cuda/12.4 nccl/2.21
+ENV_CONDA=${ENV_CONDA:-}              # conda env created from environment.yml, e.g. gradientflow
+ENV_VENV=${ENV_VENV:-.venv}           # otherwise this virtualenv ('make venv')
+# export DATA=/datasets/imagenet       # dataset root for the experiment's data config
+# export NCCL_SOCKET_IFNAME=ib0       # the interface NCCL bootstraps over
+# export NCCL_IB_HCA=mlx5             # InfiniBand adapters NCCL may use
+# export NCCL_DEBUG=WARN
+# ------------------------------------------------------------------------------------------------
+
+if [ $# -lt 1 ] || [ ! -f "${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-.}}/configs/experiment/$1.yaml" ]; then
+  echo "error: first argument must name an experiment of configs/experiment/ (got '${1:-}')" >&2
+  exit 2
+fi
+EXPERIMENT=$1
+shift
+# shellcheck source=launch.sh
+source "${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-.}}/slurm/launch.sh" "$@"

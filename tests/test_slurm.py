@@ -1,0 +1,166 @@
+"""The Slurm templates under a real Slurm: scripts/local_slurm.sh starts a controller and two
+compute daemons (node1, node2) on this machine; jobs are the templates themselves, scaled down
+with sbatch options and Hydra overrides (no GPUs, the embedded digits, a few dozen steps).
+
+Needs root and either Slurm or apt-get. Elsewhere the tests are skipped, except where
+REQUIRE_SLURM_TESTS=1 (as in CI), where a missing Slurm is a failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, final_params, torchrun
+
+LOCAL_SLURM = REPO / "scripts" / "local_slurm.sh"
+SCALED_DOWN = ["--gpus-per-node=0", "--cpus-per-task=1", "--time=15"]
+
+
+def _why_no_slurm() -> str | None:
+    if os.geteuid() != 0:
+        return "the local Slurm needs root"
+    has_slurm = Path("/usr/sbin/slurmctld").exists() and Path("/usr/sbin/slurmd").exists()
+    if not has_slurm and subprocess.run(["which", "apt-get"], capture_output=True).returncode != 0:
+        return "Slurm is not installed and there is no apt-get to install it"
+    return None
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    reason = _why_no_slurm()
+    if reason:
+        if os.environ.get("REQUIRE_SLURM_TESTS") == "1":
+            pytest.fail(f"REQUIRE_SLURM_TESTS=1 but {reason}")
+        pytest.skip(reason)
+    state = tmp_path_factory.mktemp("slurm")
+    env = {**os.environ, "LOCAL_SLURM_DIR": str(state), "SLURM_CONF": str(state / "slurm.conf"),
+           "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    started = subprocess.run([str(LOCAL_SLURM), "start", "--nodes", "2"], env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert started.returncode == 0, f"local Slurm did not start:\n{started.stdout}\n{started.stderr}"
+    try:
+        yield env
+    finally:
+        subprocess.run([str(LOCAL_SLURM), "stop"], env=env, timeout=120)
+        assert not (state / "slurmctld.pid").exists()
+
+
+def _overrides(digits_root: Path, run_dir: Path, *extra: str) -> list[str]:
+    """The alexnet_512gpu experiment cut to this machine: digits, CPU, bf16, a narrow model."""
+    return ["data=digits", f"data.root={digits_root}", "device=cpu", "precision=bf16",
+            "model.width=0.125", "global_batch_size=128", "optim.warmup_epochs=1",
+            "eval_every_epochs=1", "threads_per_rank=1", "dist_timeout_s=60", "logger.log_every=1",
+            "save_final_params=true", f"run_dir={run_dir}", *extra]
+
+
+def _sbatch(env: dict[str, str], options: list[str], overrides: list[str],
+            template: str = "slurm/alexnet_512gpu.sh", timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(["sbatch", "--parsable", *options, template, *overrides], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _job_state(env: dict[str, str], job: str) -> tuple[str, str]:
+    shown = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True,
+                           timeout=30).stdout
+    state = re.search(r"JobState=(\S+)", shown)
+    reason = re.search(r"Reason=(\S+)", shown)
+    return (state.group(1) if state else "UNKNOWN", reason.group(1) if reason else "")
+
+
+def _ranks(log: str) -> dict[int, tuple[int, str, str]]:
+    """rank -> (world size, node name, node id) from the trainer's per-rank start lines."""
+    found = re.findall(r"^rank (\d+)/(\d+) local_rank \S+ node (\S+) node_id (\S+) .*world from slurm",
+                       log, flags=re.M)
+    return {int(rank): (int(world), node, node_id) for rank, world, node, node_id in found}
+
+
+def test_alexnet_template_runs_one_process_group_under_sbatch_wait(slurm, tmp_path: Path,
+                                                                   digits_root: Path) -> None:
+    log = tmp_path / "job.out"
+    job = _sbatch(slurm, ["--wait", "--nodes=1", "--ntasks-per-node=2", *SCALED_DOWN, f"--output={log}"],
+                  _overrides(digits_root, tmp_path / "run", "epochs=1", "max_steps=8"))
+    output = log.read_text() if log.exists() else ""
+    assert job.returncode == 0, f"{job.stderr}\n{output[-4000:]}"
+    assert _ranks(output) == {0: (2, "node1", "0"), 1: (2, "node1", "0")}, output[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 8
+    assert summary["command"].startswith("srun --ntasks=2")
+    a, b = final_params(tmp_path / "run", 0), final_params(tmp_path / "run", 1)
+    for key in a:  # one process group: the ranks' weights agree (BatchNorm buffers are per rank)
+        if "running" not in key and "num_batches" not in key:
+            assert torch.equal(a[key], b[key]), key
+
+
+def test_two_nodes_get_the_right_node_ids_and_global_ranks(slurm, tmp_path: Path, digits_root: Path) -> None:
+    log = tmp_path / "job.out"
+    job = _sbatch(slurm, ["--wait", "--nodes=2", "--ntasks-per-node=2", *SCALED_DOWN, f"--output={log}"],
+                  _overrides(digits_root, tmp_path / "run", "epochs=1", "max_steps=4", "comm=hierarchical"))
+    output = log.read_text() if log.exists() else ""
+    assert job.returncode == 0, f"{job.stderr}\n{output[-4000:]}"
+    assert _ranks(output) == {0: (4, "node1", "0"), 1: (4, "node1", "0"),
+                              2: (4, "node2", "1"), 3: (4, "node2", "1")}, output[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 4
+
+
+def test_preempted_job_checkpoints_requeues_and_finishes_like_an_uninterrupted_run(
+        slurm, tmp_path: Path, digits_root: Path) -> None:
+    common = _overrides(digits_root, tmp_path / "preempted", "epochs=3", "deterministic=true",
+                        "checkpoint.every_epochs=100")
+    log = tmp_path / "job.out"
+    submitted = _sbatch(slurm, ["--nodes=1", "--ntasks-per-node=2", *SCALED_DOWN, f"--output={log}"], common)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    metrics = tmp_path / "preempted" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and '"step": 4,' not in (metrics.read_text() if metrics.exists() else ""):
+        time.sleep(0.1)
+    subprocess.run(["scancel", "--signal=USR1", job], env=slurm, check=True, timeout=30)
+    state, reason = _job_state(slurm, job)
+    while time.monotonic() < deadline and state not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+        if state == "PENDING" and reason == "BeginTime":
+            # Slurm holds a requeued job for about two minutes; the test does not need to wait
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, timeout=30)
+        time.sleep(0.5)
+        state, reason = _job_state(slurm, job)
+    output = log.read_text()
+    assert state == "COMPLETED", f"job {job} ended {state}:\n{output[-4000:]}"
+    assert "stopped by SIGUSR1" in output and "requeueing" in output, output[-4000:]
+    assert re.search(r"job \d+ \(restart 1\)", output), output[-4000:]
+    stopped_at = int(re.search(r"stopped by SIGUSR1 after step (\d+)", output).group(1))
+    assert f"resumed from {tmp_path / 'preempted'}/checkpoints/step_{stopped_at:09d} at step {stopped_at}" in output
+    summary = json.loads((tmp_path / "preempted" / "summary.json").read_text())
+    assert summary["steps"] == 33 and summary["stopped_by"] is None
+    wandb_runs = sorted((tmp_path / "preempted" / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 2 and {p.name.rsplit("-", 1)[1] for p in wandb_runs} == {summary["wandb_run_id"]}
+
+    reference = [a for a in common if not a.startswith("run_dir=")]
+    torchrun(2, ["+experiment=alexnet_512gpu", *reference, "logger=jsonl"], tmp_path / "straight")
+    for rank in range(2):
+        a, b = final_params(tmp_path / "straight", rank), final_params(tmp_path / "preempted", rank)
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"{key} differs on rank {rank}"
+
+
+def test_asking_for_more_than_the_cluster_has_is_refused_at_once(slurm) -> None:
+    started = time.monotonic()
+    job = _sbatch(slurm, [], [], timeout=60)  # the template as written: 64 nodes x 8 GPUs
+    assert job.returncode != 0 and "sbatch: error:" in job.stderr, job.stderr
+    assert time.monotonic() - started < 30
+    queued = subprocess.run(["squeue", "-h"], env=slurm, capture_output=True, text=True, timeout=30)
+    assert queued.stdout.strip() == "", f"a job was left in the queue: {queued.stdout}"
+
+
+def test_generic_template_rejects_an_unknown_experiment(slurm, tmp_path: Path) -> None:
+    log = tmp_path / "job.out"
+    job = _sbatch(slurm, ["--wait", "--nodes=1", "--ntasks-per-node=1", *SCALED_DOWN, f"--output={log}"],
+                  ["no_such_experiment"], template="slurm/train.sh")
+    assert job.returncode == 2
+    assert "first argument must name an experiment" in log.read_text()
+
