@@ -1,6 +1,8 @@
 # gradientflow-repro: every target sets up what it needs on a fresh machine.
-#   make reproduce            train on the embedded digits data (4 gloo ranks on CPU)
+#   make reproduce            the paper's comparison: every strategy to the target accuracy over an
+#                             emulated cluster network (4 gloo ranks on CPU) -> results/REPORT.md
 #   make reproduce DATA=/imagenet [EXPERIMENT=alexnet_512gpu NPROC=8]
+#   make train                one training run (EXPERIMENT, NPROC, ARGS as Hydra overrides)
 #   make test                 the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,9 +12,10 @@ NPROC ?= 4
 EXPERIMENT ?= digits_cpu
 DATA ?=
 ARGS ?=
+REPRO_ARGS ?=
 DIGITS := data/digits
 
-.PHONY: venv data reproduce test bench clean
+.PHONY: venv data reproduce train test bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +32,10 @@ $(DIGITS)/train: | $(STAMP)
 data: $(DIGITS)/train
 
 reproduce: venv $(if $(DATA),,data)
+	$(PY) scripts/reproduce.py --experiment $(EXPERIMENT) --world $(NPROC) $(REPRO_ARGS) -- \
+	  $(if $(DATA),data=imagenet data.root=$(DATA)) $(ARGS)
+
+train: venv $(if $(DATA),,data)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) -m gradientflow_repro.train \
 	  +experiment=$(EXPERIMENT) $(if $(DATA),data=imagenet data.root=$(DATA)) $(ARGS)
 

@@ -21,6 +21,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from gradientflow_repro import faults
+
 MANIFEST = "manifest.json"
 
 
@@ -36,9 +38,10 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _save_file(obj: Any, path: Path) -> None:
+def _save_file(obj: Any, path: Path, step: int = -1) -> None:
     partial = path.with_name(path.name + ".partial")
     torch.save(obj, partial)
+    faults.inject("checkpoint", step)
     with open(partial, "rb") as handle:
         os.fsync(handle.fileno())
     os.replace(partial, path)
@@ -54,7 +57,7 @@ def save_checkpoint(run_dir: Path, step: int, shared: Optional[dict], per_rank: 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    _save_file(per_rank, tmp / f"rank_{rank:05d}.pt")
+    _save_file(per_rank, tmp / f"rank_{rank:05d}.pt", step)
     barrier()
     if rank == 0:
         _save_file(shared, tmp / "shared.pt")

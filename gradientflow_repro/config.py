@@ -8,6 +8,7 @@ group starts, so a bad configuration never costs a cluster allocation more than 
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -48,6 +49,7 @@ class DataConfig:
     std: list[float] = field(default_factory=lambda: [0.229 * 255, 0.224 * 255, 0.225 * 255])
     num_threads: int = 2  # decoding threads per rank
     prefetch: int = 2
+    verify_files: bool = True  # check every image file (cheaply) before training; bad ones by path
     synthetic_train_size: int = 4096
     synthetic_val_size: int = 512
 
@@ -102,6 +104,7 @@ class LoggerConfig:
     project: str = "gradientflow-repro"
     entity: Optional[str] = None
     group: Optional[str] = None  # defaults to the experiment name
+    name: Optional[str] = None  # the run's name; defaults to the strategy
     log_every: int = 10  # steps between progress lines and JSONL step records
 
 
@@ -135,6 +138,8 @@ class Config:
     dist_timeout_s: float = 300.0
     threads_per_rank: int = 4  # torch intra-op threads per process (CPU training)
     save_final_params: bool = False  # write params.pt at the end (tests compare runs with it)
+    consistency_every_steps: int = 100  # compare parameter checksums across ranks (0: never)
+    max_nonfinite_steps: int = 20  # fp16: stop after this many skipped (overflowing) steps in a row
 
 
 def register_configs() -> None:
@@ -190,6 +195,10 @@ def validate(cfg: Config | DictConfig, world_size: int) -> None:
         _fail("global_batch_size", cfg.global_batch_size,
               f"must be divisible by the world size {world_size} "
               f"(nearest valid: {max(world_size, cfg.global_batch_size // world_size * world_size)})")
+    if cfg.consistency_every_steps < 0:
+        _fail("consistency_every_steps", cfg.consistency_every_steps, "must be zero (off) or positive")
+    if cfg.max_nonfinite_steps <= 0:
+        _fail("max_nonfinite_steps", cfg.max_nonfinite_steps, "must be positive")
     if cfg.max_steps is not None and cfg.max_steps <= 0:
         _fail("max_steps", cfg.max_steps, "must be positive or null")
     if cfg.target_top1 is not None and not 0 < cfg.target_top1 <= 100:
@@ -200,6 +209,16 @@ def validate(cfg: Config | DictConfig, world_size: int) -> None:
         _fail("resume", cfg.resume, "must be auto, never, or an existing checkpoint directory")
     if cfg.data.kind == "folder":
         _validate_image_folder(cfg.data.root)
+    _validate_run_dir(cfg.run_dir)
+
+
+def _validate_run_dir(run_dir: str) -> None:
+    path = Path(run_dir)
+    existing = next(p for p in [path, *path.parents] if p.exists())  # "." or "/" at the latest
+    if existing.exists() and not existing.is_dir():
+        _fail("run_dir", run_dir, f"cannot be created: {existing} is a file, not a directory")
+    if existing.exists() and not os.access(existing, os.W_OK | os.X_OK):
+        _fail("run_dir", run_dir, f"cannot be created or written: {existing} is not writable")
 
 
 def _select(obj: Any, dotted: str) -> Any:

@@ -14,8 +14,9 @@ import os
 import re
 import socket
 import subprocess
+import time
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -143,6 +144,63 @@ def all_reduce_scalars(values: list[float], device: torch.device, op: str = "sum
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
     dist.all_reduce(tensor, op=reduce_op)
     return tensor.tolist()
+
+
+def ranks_that_differ(tensors: Iterable[torch.Tensor], device: torch.device) -> list[int]:
+    """Collective: ranks whose tensors' checksum (float64 sum and sum of squares) differs from
+    rank 0's. Identical tensors give identical sums; a changed element changes them."""
+    checksum = torch.zeros(2, dtype=torch.float64, device=device)
+    for tensor in tensors:
+        values = tensor.detach().double()
+        checksum[0] += values.sum()
+        checksum[1] += values.square().sum()
+    if not dist.is_initialized():
+        return []
+    gathered = [torch.empty_like(checksum) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, checksum)
+    return [rank for rank, other in enumerate(gathered) if not torch.equal(other, gathered[0])]
+
+
+def unresponsive_ranks(world: World, wait_s: float = 5.0) -> Optional[list[int]]:
+    """After a collective failed: which ranks are gone? Every surviving rank marks itself in the
+    rendezvous store and waits ``wait_s`` for the others; ranks that never mark themselves are
+    lost (or stuck). None when the store itself is unreachable: it lives in rank 0 (or in
+    torchrun's agent), so then rank 0 is the likely loss."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=wait_s))
+        generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("SLURM_RESTART_COUNT", "0"))
+        key = f"gradientflow/failed/{generation}/" + "{}"
+        store.set(key.format(world.rank), "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r in range(world.world_size) if not store.check([key.format(r)])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001 - the store is as dead as the rank that hosted it
+        return None
+
+
+def describe_failure(world: World, error: BaseException) -> str:
+    """One message for a failed run: the error, and which ranks were lost if a collective broke."""
+    first = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    if world.world_size == 1 or not dist.is_initialized() or not _is_collective_failure(error):
+        return f"rank {world.rank}: {first}"
+    lost = unresponsive_ranks(world)
+    if lost is None:
+        who = "the rendezvous store is unreachable: rank 0 (which hosts it) is probably lost"
+    elif lost:
+        who = f"lost rank(s) {lost}: they did not answer within 5 s after the collective failed"
+    else:
+        who = "every rank is still alive: the collective itself failed"
+    return f"rank {world.rank}: a collective failed ({first}); {who}"
+
+
+def _is_collective_failure(error: BaseException) -> bool:
+    text = f"{type(error).__name__} {error}".lower()
+    return isinstance(error, getattr(dist, "DistError", RuntimeError)) or any(
+        word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
 
 
 def barrier(device: torch.device) -> None:

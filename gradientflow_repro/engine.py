@@ -19,15 +19,19 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from gradientflow_repro import checkpoint
+from gradientflow_repro import checkpoint, faults
 from gradientflow_repro.comm import build_communicator
 from gradientflow_repro.data import build_data
-from gradientflow_repro.distributed import World, all_reduce_scalars, barrier
+from gradientflow_repro.distributed import World, all_reduce_scalars, barrier, ranks_that_differ
 from gradientflow_repro.models import build_model
 from gradientflow_repro.optim import build_optimizer, build_schedule, set_lr
 from gradientflow_repro.precision import Precision
 from gradientflow_repro.preemption import StopRequests
-from gradientflow_repro.tracking import Tracker, environment_facts
+from gradientflow_repro.tracking import Tracker, allowed_environment, environment_facts
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on safely (the message says why, at which step, and what was saved)."""
 
 
 @dataclass
@@ -65,12 +69,15 @@ class Trainer:
         self.progress = Progress()
         self._step_time = 0.0  # training-clock seconds of this process (added to progress.train_s)
         self._saved_step = -1
+        self._nonfinite_streak = 0
         torch.manual_seed(cfg.seed + 1 + world.rank)  # dropout differs between ranks, as on a cluster
         wandb_id = self._resume()
         self.tracker = Tracker(self.run_dir, cfg.logger, enabled=world.is_main,
-                               name=cfg.comm.strategy, group=cfg.logger.group or cfg.experiment,
+                               name=cfg.logger.name or cfg.comm.strategy, group=cfg.logger.group or cfg.experiment,
                                config=OmegaConf.to_container(cfg, resolve=True), run_id=wandb_id)
         self._last_log = (self.progress.step, self.train_s)  # for rates between progress lines
+        if world.is_main:  # the composed configuration, as this run used it
+            OmegaConf.save(cfg, self.run_dir / "config.yaml", resolve=True)
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> dict[str, Any]:
@@ -97,20 +104,49 @@ class Trainer:
         return self._finish()
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
-        started = time.perf_counter()
-        lr = self.schedule(self.progress.step)
+        started, step = time.perf_counter(), self.progress.step
+        lr = self.schedule(step)
         set_lr(self.optimizer, lr)
-        self.comm.begin_step(self.progress.step / self.data.steps_per_epoch, self.precision.loss_scale)
+        faults.inject("forward", step)
+        self.comm.begin_step(step / self.data.steps_per_epoch, self.precision.loss_scale)
         with self.precision.autocast():
-            loss = self.criterion(self.train_model(images), labels)
+            loss = faults.inject("loss", step, self.criterion(self.train_model(images), labels))
         self.precision.backward(loss)
+        faults.inject("comm", step)
         self.comm.synchronize()
-        self.comm.end_step(applied=self.precision.step(self.optimizer))
+        applied = self.precision.step(self.optimizer)  # skipped on every rank if any grad is non-finite
+        self.comm.end_step(applied=applied)
         self.optimizer.zero_grad(set_to_none=True)
+        faults.inject("params", step, next(self.model.parameters()))
         self.progress.step += 1
         self._step_time += time.perf_counter() - started
+        self._guard(applied, loss)
         if self.progress.step % self.cfg.logger.log_every == 0 or self.progress.step == self.total_steps:
             self._log_step(loss, lr)
+
+    def _guard(self, applied: bool, loss: torch.Tensor) -> None:
+        """Stop rather than train on: non-finite values (all precisions but fp16 at once; fp16 after
+        ``max_nonfinite_steps`` skipped steps in a row, as loss scaling recovers from single ones),
+        or parameters that differ between ranks (checked every ``consistency_every_steps``)."""
+        p = self.progress
+        self._nonfinite_streak = 0 if applied else self._nonfinite_streak + 1
+        limit = self.cfg.max_nonfinite_steps if self.precision.scaler else 1
+        if self._nonfinite_streak >= limit:
+            self.save()  # the parameters are still the last good ones: skipped steps change nothing
+            raise TrainingError(
+                f"step {p.step}: gradients were non-finite on some rank for {self._nonfinite_streak} "
+                f"step(s) in a row ({self.cfg.precision.dtype}, loss {loss.item():.4g} on rank "
+                f"{self.world.rank}); no update used them. Stopped with a checkpoint of the last good "
+                f"state in {self.run_dir / 'checkpoints'}; try a lower optim.base_lr or precision=fp32")
+        every = self.cfg.consistency_every_steps
+        if every and self.world.world_size > 1 and p.step % every == 0:
+            differ = ranks_that_differ(self.model.parameters(), self.device)
+            if differ:
+                raise TrainingError(
+                    f"step {p.step}: parameters differ between ranks: rank(s) {differ} disagree with "
+                    f"rank 0 (parameter checksums). Ranks must apply identical updates; stopped before "
+                    f"the divergence spreads. The last checkpoint before it is in "
+                    f"{self.run_dir / 'checkpoints'}")
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -234,7 +270,7 @@ class Trainer:
 
     def _print(self, line: str) -> None:
         if self.world.is_main:
-            print(f"[{self.cfg.experiment}/{self.cfg.comm.strategy}] {line}", flush=True)
+            print(f"[{self.cfg.experiment}/{self.cfg.logger.name or self.cfg.comm.strategy}] {line}", flush=True)
 
     def _finish(self) -> dict[str, Any]:
         p, steps = self.progress, max(1, self.progress.step)
@@ -260,7 +296,7 @@ class Trainer:
             "clock_policy": "mlperf_s: from before data loading, never paused, evaluation included; "
                             "train_s: training steps only",
             "command": f"{_launcher_line(self.world)} -m gradientflow_repro.train " + " ".join(sys.argv[1:]),
-            **environment_facts()}
+            "environment": allowed_environment(), **environment_facts()}
         if self.cfg.save_final_params:
             torch.save({n: t.detach().cpu() for n, t in self.model.state_dict().items()},
                        self.run_dir / f"final_params_rank{self.world.rank}.pt")

@@ -126,6 +126,21 @@ def plot_top1(metrics_path: Path, out: Path, title: str = "") -> None:
     plt.close(figure)
 
 
+# Environment variables worth recording with a run; nothing else is written anywhere, and names
+# that look like credentials are dropped even when they match (e.g. a hypothetical NCCL_..._KEY).
+ENV_ALLOWED_PREFIXES = ("SLURM_JOB_", "SLURM_NTASKS", "SLURM_NNODES", "SLURM_RESTART_COUNT", "NCCL_",
+                        "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT",
+                        "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
+                        "GLOO_SOCKET_IFNAME", "WANDB_MODE", "DATA")
+ENV_SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL", "AUTH")
+
+
+def allowed_environment(env: Optional[dict[str, str]] = None) -> dict[str, str]:
+    env = dict(os.environ) if env is None else env
+    return {name: value for name, value in sorted(env.items())
+            if name.startswith(ENV_ALLOWED_PREFIXES) and not any(w in name for w in ENV_SECRET_WORDS)}
+
+
 def environment_facts() -> dict[str, Any]:
     """What produced a number: commit, library versions, hardware."""
     import torch

@@ -44,6 +44,9 @@ def main(cfg: DictConfig) -> None:
     print(distributed.describe_rank(world, device), flush=True)
     try:
         summary = Trainer(cfg, world, device, clock_start).fit()
+    except Exception as error:  # noqa: BLE001 - one clear line per rank, naming lost ranks
+        print(f"error: {distributed.describe_failure(world, error)}", file=sys.stderr, flush=True)
+        raise
     finally:
         distributed.destroy_process_group()
     if summary["exit_code"]:  # stopped by a signal after a checkpoint; 75 asks for a requeue

@@ -37,11 +37,11 @@ FAST = ["+experiment=digits_cpu", "model.width=0.125", "logger=jsonl", "logger.l
 
 
 def torchrun(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 240,
-             check: bool = True) -> subprocess.CompletedProcess:
+             check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
                f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
                "-m", "gradientflow_repro.train", f"run_dir={run_dir}", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     if check and result.returncode != 0:
         raise AssertionError(f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n"

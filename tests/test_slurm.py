@@ -148,6 +148,17 @@ def test_preempted_job_checkpoints_requeues_and_finishes_like_an_uninterrupted_r
             assert torch.equal(a[key], b[key]), f"{key} differs on rank {rank}"
 
 
+def test_a_rank_killed_under_slurm_fails_the_job_naming_it(slurm, tmp_path: Path, digits_root: Path) -> None:
+    log = tmp_path / "job.out"
+    env = {**slurm, "GFR_INJECT_FAULT": "kill@forward:rank=1:step=5"}
+    job = _sbatch(env, ["--wait", "--nodes=1", "--ntasks-per-node=2", *SCALED_DOWN, f"--output={log}"],
+                  _overrides(digits_root, tmp_path / "run", "epochs=1", "max_steps=8"))
+    output = log.read_text()
+    assert job.returncode != 0, output[-3000:]
+    assert "lost rank(s) [1]" in output, output[-4000:]
+    assert "requeue" not in output  # a crash is not a preemption
+
+
 def test_asking_for_more_than_the_cluster_has_is_refused_at_once(slurm) -> None:
     started = time.monotonic()
     job = _sbatch(slurm, [], [], timeout=60)  # the template as written: 64 nodes x 8 GPUs

@@ -8,7 +8,7 @@ import torch
 
 from gradientflow_repro.config import DataConfig
 from gradientflow_repro.data.base import Batch, DataSource
-from gradientflow_repro.data.listing import DatasetError, ImageOptions, list_image_folder
+from gradientflow_repro.data.listing import DatasetError, ImageOptions, file_problems, list_image_folder
 
 
 def build_data(cfg: DataConfig, *, global_batch: int, rank: int, world_size: int,
@@ -26,6 +26,8 @@ def build_data(cfg: DataConfig, *, global_batch: int, rank: int, world_size: int
     if len(train.classes) != cfg.num_classes:
         raise DatasetError(f"{root}: {len(train.classes)} class folders but data.num_classes="
                            f"{cfg.num_classes}")
+    if cfg.verify_files:
+        verify_files(train.files + val.files, rank, world_size)
     options = ImageOptions(cfg.image_size, cfg.val_resize, cfg.min_crop_scale, cfg.flip,
                            tuple(cfg.mean), tuple(cfg.std), cfg.num_threads, cfg.prefetch)
     shard = dict(local_batch=local_batch, global_batch=global_batch, rank=rank,
@@ -35,6 +37,25 @@ def build_data(cfg: DataConfig, *, global_batch: int, rank: int, world_size: int
         return DaliSource(train, val, options, device=device, **shard)
     from gradientflow_repro.data.folder import TorchvisionSource
     return TorchvisionSource(train, val, options, device=device, **shard)
+
+
+def verify_files(files: list[str], rank: int, world_size: int) -> None:
+    """Every rank checks its slice of the files; all ranks raise the same error, naming every bad
+    file, before any training (a decoder failing deep inside DALI names none)."""
+    import torch.distributed as dist
+
+    lo, hi = len(files) * rank // world_size, len(files) * (rank + 1) // world_size
+    problems = file_problems(files[lo:hi])
+    if dist.is_initialized() and world_size > 1:
+        gathered: list = [None] * world_size
+        dist.all_gather_object(gathered, problems)
+        problems = [item for part in gathered for item in part]
+    if problems:
+        listed = "\n".join(f"  {path}: {problem}" for path, problem in problems[:50])
+        more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
+        raise DatasetError(f"{len(problems)} image file(s) cannot be decoded:\n{listed}{more}\n"
+                           "Fix or remove them (scripts/prepare_imagenet.py --check lists them all), "
+                           "or set data.verify_files=false to skip this check")
 
 
 __all__ = ["Batch", "DataSource", "DatasetError", "build_data"]

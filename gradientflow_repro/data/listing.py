@@ -54,6 +54,39 @@ def list_image_folder(split_dir: Path, classes: list[str] | None = None) -> List
     return Listing(classes, files, labels)
 
 
+JPEG_START, PNG_START = b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n"
+
+
+def file_problem(path: str) -> str | None:
+    """What would break decoding, found without a decoder (cheap enough for every file of
+    ImageNet at start-up): an empty file, content that is neither JPEG nor PNG whatever the name
+    says, or a JPEG cut short (no end-of-image marker near its end). PNG content, grayscale and
+    CMYK JPEGs are fine: the loaders decode them to RGB."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(8)
+            size = handle.seek(0, 2)
+            handle.seek(max(0, size - 4096))
+            tail = handle.read()
+    except OSError as error:
+        return f"unreadable: {error.strerror}"
+    if size == 0:
+        return "empty file"
+    if head.startswith(JPEG_START):
+        return None if b"\xff\xd9" in tail else "JPEG without its end-of-image marker (truncated)"
+    if head.startswith(PNG_START):
+        return None if b"IEND" in tail else "PNG without its IEND chunk (truncated)"
+    return f"neither JPEG nor PNG (starts with bytes {head[:4].hex()})"
+
+
+def file_problems(paths: list[str], threads: int = 16) -> list[tuple[str, str]]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return [(p, problem) for p, problem in zip(paths, pool.map(file_problem, paths, chunksize=64))
+                if problem]
+
+
 def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(n, generator=generator).tolist()

@@ -1,0 +1,76 @@
+"""Fault injection for the reliability tests: make one rank fail at a chosen point.
+
+Set ``GFR_INJECT_FAULT`` to ``WHAT@WHERE:rank=R:step=S`` (several separated by ``,``):
+
+- WHAT: ``kill`` (SIGKILL to this process), ``nan`` (this rank's loss becomes NaN),
+  ``perturb`` (this rank's first parameter is nudged: ranks silently disagree);
+- WHERE: ``forward`` (start of a step), ``comm`` (entering ``synchronize``, while the other ranks
+  already wait in the step's collectives), ``checkpoint`` (after this rank's file is half written,
+  before the checkpoint is renamed into place), ``loss``, ``params`` (after the optimizer step).
+
+``GFR_FAULT_LOG`` names a file where each fired fault appends its wall-clock time. Without the
+variable every call is a dictionary lookup that finds nothing. Nothing in a normal run
+sets it; it exists so that tests can reach the failure paths of real multi-process runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+ENV = "GFR_INJECT_FAULT"
+
+
+@dataclass(frozen=True)
+class Fault:
+    what: str
+    where: str
+    rank: int
+    step: int
+
+
+@lru_cache(maxsize=1)
+def planned() -> tuple[Fault, ...]:
+    faults = []
+    for spec in filter(None, os.environ.get(ENV, "").split(",")):
+        head, *fields = spec.split(":")
+        what, where = head.split("@")
+        values = dict(field.split("=") for field in fields)
+        faults.append(Fault(what, where, int(values.get("rank", 0)), int(values.get("step", 0))))
+    return tuple(faults)
+
+
+def _this_rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+
+
+def due(where: str, step: int) -> Optional[Fault]:
+    for fault in planned():
+        if fault.where == where and fault.step == step and fault.rank == _this_rank():
+            return fault
+    return None
+
+
+def inject(where: str, step: int, tensor: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """Apply the fault planned here, if any. Returns ``tensor`` (changed for nan/perturb)."""
+    fault = due(where, step) if planned() else None
+    if fault is None:
+        return tensor
+    if os.environ.get("GFR_FAULT_LOG"):  # when it fired, for measuring time to detection
+        with open(os.environ["GFR_FAULT_LOG"], "a") as log:
+            log.write(json.dumps({**fault.__dict__, "time": time.time()}) + "\n")
+    if fault.what == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault.what == "nan" and tensor is not None:
+        return tensor * float("nan")
+    if fault.what == "perturb" and tensor is not None:
+        with torch.no_grad():
+            tensor.add_(1e-3)
+    return tensor

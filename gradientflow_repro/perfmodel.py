@@ -1,0 +1,267 @@
+"""A scaling model: step time and speedup of data-parallel training for N GPUs, per strategy.
+
+Inputs: when each gradient tensor becomes ready during backward (from a profile), its size, the
+compute times, and the network: link bandwidth B (bytes/s per direction per rank), per-message
+latency a, ranks per node and the intra-node bandwidth. A ring allreduce of S bytes over n ranks
+costs 2(n-1) (a + S / (n B)): 2(n-1)/n of the data crosses every link, in 2(n-1) messages.
+
+Strategies map onto the same knobs as ``comm/factory.py``:
+- fusion ``per_tensor``: one allreduce per tensor; ``bucket``: tensors are packed in backward order
+  into buckets of ``bucket_bytes`` (DDP, lazy allreduce), one allreduce per bucket;
+- ``overlap``: a message may start as soon as its data is ready (backward continues meanwhile);
+  without it every message starts after backward. Messages go one at a time, in order;
+- ``wire_bytes``: 4 for fp32, 2 for the fp16 wire (plus one tiny allreduce per message for the
+  shared scale);
+- ``density`` < 1 (CSC): multi-dimensional tensors send only that fraction of their bytes, after an
+  allreduce of the chunk norms (one fp32 value per ``chunk_elements``); one-dimensional ones go dense;
+- ``hierarchical``: reduce inside each node, ring among node leaders, broadcast inside the node.
+
+Step time = forward + max(end of backward, end of the last message) + optimizer. Speedup for N GPUs
+is weak scaling (fixed per-GPU batch): N * step(1) / step(N).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterable
+
+
+@dataclass(frozen=True)
+class TensorProfile:
+    elements: int
+    ready_s: float  # seconds after backward starts when this gradient is complete
+    one_dimensional: bool = False
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    tensors: tuple[TensorProfile, ...]  # in the order backward produces them
+
+    @property
+    def elements(self) -> int:
+        return sum(t.elements for t in self.tensors)
+
+    def scaled(self, compute_factor: float) -> "ModelProfile":
+        """The same model on a device ``compute_factor`` times slower."""
+        return ModelProfile(self.forward_s * compute_factor, self.backward_s * compute_factor,
+                            self.optimizer_s * compute_factor,
+                            tuple(replace(t, ready_s=t.ready_s * compute_factor) for t in self.tensors))
+
+
+@dataclass(frozen=True)
+class Network:
+    bandwidth_Bps: float  # per rank and direction, between nodes
+    latency_s: float  # per message
+    ranks_per_node: int = 1
+    intra_bandwidth_Bps: float = float("inf")
+    intra_latency_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    fusion: str = "per_tensor"  # per_tensor | bucket
+    bucket_bytes: float = 25 * 2**20
+    overlap: bool = False
+    wire_bytes: int = 4
+    density: float = 1.0
+    chunk_elements: int = 32768
+    hierarchical: bool = False
+
+
+# The ablation ladder of `make reproduce`, as the model sees it.
+LADDER: tuple[Strategy, ...] = (
+    Strategy("allreduce"),
+    Strategy("ddp", fusion="bucket", bucket_bytes=25 * 2**20, overlap=True),
+    Strategy("ring"),
+    Strategy("ring+fp16", wire_bytes=2),
+    Strategy("ring+fp16+lazy", fusion="bucket", bucket_bytes=32 * 2**20, overlap=True, wire_bytes=2),
+    Strategy("gradientflow", fusion="bucket", bucket_bytes=32 * 2**20, overlap=True, wire_bytes=2,
+             density=0.1),
+)
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    compute_s: float  # forward + backward + optimizer
+    comm_s: float  # time the network is busy
+    exposed_comm_s: float  # communication not hidden behind backward
+    step_s: float
+    bytes_per_rank: float  # bytes each rank sends per step
+
+
+def ring_allreduce_s(payload_bytes: float, ranks: int, bandwidth_Bps: float, latency_s: float) -> float:
+    if ranks <= 1 or payload_bytes <= 0:
+        return 0.0
+    return 2 * (ranks - 1) * (latency_s + payload_bytes / (ranks * bandwidth_Bps))
+
+
+def allreduce_s(payload_bytes: float, ranks: int, net: Network, hierarchical: bool) -> float:
+    """One allreduce of ``payload_bytes`` among ``ranks`` ranks placed ``net.ranks_per_node`` per node."""
+    per_node = min(net.ranks_per_node, ranks)
+    nodes = max(1, ranks // per_node)
+    if hierarchical and per_node > 1:
+        # reduce to the leader and broadcast back: each a pipeline over the node's ranks
+        inside = 2 * ((per_node - 1) * net.intra_latency_s + payload_bytes / net.intra_bandwidth_Bps)
+        return inside + ring_allreduce_s(payload_bytes, nodes, net.bandwidth_Bps, net.latency_s)
+    if nodes == 1:  # all ranks in one node: the ring runs over the intra-node links
+        return ring_allreduce_s(payload_bytes, ranks, net.intra_bandwidth_Bps, net.intra_latency_s)
+    return ring_allreduce_s(payload_bytes, ranks, net.bandwidth_Bps, net.latency_s)
+
+
+def _messages(profile: ModelProfile, strategy: Strategy) -> list[tuple[float, float, int]]:
+    """(ready time, payload bytes, tiny extra allreduces) per message, in sending order."""
+    def payload(tensors: Iterable[TensorProfile]) -> tuple[float, int]:
+        total, extra = 0.0, 0
+        for t in tensors:
+            if strategy.density < 1 and not t.one_dimensional:
+                total += t.elements * strategy.density * strategy.wire_bytes
+                total += 4 * t.elements / strategy.chunk_elements  # the chunk norms
+            else:
+                total += t.elements * strategy.wire_bytes
+        extra += 1 if strategy.wire_bytes < 4 else 0  # the fp16 wire's shared scale
+        extra += 1 if strategy.density < 1 else 0  # norms travel in their own allreduce
+        return total, extra
+
+    if strategy.fusion == "per_tensor":
+        return [(t.ready_s, *payload([t])) for t in profile.tensors]
+    messages, bucket, filled = [], [], 0.0
+    for t in profile.tensors:
+        bucket.append(t)
+        filled += t.elements * 4
+        if filled >= strategy.bucket_bytes:
+            messages.append((t.ready_s, *payload(bucket)))
+            bucket, filled = [], 0.0
+    if bucket:
+        messages.append((bucket[-1].ready_s, *payload(bucket)))
+    return messages
+
+
+def predict_step(profile: ModelProfile, ranks: int, net: Network, strategy: Strategy) -> StepPrediction:
+    compute = profile.forward_s + profile.backward_s + profile.optimizer_s
+    if ranks == 1:
+        return StepPrediction(compute, 0.0, 0.0, compute, 0.0)
+    clock = 0.0 if strategy.overlap else profile.backward_s  # relative to the start of backward
+    busy = sent = 0.0
+    for ready, payload_bytes, extra in _messages(profile, strategy):
+        cost = allreduce_s(payload_bytes, ranks, net, strategy.hierarchical)
+        cost += extra * allreduce_s(4.0, ranks, net, strategy.hierarchical)
+        clock = max(clock, ready if strategy.overlap else profile.backward_s) + cost
+        busy += cost
+        sent += 2 * (ranks - 1) / ranks * payload_bytes
+    exposed = max(0.0, clock - profile.backward_s)
+    return StepPrediction(compute, busy, exposed, compute + exposed, sent)
+
+
+def speedup(profile: ModelProfile, ranks: int, net: Network, strategy: Strategy) -> float:
+    """Weak scaling: images per second on ``ranks`` GPUs over images per second on one."""
+    single = predict_step(profile, 1, net, strategy).step_s
+    return ranks * single / predict_step(profile, ranks, net, strategy).step_s
+
+
+def uniform_profile(layer_elements: list[int], forward_s: float, backward_s: float,
+                    optimizer_s: float = 0.0, one_dimensional: list[bool] | None = None) -> ModelProfile:
+    """Backward spread over the layers in proportion to their size (last layer's gradient first):
+    a stand-in when no measured profile is at hand."""
+    total = sum(layer_elements)
+    flags = one_dimensional or [False] * len(layer_elements)
+    tensors, done = [], 0
+    for elements, flat in zip(reversed(layer_elements), reversed(flags)):
+        done += elements
+        tensors.append(TensorProfile(elements, backward_s * done / total, flat))
+    return ModelProfile(forward_s, backward_s, optimizer_s, tuple(tensors))
+
+
+def measure_profile(model, images, labels, repeats: int = 5) -> ModelProfile:
+    """Profile one training step of ``model`` on this device: forward, backward with the time each
+    parameter's gradient is complete (post-accumulate-grad hooks), and an SGD-like update. Medians
+    over ``repeats`` steps after one warm-up."""
+    import statistics
+    import time
+
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    ready: dict[int, float] = {}
+    clock = {"backward": 0.0}
+    handles = [p.register_post_accumulate_grad_hook(
+        lambda p, i=i: ready.__setitem__(i, time.perf_counter() - clock["backward"]))
+        for i, p in enumerate(params)]
+    criterion = torch.nn.CrossEntropyLoss()
+    samples: list[tuple[float, float, float, dict[int, float]]] = []
+    try:
+        for _ in range(repeats + 1):
+            model.zero_grad(set_to_none=True)
+            started = time.perf_counter()
+            loss = criterion(model(images), labels)
+            clock["backward"] = time.perf_counter()
+            loss.backward()
+            backward_end = time.perf_counter()
+            with torch.no_grad():
+                for p in params:
+                    p.add_(p.grad, alpha=-1e-6)
+            samples.append((clock["backward"] - started, backward_end - clock["backward"],
+                            time.perf_counter() - backward_end, dict(ready)))
+    finally:
+        for handle in handles:
+            handle.remove()
+    samples = samples[1:]
+    order = sorted(range(len(params)), key=lambda i: statistics.median(s[3][i] for s in samples))
+    tensors = tuple(TensorProfile(params[i].numel(), statistics.median(s[3][i] for s in samples),
+                                  params[i].dim() == 1) for i in order)
+    return ModelProfile(statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples),
+                        statistics.median(s[2] for s in samples), tensors)
+
+
+# ---------------------------------------------------------------- the paper's setting
+# Each value with its source; "derived" values follow from the paper's own abstract.
+IMAGENET_TRAIN = 1_281_167  # ILSVRC-2012 training images
+PAPER_GPUS, PAPER_SPEEDUP, PAPER_MINUTES, PAPER_EPOCHS = 512, 410.2, 1.5, 95  # abstract
+PAPER_BASELINE_GPUS, PAPER_BASELINE_SPEEDUP = 64, 2.5  # abstract: "popular open-source systems"
+PAPER_LINK_GBPS = 56  # abstract
+PAPER_PER_GPU_BATCH = 128  # ours: 65,536 / 512 (Jia et al. 2018 trained AlexNet at 64K)
+# derived: 95 epochs in 90 s on 512 GPUs is 1.35M images/s; with speedup 410.2 one GPU runs at
+# 1.35M / 410.2 = 3,300 images/s (the paper's own single-GPU throughput, whatever its GPU)
+PAPER_SINGLE_GPU_IMAGES_S = IMAGENET_TRAIN * PAPER_EPOCHS / (PAPER_MINUTES * 60) / PAPER_SPEEDUP
+ASSUMED_GPUS_PER_NODE = 8  # assumption: the common 8-GPU server (the paper's is not known to us)
+ASSUMED_LATENCY_S = 10e-6  # assumption: per message of a ring step over InfiniBand with NCCL/MPI
+ASSUMED_INTRA_NODE_BPS = 10e9  # assumption: PCIe 3.0 x16 between GPUs of a node (no NVLink)
+ASSUMED_BACKWARD_SHARE = 2 / 3  # assumption: backward takes twice the forward's time
+# torchvision AlexNet parameter tensors (weights and biases), in forward order
+ALEXNET_LAYERS: tuple[tuple[int, bool], ...] = (
+    (64 * 3 * 11 * 11, False), (64, True), (192 * 64 * 5 * 5, False), (192, True),
+    (384 * 192 * 3 * 3, False), (384, True), (256 * 384 * 3 * 3, False), (256, True),
+    (256 * 256 * 3 * 3, False), (256, True), (4096 * 9216, False), (4096, True),
+    (4096 * 4096, False), (4096, True), (1000 * 4096, False), (1000, True))
+
+
+def paper_profile() -> ModelProfile:
+    step = PAPER_PER_GPU_BATCH / PAPER_SINGLE_GPU_IMAGES_S
+    elements = [e for e, _ in ALEXNET_LAYERS]
+    flags = [flat for _, flat in ALEXNET_LAYERS]
+    return uniform_profile(elements, step * (1 - ASSUMED_BACKWARD_SHARE), step * ASSUMED_BACKWARD_SHARE,
+                           0.0, flags)
+
+
+def paper_network() -> Network:
+    return Network(PAPER_LINK_GBPS * 1e9 / 8, ASSUMED_LATENCY_S, ASSUMED_GPUS_PER_NODE,
+                   ASSUMED_INTRA_NODE_BPS, ASSUMED_LATENCY_S)
+
+
+def paper_dense_ratio() -> tuple[float, str]:
+    """Dense fp32 ring traffic time over compute time per step on the paper's cluster, with the
+    arithmetic spelled out (what `make reproduce` matches with its link rate)."""
+    profile, net = paper_profile(), paper_network()
+    compute = profile.forward_s + profile.backward_s
+    payload = profile.elements * 4
+    comm = 2 * (PAPER_GPUS - 1) / PAPER_GPUS * payload / net.bandwidth_Bps
+    text = (f"single-GPU throughput {PAPER_SINGLE_GPU_IMAGES_S:,.0f} images/s = {IMAGENET_TRAIN:,} x "
+            f"{PAPER_EPOCHS} images / {PAPER_MINUTES * 60:.0f} s / {PAPER_SPEEDUP} (the paper's own figures), "
+            f"so a {PAPER_PER_GPU_BATCH}-image step computes in {compute * 1e3:.1f} ms; AlexNet's "
+            f"{profile.elements / 1e6:.1f}M fp32 gradients ({payload / 1e6:.0f} MB) cross each link "
+            f"2(N-1)/N times per ring allreduce: at {PAPER_LINK_GBPS} Gbit/s ({net.bandwidth_Bps / 1e9:.1f} GB/s) "
+            f"and N = {PAPER_GPUS} that is {comm * 1e3:.1f} ms; ratio {comm / compute:.2f}")
+    return comm / compute, text

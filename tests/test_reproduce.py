@@ -1,0 +1,139 @@
+"""The comparison of `make reproduce`: the scaling model on hand-computed cases, the network
+emulation's set-up and complete tear-down, and a short comparison end to end."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from gradientflow_repro import netemu
+from gradientflow_repro import perfmodel as pm
+
+sys.path.insert(0, str(REPO / "scripts"))
+
+
+def _needs_netemu() -> None:
+    reason = netemu.why_unavailable()
+    if reason:
+        if os.environ.get("REQUIRE_NETEMU_TESTS") == "1":
+            pytest.fail(f"REQUIRE_NETEMU_TESTS=1 but {reason}")
+        pytest.skip(reason)
+
+
+# ---------------------------------------------------------------- the scaling model by hand
+PROFILE = pm.ModelProfile(forward_s=0.010, backward_s=0.020, optimizer_s=0.005, tensors=(
+    pm.TensorProfile(1_000_000, 0.005), pm.TensorProfile(1000, 0.010, True),
+    pm.TensorProfile(3_000_000, 0.020)))
+
+
+def test_one_gpu_is_compute_only() -> None:
+    net = pm.Network(1e9, 1e-5)
+    for strategy in pm.LADDER:
+        step = pm.predict_step(PROFILE, 1, net, strategy)
+        assert step.step_s == pytest.approx(0.035) and step.comm_s == 0
+        assert pm.speedup(PROFILE, 1, net, strategy) == pytest.approx(1.0)
+
+
+def test_bandwidth_bound_ring_after_backward() -> None:
+    net = pm.Network(bandwidth_Bps=1e8, latency_s=0.0)
+    step = pm.predict_step(PROFILE, 4, net, pm.Strategy("ring"))
+    # 2(N-1)/N of each tensor's fp32 bytes at 1e8 B/s, all after backward: 4,001,000 x 4 x 1.5 / 1e8
+    assert step.comm_s == pytest.approx(4_001_000 * 4 * 1.5 / 1e8)
+    assert step.step_s == pytest.approx(0.035 + 0.24006)
+    assert step.bytes_per_rank == pytest.approx(4_001_000 * 4 * 1.5)
+    # latency: 2(N-1) messages per allreduce, three allreduces
+    slow = pm.predict_step(PROFILE, 4, pm.Network(1e8, 1e-3), pm.Strategy("ring"))
+    assert slow.comm_s - step.comm_s == pytest.approx(3 * 6 * 1e-3)
+
+
+def test_full_overlap_hides_communication() -> None:
+    fast = pm.Network(bandwidth_Bps=1e12, latency_s=0.0)
+    lazy = pm.Strategy("lazy", fusion="bucket", bucket_bytes=1, overlap=True)  # one bucket per tensor
+    step = pm.predict_step(PROFILE, 8, fast, lazy)
+    # the last bucket is ready at the end of backward and costs 3e6*4*1.75/1e12 = 21 us
+    assert step.exposed_comm_s == pytest.approx(3e6 * 4 * 1.75 / 1e12)
+    early = pm.ModelProfile(0.010, 0.020, 0.0, (pm.TensorProfile(1000, 0.001),))
+    assert pm.predict_step(early, 8, pm.Network(1e9, 0.0), lazy).exposed_comm_s == 0
+    assert pm.predict_step(early, 8, pm.Network(1e9, 0.0), lazy).step_s == pytest.approx(0.030)
+
+
+def test_fp16_wire_and_csc_shrink_the_bytes() -> None:
+    net = pm.Network(1e8, 0.0)
+    dense = pm.predict_step(PROFILE, 2, net, pm.Strategy("ring"))
+    half = pm.predict_step(PROFILE, 2, net, pm.Strategy("ring+fp16", wire_bytes=2))
+    assert half.bytes_per_rank == pytest.approx(dense.bytes_per_rank / 2)
+    csc = pm.predict_step(PROFILE, 2, net, pm.Strategy("csc", density=0.1, chunk_elements=1000))
+    expected = (4_000_000 * 0.1 * 4 + 4_000_000 / 1000 * 4 + 1000 * 4)  # sent + norms + 1-D dense
+    assert csc.bytes_per_rank == pytest.approx(expected)
+
+
+def test_hierarchical_ring_runs_among_node_leaders() -> None:
+    net = pm.Network(1e8, 1e-3, ranks_per_node=4, intra_bandwidth_Bps=1e9, intra_latency_s=0.0)
+    cost = pm.allreduce_s(4e6, 16, net, hierarchical=True)
+    assert cost == pytest.approx(2 * 4e6 / 1e9 + 2 * 3 * (1e-3 + 4e6 / (4 * 1e8)))
+
+
+def test_paper_arithmetic_is_stated() -> None:
+    ratio, text = pm.paper_dense_ratio()
+    assert 1.5 < ratio < 2.1 and "410.2" in text and "56 Gbit/s" in text
+    assert pm.PAPER_SINGLE_GPU_IMAGES_S == pytest.approx(1_281_167 * 95 / 90 / 410.2)
+
+
+# ---------------------------------------------------------------- network emulation
+def test_emulated_network_leaves_nothing_behind_when_a_rank_fails(tmp_path: Path) -> None:
+    _needs_netemu()
+    from reproduce import run_ranks
+
+    before = set(netemu.namespaces())
+    with netemu.EmulatedNetwork(2, rate_mbit=100) as net:
+        names = set(netemu.namespaces(net.prefix))
+        assert names == {f"{net.prefix}sw", f"{net.prefix}n0", f"{net.prefix}n1"}
+        shaped = subprocess.run(["ip", "netns", "exec", net.namespace(1), "tc", "qdisc", "show", "dev", "eth0"],
+                                capture_output=True, text=True).stdout
+        assert "tbf" in shaped and "100Mbit" in shaped
+        # rank 1 fails at once; rank 0 would wait forever for it
+        script = ("import os, sys, time\n"
+                  "if os.environ['RANK'] == '1': sys.exit(3)\n"
+                  "print('[waiting]', flush=True); time.sleep(600)\n")
+        with pytest.raises(RuntimeError, match="exit codes"):
+            run_ranks(2, [script], tmp_path, "failing", net, timeout_s=20, module=("-c",))
+        pids = [p.pid for p in net.processes]
+    assert set(netemu.namespaces()) == before, "namespaces left behind"
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+# ---------------------------------------------------------------- the comparison, short
+def test_short_comparison_writes_a_complete_report(tmp_path: Path, digits_root: Path) -> None:
+    report = tmp_path / "REPORT.md"
+    command = [sys.executable, "scripts/reproduce.py", "--world", "2", "--check-world", "--repeats", "1",
+               "--rungs", "allreduce", "ring+fp16+lazy", "--runs-dir", str(tmp_path / "runs"),
+               "--report", str(report), "--timeout-s", "240", "--",
+               f"data.root={digits_root}", "model.width=0.125", "epochs=2", "eval_every_epochs=1",
+               "optim.warmup_epochs=0.5", "target_top1=20"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "WANDB_MODE": "offline"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[allreduce] run 1/1" in result.stdout and "ring+fp16+lazy r1 |" in result.stdout  # progress
+    text = report.read_text()
+    table = text[text.index("| strategy | time to target"):].split("\n\n")[0].splitlines()[2:]
+    assert [row.split("|")[1].strip() for row in table] == ["allreduce", "ring+fp16+lazy"]
+    for row in table:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 8 and all(cells) and "not reached" not in row and "nan" not in row, row
+    assert "Machine:" in text and "Command: `python scripts/reproduce.py" in text and "world size 2" in text
+    assert "| 2 | ring+fp16+lazy |" in text  # the model's check against this run
+    assert "410.2x" in text
+    for figure in ("reproduce_top1.png", "reproduce_step_split.png", "scaling.png"):
+        assert (tmp_path / figure).stat().st_size > 1000
+    if netemu.why_unavailable() is None:
+        assert "each link shaped to" in text
+        assert netemu.namespaces(f"{netemu.PREFIX}") == [] or all(
+            not n.startswith(netemu.PREFIX) for n in netemu.namespaces())
+    else:
+        assert "loopback, not emulated" in text
