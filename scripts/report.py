@@ -130,7 +130,7 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict, network: 
 
 def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, dict[str, dict]],
                  calibration: dict, network: dict, world: int, repeats: int, command: str,
-                 elapsed_s: float, experiment: str, group: str) -> None:
+                 elapsed_s: float, experiment: str, group: str, overrides: list[str]) -> None:
     from simulate_scaling import paper_check, plot
 
     figures = path.parent
@@ -157,7 +157,7 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
         f"- Machine: {machine}. torch {facts['torch']}, commit {facts['git_commit']}.",
         f"- Command: `{command}` ({elapsed_s / 60:.1f} min in all).",
         f"- Experiment `{experiment}`, world size {world}, each strategy trained to the target {repeats} times "
-        "(median, range in brackets).",
+        f"(median, range in brackets). Overrides for every run: `{' '.join(overrides)}`.",
         f"- Network: {net_line}.",
         f"- wandb group `{group}` (offline; see Dashboards below).", "",
         "## Time to accuracy", "", *comparison_table(runs), "",
