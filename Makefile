@@ -4,6 +4,7 @@
 #   make reproduce DATA=/imagenet [EXPERIMENT=alexnet_512gpu NPROC=8]
 #   make train                one training run (EXPERIMENT, NPROC, ARGS as Hydra overrides)
 #   make test                 the test suite
+#   make bench / reliability  benchmark tables / fault-injection table under results/
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -15,7 +16,7 @@ ARGS ?=
 REPRO_ARGS ?=
 DIGITS := data/digits
 
-.PHONY: venv data reproduce train test bench clean
+.PHONY: venv data reproduce train test bench reliability clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +47,10 @@ bench: venv data
 	$(PY) scripts/bench_loader.py
 	$(PY) scripts/bench_allreduce.py
 	$(PY) scripts/bench_comm.py
+	$(PY) scripts/simulate_scaling.py
+
+reliability: venv data
+	$(PY) scripts/fault_report.py
 
 clean:
 	rm -rf results/runs .pytest_cache

@@ -150,9 +150,14 @@ def main() -> None:
     parser.add_argument("--report", type=Path, default=REPO / "results" / "REPORT.md")
     parser.add_argument("--timeout-s", type=float, default=600, help="per training run")
     parser.add_argument("--check-steps", type=int, default=24, help="steps of each step-time run")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite the report from the runs of the last reproduction, run nothing")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
     started = time.time()
+    if args.report_only:
+        report_from(args.runs_dir, args.report)
+        return
 
     import shutil
 
@@ -202,11 +207,21 @@ def main() -> None:
                           run_dir, f"{label} w{world}", net, args.timeout_s, show=False)
                 checks[world][label] = steady_step(load_run(run_dir))
 
-    command = "python scripts/reproduce.py " + " ".join(sys.argv[1:])
-    write_report(args.report, runs=runs, checks=checks, calibration=calibration, network=network,
-                 world=args.world, repeats=args.repeats, command=command, elapsed_s=time.time() - started,
-                 experiment=args.experiment, group=group, overrides=base[1:])
+    facts = {"checks": checks, "calibration": calibration, "network": network, "world": args.world,
+             "repeats": args.repeats, "command": "python scripts/reproduce.py " + " ".join(sys.argv[1:]),
+             "elapsed_s": time.time() - started, "experiment": args.experiment, "group": group,
+             "overrides": base[1:], "rungs": args.rungs}
+    (args.runs_dir / "reproduce.json").write_text(json.dumps(facts, indent=1))
+    report_from(args.runs_dir, args.report)
     print(f"reproduce: wrote {args.report} in {time.time() - started:.0f}s", flush=True)
+
+
+def report_from(runs_dir: Path, report: Path) -> None:
+    """(Re)write the report from a finished reproduction's directory (``--report-only``)."""
+    facts = json.loads((runs_dir / "reproduce.json").read_text())
+    runs = {label: [load_run(d) for d in sorted((runs_dir / label).glob("r*"))] for label in facts.pop("rungs")}
+    facts["checks"] = {int(world): value for world, value in facts["checks"].items()}
+    write_report(report, runs=runs, **facts)
 
 
 def calibrate(world: int, base: list[str], run_dir: Path, net: Optional[netemu.EmulatedNetwork],
