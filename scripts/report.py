@@ -13,7 +13,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gradientflow_repro import perfmodel as pm  # noqa: E402
-from gradientflow_repro.tracking import environment_facts  # noqa: E402
 
 
 def _spread(values: list[Optional[float]], fmt: str, scale: float = 1.0) -> str:
@@ -135,13 +134,14 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict, network: 
 
 def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, dict[str, dict]],
                  calibration: dict, network: dict, world: int, repeats: int, command: str,
-                 elapsed_s: float, experiment: str, group: str, overrides: list[str]) -> None:
-    """Writes ``path`` and its figures beside it."""
+                 elapsed_s: float, experiment: str, group: str, overrides: list[str],
+                 machine: dict) -> None:
+    """Writes ``path`` and its figures beside it. ``machine``: environment_facts() of the run."""
     from simulate_scaling import paper_check, plot
 
     figures = path.parent
-    facts = environment_facts()
-    machine = facts["gpu"] or f"{facts['cpu']}, {facts['cpu_count']} cores, no GPU"
+    facts = machine
+    machine_line = facts["gpu"] or f"{facts['cpu']}, {facts['cpu_count']} cores, no GPU"
     if network["emulated"]:
         net_line = (f"emulated: one network namespace per rank, bridged, each link shaped to "
                     f"{network['rate_mbit']} Mbit/s with tbf (no added delay: this kernel has no netem)")
@@ -160,7 +160,7 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
     plot(table, figures / "scaling.png")
     text = [
         "# Reproducing GradientFlow's comparison", "",
-        f"- Machine: {machine}. torch {facts['torch']}, commit {facts['git_commit']}.",
+        f"- Machine: {machine_line}. torch {facts['torch']}, commit {facts['git_commit']}.",
         f"- Command: `{command}` ({elapsed_s / 60:.1f} min in all).",
         f"- Experiment `{experiment}`, world size {world}, each strategy trained to the target {repeats} times "
         f"(median, range in brackets). Overrides for every run: `{' '.join(overrides)}`.",

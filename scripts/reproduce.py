@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from gradientflow_repro import netemu, perfmodel  # noqa: E402
+from gradientflow_repro.tracking import environment_facts  # noqa: E402
 
 # (label, Hydra overrides): each rung adds one of the paper's techniques
 LADDER = {
@@ -210,7 +211,7 @@ def main() -> None:
     facts = {"checks": checks, "calibration": calibration, "network": network, "world": args.world,
              "repeats": args.repeats, "command": "python scripts/reproduce.py " + " ".join(sys.argv[1:]),
              "elapsed_s": time.time() - started, "experiment": args.experiment, "group": group,
-             "overrides": base[1:], "rungs": args.rungs}
+             "overrides": base[1:], "rungs": args.rungs, "machine": environment_facts()}
     (args.runs_dir / "reproduce.json").write_text(json.dumps(facts, indent=1))
     report_from(args.runs_dir, args.report)
     print(f"reproduce: wrote {args.report} in {time.time() - started:.0f}s", flush=True)
