@@ -161,7 +161,10 @@ def ranks_that_differ(tensors: Iterable[torch.Tensor], device: torch.device) -> 
     return [rank for rank, other in enumerate(gathered) if not torch.equal(other, gathered[0])]
 
 
-def unresponsive_ranks(world: World, wait_s: float = 5.0) -> Optional[list[int]]:
+LOST_RANK_WAIT_S = 3.0  # survivors of a broken collective report within milliseconds of each other
+
+
+def unresponsive_ranks(world: World, wait_s: float = LOST_RANK_WAIT_S) -> Optional[list[int]]:
     """After a collective failed: which ranks are gone? Every surviving rank marks itself in the
     rendezvous store and waits ``wait_s`` for the others; ranks that never mark themselves are
     lost (or stuck). None when the store itself is unreachable: it lives in rank 0 (or in
@@ -187,14 +190,14 @@ def describe_failure(world: World, error: BaseException) -> str:
     first = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
     if world.world_size == 1 or not dist.is_initialized() or not _is_collective_failure(error):
         return f"rank {world.rank}: {first}"
-    lost = unresponsive_ranks(world)
+    lost = unresponsive_ranks(world, LOST_RANK_WAIT_S)
     if lost is None:
         who = "the rendezvous store is unreachable: rank 0 (which hosts it) is probably lost"
     elif lost:
-        who = f"lost rank(s) {lost}: they did not answer within 5 s after the collective failed"
+        who = f"lost rank(s) {lost} (no answer within {LOST_RANK_WAIT_S:.0f} s)"
     else:
-        who = "every rank is still alive: the collective itself failed"
-    return f"rank {world.rank}: a collective failed ({first}); {who}"
+        who = "every rank is still alive"
+    return f"rank {world.rank}: {who}; a collective failed: {first}"
 
 
 def _is_collective_failure(error: BaseException) -> bool:

@@ -34,8 +34,10 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     import torch
 
-    from gradientflow_repro.engine import Trainer
+    from gradientflow_repro.data import DatasetError
+    from gradientflow_repro.engine import Trainer, TrainingError
 
+    agreed_errors = (TrainingError, DatasetError)  # raised by every rank together, same message
     torch.set_num_threads(max(1, cfg.threads_per_rank))
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -44,8 +46,9 @@ def main(cfg: DictConfig) -> None:
     print(distributed.describe_rank(world, device), flush=True)
     try:
         summary = Trainer(cfg, world, device, clock_start).fit()
-    except Exception as error:  # noqa: BLE001 - one clear line per rank, naming lost ranks
-        print(f"error: {distributed.describe_failure(world, error)}", file=sys.stderr, flush=True)
+    except Exception as error:  # noqa: BLE001 - one clear line, naming lost ranks
+        if world.is_main or not isinstance(error, agreed_errors):  # agreed ones: the same everywhere
+            print(f"error: {distributed.describe_failure(world, error)}", file=sys.stderr, flush=True)
         raise
     finally:
         distributed.destroy_process_group()

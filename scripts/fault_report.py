@@ -65,7 +65,8 @@ def torchrun(world: int, overrides: list[str], run_dir: Path, env: dict[str, str
     return result.returncode, result.stdout + result.stderr, time.time() - started
 
 
-def first_error(output: str) -> str:
+def first_error(output: str, scratch: Path) -> str:
+    output = output.replace(str(REPO) + "/", "").replace(str(scratch), "$SCRATCH")
     for line in output.splitlines():
         if line.startswith("error:") or "lost rank" in line:
             return re.sub(r"\s+", " ", line.strip())[:220]
@@ -78,7 +79,7 @@ def prepare(kind: str | None, work: Path, digits: Path, run_dir: Path, env: dict
     if kind == "truncate":
         root = work / "digits"
         shutil.copytree(digits, root)
-        victim = sorted((root / "train" / "5").iterdir())[0]
+        victim = sorted(sorted((root / "train").iterdir())[5].iterdir())[0]
         victim.write_bytes(victim.read_bytes()[:300])
         return root, f"{victim.relative_to(work)} cut to 300 bytes"
     if kind == "corrupt":
@@ -90,7 +91,7 @@ def prepare(kind: str | None, work: Path, digits: Path, run_dir: Path, env: dict
     if kind == "broken_wandb":
         run_dir.mkdir(parents=True)
         (run_dir / "wandb").write_text("a file")
-        env.update(WANDB_API_KEY="not-a-real-key-0123456789abcdef0123456789ab", WANDB_BASE_URL="http://127.0.0.1:9")
+        env.update(WANDB_API_KEY="not-a-real-key-0123456789abcdef0123456789abcdef0123", WANDB_BASE_URL="http://127.0.0.1:9")
         return digits, "wandb's directory is a file; its server address refuses connections"
     return digits, ""
 
@@ -120,9 +121,18 @@ def main() -> None:
                          else "-")
             if "wandb" in fault:
                 detection = "at start-up (one warning)"
+            if kind == "corrupt":
+                detection = "when resuming (SHA-256 mismatch)"
+            if "config key" in output:
+                detection = "before training"
             complete = complete_checkpoints(run_dir) if run_dir.is_dir() else []
             lost = "nothing written"
-            if complete:
+            if code == 0 and (run_dir / "summary.json").exists():
+                summary = json.loads((run_dir / "summary.json").read_text())
+                detection = "in the same step" if fired.exists() else detection
+                lost = (f"nothing: the run finished ({summary['steps']} steps, "
+                        f"{summary['skipped_steps']} skipped on every rank)")
+            elif complete:
                 resume_code, resume_output, _ = torchrun(world, [*BASE, f"data.root={root}", *extra], run_dir,
                                                          {"GFR_FAULT_LOG": ""})
                 resumed = re.search(r"resumed from \S+ at step (\d+)", resume_output)
@@ -133,9 +143,9 @@ def main() -> None:
                     lost = "nothing (no checkpoint needed)"
             if kind == "corrupt":
                 skipped = re.search(r"(skipping|damaged)[^\n]*", output)
-                lost = (f"the damaged checkpoint only; {note}; resumed from the previous one"
-                        + (f" ({skipped.group(0)[:80]})" if skipped else ""))
-            action = f"exit {code}; {first_error(output)}"
+                lost = (f"the damaged checkpoint only ({note}); the run resumed from the previous one"
+                        + (" after a warning naming the file" if skipped else ""))
+            action = f"exit {code}; {first_error(output, work)}"
             rows.append((fault, world, action, detection, lost if kind != "truncate" else f"nothing: {note}, named "
                          "before training"))
             print(f"    -> {action[:150]} | {detection} | {rows[-1][4][:100]}", flush=True)

@@ -39,10 +39,9 @@ def test_killed_rank_is_named_and_the_last_checkpoint_resumes(where: str, tmp_pa
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]
     assert seconds < 30 + 60, f"took {seconds:.0f}s: detection must come within dist_timeout_s"
-    assert "lost rank(s) [1]" in output or "rank 1" in output, output[-4000:]
+    assert "lost rank(s) [1]" in output, output[-4000:]
     complete = complete_checkpoints(tmp_path)
-    expected = 15 if where != "checkpoint" else 15
-    assert complete and int(complete[-1].name.split("_")[1]) == expected, complete
+    assert complete and int(complete[-1].name.split("_")[1]) == 15, complete
     if where == "checkpoint":
         assert (tmp_path / "checkpoints" / "step_000000030.tmp").is_dir()  # the half-written one
     assert find_resumable(tmp_path) == complete[-1]
