@@ -13,7 +13,9 @@ Strategies map onto the same knobs as ``comm/factory.py``:
 - ``wire_bytes``: 4 for fp32, 2 for the fp16 wire (plus one tiny allreduce per message for the
   shared scale);
 - ``density`` < 1 (CSC): multi-dimensional tensors send only that fraction of their bytes, after an
-  allreduce of the chunk norms (one fp32 value per ``chunk_elements``); one-dimensional ones go dense;
+  allreduce of the chunk norms (one fp32 value per ``chunk_elements``), and after CSC's local work
+  (norms, selection, packing: a measured cost per element, on the communication path); one-
+  dimensional tensors go dense;
 - ``hierarchical``: reduce inside each node, ring among node leaders, broadcast inside the node.
 
 Step time = forward + max(end of backward, end of the last message) + optimizer. Speedup for N GPUs
@@ -23,7 +25,7 @@ is weak scaling (fixed per-GPU batch): N * step(1) / step(N).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Iterable
+from typing import Iterable, Optional
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class ModelProfile:
     backward_s: float
     optimizer_s: float
     tensors: tuple[TensorProfile, ...]  # in the order backward produces them
+    sparsify_s_per_element: float = 0.0  # CSC's local work (norms, selection, packing, residuals)
 
     @property
     def elements(self) -> int:
@@ -48,7 +51,8 @@ class ModelProfile:
         """The same model on a device ``compute_factor`` times slower."""
         return ModelProfile(self.forward_s * compute_factor, self.backward_s * compute_factor,
                             self.optimizer_s * compute_factor,
-                            tuple(replace(t, ready_s=t.ready_s * compute_factor) for t in self.tensors))
+                            tuple(replace(t, ready_s=t.ready_s * compute_factor) for t in self.tensors),
+                            self.sparsify_s_per_element * compute_factor)
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class Network:
     ranks_per_node: int = 1
     intra_bandwidth_Bps: float = float("inf")
     intra_latency_s: float = 0.0
+    tiny_allreduce_s: Optional[float] = None  # measured cost of a one-value allreduce, if known
 
 
 @dataclass(frozen=True)
@@ -112,11 +117,14 @@ def allreduce_s(payload_bytes: float, ranks: int, net: Network, hierarchical: bo
     return ring_allreduce_s(payload_bytes, ranks, net.bandwidth_Bps, net.latency_s)
 
 
-def _messages(profile: ModelProfile, strategy: Strategy) -> list[tuple[float, float, int]]:
-    """(ready time, payload bytes, tiny extra allreduces) per message, in sending order."""
-    def payload(tensors: Iterable[TensorProfile]) -> tuple[float, int]:
-        total, extra = 0.0, 0
+def _messages(profile: ModelProfile, strategy: Strategy) -> list[tuple[float, float, int, float]]:
+    """(ready time, payload bytes, tiny extra allreduces, local work before sending) per message,
+    in sending order."""
+    def payload(tensors: Iterable[TensorProfile]) -> tuple[float, int, float]:
+        total, extra, work = 0.0, 0, 0.0
         for t in tensors:
+            if strategy.density < 1 and not t.one_dimensional:
+                work += t.elements * profile.sparsify_s_per_element
             if strategy.density < 1 and not t.one_dimensional:
                 total += t.elements * strategy.density * strategy.wire_bytes
                 total += 4 * t.elements / strategy.chunk_elements  # the chunk norms
@@ -124,7 +132,7 @@ def _messages(profile: ModelProfile, strategy: Strategy) -> list[tuple[float, fl
                 total += t.elements * strategy.wire_bytes
         extra += 1 if strategy.wire_bytes < 4 else 0  # the fp16 wire's shared scale
         extra += 1 if strategy.density < 1 else 0  # norms travel in their own allreduce
-        return total, extra
+        return total, extra, work
 
     if strategy.fusion == "per_tensor":
         return [(t.ready_s, *payload([t])) for t in profile.tensors]
@@ -146,9 +154,11 @@ def predict_step(profile: ModelProfile, ranks: int, net: Network, strategy: Stra
         return StepPrediction(compute, 0.0, 0.0, compute, 0.0)
     clock = 0.0 if strategy.overlap else profile.backward_s  # relative to the start of backward
     busy = sent = 0.0
-    for ready, payload_bytes, extra in _messages(profile, strategy):
-        cost = allreduce_s(payload_bytes, ranks, net, strategy.hierarchical)
-        cost += extra * allreduce_s(4.0, ranks, net, strategy.hierarchical)
+    for ready, payload_bytes, extra, work in _messages(profile, strategy):
+        cost = work + allreduce_s(payload_bytes, ranks, net, strategy.hierarchical)
+        tiny = net.tiny_allreduce_s if net.tiny_allreduce_s is not None else allreduce_s(
+            4.0, ranks, net, strategy.hierarchical)
+        cost += extra * tiny
         clock = max(clock, ready if strategy.overlap else profile.backward_s) + cost
         busy += cost
         sent += 2 * (ranks - 1) / ranks * payload_bytes
@@ -173,6 +183,34 @@ def uniform_profile(layer_elements: list[int], forward_s: float, backward_s: flo
         done += elements
         tensors.append(TensorProfile(elements, backward_s * done / total, flat))
     return ModelProfile(forward_s, backward_s, optimizer_s, tuple(tensors))
+
+
+def measure_sparsify_s_per_element(elements: int, chunk: int = 32768, density: float = 0.1,
+                                   repeats: int = 5) -> float:
+    """Seconds per gradient element of CSC's local work on this device, timed on the same operations
+    as ``comm/csc.py`` (velocity and residual sums, chunk norms, selection, packing, write-back)."""
+    import statistics
+    import time
+
+    import torch
+
+    from gradientflow_repro.comm.csc import chunk_l1_norms, select_chunks
+
+    chunks = max(1, elements // chunk)
+    gradient, residual, velocity = (torch.randn(chunks, chunk) for _ in range(3))
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        moved = torch.add(gradient, velocity, alpha=0.9)
+        accumulated = residual + moved
+        chosen = select_chunks(chunk_l1_norms(accumulated), density)
+        packed = accumulated.index_select(0, chosen)
+        out = torch.zeros_like(accumulated)
+        out.index_copy_(0, chosen, packed)
+        accumulated.index_fill_(0, chosen, 0.0)
+        moved.index_fill_(0, chosen, 0.0)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:]) / (chunks * chunk)
 
 
 def measure_profile(model, images, labels, repeats: int = 5) -> ModelProfile:

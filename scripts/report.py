@@ -100,7 +100,8 @@ def plot_step_split(checks: dict[str, dict], path: Path, world: int) -> None:
 
 def _profile(data: dict) -> pm.ModelProfile:
     return pm.ModelProfile(data["forward_s"], data["backward_s"], data["optimizer_s"],
-                           tuple(pm.TensorProfile(e, r, flat) for e, r, flat in data["tensors"]))
+                           tuple(pm.TensorProfile(e, r, flat) for e, r, flat in data["tensors"]),
+                           data.get("sparsify_s_per_element", 0.0))
 
 
 def model_check(checks: dict[int, dict[str, dict]], calibration: dict, network: dict) -> list[str]:
@@ -108,7 +109,8 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict, network: 
     size so that its compute equals the allreduce run's (step - synchronize wait): on a shared CPU
     the ranks slow each other; that one factor is the only thing taken from the runs."""
     profile = _profile(calibration["profile"])
-    net = pm.Network(network["bandwidth_Bps"], network["latency_s"])
+    net = pm.Network(network["bandwidth_Bps"], network["latency_s"],
+                     tiny_allreduce_s=network.get("tiny_allreduce_s"))
     strategies = {s.name: s for s in pm.LADDER}
     lines = ["| world | strategy | measured step (ms) | predicted step (ms) | predicted comm exposed (ms) | error |",
              "|---|---|---|---|---|---|"]
@@ -177,7 +179,9 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
         "## How the link rate was chosen", "",
         "The paper's setting: " + ratio_note + ".", "", rate_note, "",
         f"Measured on the shaped network (ring allreduce, world size {world}): bandwidth "
-        f"{network.get('bandwidth_Bps', 0) / 1e6:.2f} MB/s, per-message latency {network.get('latency_s', 0) * 1e6:.0f} us.", "",
+        f"{network.get('bandwidth_Bps', 0) / 1e6:.2f} MB/s, per-message latency {network.get('latency_s', 0) * 1e6:.0f} us; "
+        f"a one-value builtin allreduce (the fp16 wire's scale, CSC's norms) "
+        f"{network.get('tiny_allreduce_s', 0) * 1e3:.2f} ms.", "",
         "## Scaling model against measurement", "",
         "`gradientflow_repro/perfmodel.py` with the measured per-tensor backward profile of this model "
         "(one process) and the measured network above; step times are medians of the logged intervals "

@@ -70,6 +70,11 @@ def test_fp16_wire_and_csc_shrink_the_bytes() -> None:
     csc = pm.predict_step(PROFILE, 2, net, pm.Strategy("csc", density=0.1, chunk_elements=1000))
     expected = (4_000_000 * 0.1 * 4 + 4_000_000 / 1000 * 4 + 1000 * 4)  # sent + norms + 1-D dense
     assert csc.bytes_per_rank == pytest.approx(expected)
+    # CSC's local work (per element of the multi-dimensional tensors) lies on the communication path
+    working = pm.ModelProfile(PROFILE.forward_s, PROFILE.backward_s, PROFILE.optimizer_s, PROFILE.tensors,
+                              sparsify_s_per_element=1e-9)
+    slower = pm.predict_step(working, 2, net, pm.Strategy("csc", density=0.1, chunk_elements=1000))
+    assert slower.step_s - csc.step_s == pytest.approx(4_000_000 * 1e-9)
 
 
 def test_hierarchical_ring_runs_among_node_leaders() -> None:
