@@ -127,7 +127,7 @@ class EmulatedNetwork:
 
 
 def kill_group(process: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """SIGTERM the process group (the ranks checkpoint-free exit), then SIGKILL what is left."""
+    """SIGTERM the process group, then SIGKILL whatever is left after ``grace_s``."""
     if process.poll() is not None:
         return
     try:

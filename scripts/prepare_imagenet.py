@@ -5,8 +5,10 @@
     python scripts/prepare_imagenet.py /data/imagenet --arrange-val LOC_val_solution.csv
 
 Checking prints the number of classes and images per split, the smallest and largest classes,
-classes present in one split only, and every file that cannot be decoded (by path); exit code 1 if
-any problem was found. The label file for --arrange-val is either the Kaggle CSV
+classes present in one split only, empty class folders, every file that cannot be decoded or that
+the trainer's start-up check would refuse (by path), and notes for odd files that the loaders
+handle (PNG content behind a .JPEG name, CMYK or grayscale JPEGs); exit code 1 if any problem
+was found. The label file for --arrange-val is either the Kaggle CSV
 (``ImageId,PredictionString`` with the wnid first) or lines of ``<file name> <wnid>``; images are
 moved (same filesystem) into ``val/<wnid>/``. Nothing is moved unless every listed file exists.
 """
@@ -21,21 +23,37 @@ from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 SUFFIXES = {".jpeg", ".jpg", ".png"}
 
 
-def decode_problem(path: str) -> str | None:
+def inspect(path: str) -> tuple[str | None, str | None]:
+    """(problem, note) for one file: a problem stops training (the trainer's own start-up check,
+    ``file_problem``, or a failed decode); a note is something odd that the loaders handle (PNG
+    content behind a JPEG name, CMYK or grayscale JPEGs: decoded to RGB)."""
     from PIL import Image
 
+    from gradientflow_repro.data.listing import file_problem
+
+    problem = file_problem(path)
+    if problem:
+        return problem, None
     try:
         with Image.open(path) as image:
             image.load()
-        return None
+            kind, mode = image.format, image.mode
     except Exception as error:  # noqa: BLE001 - every failure is reported by path
-        return f"{type(error).__name__}: {error}"
+        return f"{type(error).__name__}: {error}", None
+    notes = []
+    if Path(path).suffix.lower() in (".jpeg", ".jpg") and kind != "JPEG":
+        notes.append(f"{kind} content behind a JPEG name")
+    if mode not in ("RGB",):
+        notes.append(f"{mode} pixels")
+    return None, (", ".join(notes) + " (decoded as RGB)") if notes else None
 
 
-def check_split(split_dir: Path, workers: int) -> tuple[Counter, list[tuple[str, str]]]:
+def check_split(split_dir: Path, workers: int) -> tuple[Counter, list[tuple[str, str]], list[tuple[str, str]]]:
     counts: Counter = Counter()
     files: list[str] = []
     for class_dir in sorted(p for p in split_dir.iterdir() if p.is_dir()):
@@ -43,13 +61,16 @@ def check_split(split_dir: Path, workers: int) -> tuple[Counter, list[tuple[str,
         counts[class_dir.name] = len(images)
         files += images
     problems: list[tuple[str, str]] = []
+    notes: list[tuple[str, str]] = []
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        for done, (path, problem) in enumerate(zip(files, pool.map(decode_problem, files, chunksize=256)), 1):
+        for done, (path, (problem, note)) in enumerate(zip(files, pool.map(inspect, files, chunksize=256)), 1):
             if problem:
                 problems.append((path, problem))
+            if note:
+                notes.append((path, note))
             if done % 20000 == 0 or done == len(files):
                 print(f"  {split_dir.name}: checked {done}/{len(files)} files", file=sys.stderr, flush=True)
-    return counts, problems
+    return counts, problems, notes
 
 
 def read_val_labels(label_file: Path) -> dict[str, str]:
@@ -100,7 +121,7 @@ def main() -> int:
             print(f"{split_dir}: missing")
             failed = True
             continue
-        counts, problems = check_split(split_dir, args.workers)
+        counts, problems, notes = check_split(split_dir, args.workers)
         classes[split] = set(counts)
         empty = sorted(c for c, n in counts.items() if n == 0)
         print(f"{split}: {len(counts)} classes, {sum(counts.values())} images")
@@ -111,6 +132,8 @@ def main() -> int:
             print(f"  empty class folder: {split_dir / name}")
         for path, problem in problems:
             print(f"  unreadable: {path}: {problem}")
+        for path, note in notes:
+            print(f"  note: {path}: {note}")
         failed |= bool(empty or problems or not counts)
     if len(classes) == 2 and classes["train"] != classes["val"]:
         print(f"classes differ between train and val: only in train {sorted(classes['train'] - classes['val'])[:5]}, "

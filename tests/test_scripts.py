@@ -36,9 +36,17 @@ def test_check_passes_on_good_data_and_lists_bad_files(digits_root: Path, tmp_pa
     not_an_image = root / "val" / "digit_1" / "notes.JPEG"
     not_an_image.write_text("hello")
     (root / "train" / "digit_9").mkdir()
+    from PIL import Image
+    rgb = Image.open(good).convert("RGB")
+    png, cmyk, gray = (root / "train" / "digit_0" / f"{name}.JPEG" for name in ("png", "cmyk", "gray"))
+    rgb.save(png, format="PNG")
+    rgb.convert("CMYK").save(cmyk, format="JPEG")
+    rgb.convert("L").save(gray, format="JPEG")
     bad = run(str(root), "--workers", "1")
     assert bad.returncode == 1
     assert f"unreadable: {truncated}" in bad.stdout and f"unreadable: {not_an_image}" in bad.stdout
+    assert f"note: {png}: PNG content behind a JPEG name" in bad.stdout
+    assert f"note: {cmyk}: CMYK pixels" in bad.stdout and f"note: {gray}: L pixels" in bad.stdout
     assert "empty class folder" in bad.stdout and "classes differ between train and val" in bad.stdout
 
 
