@@ -219,7 +219,13 @@ class Trainer:
         if shared["model_name"] != self.cfg.model.name:
             raise checkpoint.CheckpointError(f"{path[0]} holds a {shared['model_name']} model, the "
                                              f"config asks for {self.cfg.model.name}")
-        self.model.load_state_dict(shared["model"])
+        try:
+            self.model.load_state_dict(shared["model"])
+        except RuntimeError as error:  # same architecture name, other shapes (width, classes)
+            raise checkpoint.CheckpointError(
+                f"{path[0]} does not fit this model ({self.cfg.model.name}, width {self.cfg.model.width}, "
+                f"{self.cfg.data.num_classes} classes): {(str(error).splitlines() + [''])[1].strip()}; use "
+                f"resume=never or another run_dir to start afresh") from None
         for buffer, saved in zip(self.model.buffers(), mine["buffers"]):
             buffer.copy_(saved)
         self.optimizer.load_state_dict(shared["optimizer"])

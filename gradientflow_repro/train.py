@@ -34,10 +34,11 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     import torch
 
+    from gradientflow_repro.checkpoint import CheckpointError
     from gradientflow_repro.data import DatasetError
     from gradientflow_repro.engine import Trainer, TrainingError
 
-    agreed_errors = (TrainingError, DatasetError)  # raised by every rank together, same message
+    agreed_errors = (TrainingError, DatasetError, CheckpointError)  # every rank, same message
     torch.set_num_threads(max(1, cfg.threads_per_rank))
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)

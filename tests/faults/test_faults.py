@@ -119,6 +119,16 @@ def test_unwritable_run_directory_is_a_clear_error_before_training(tmp_path: Pat
     assert "exitcode  : 2" in output and "config key 'run_dir'" in output and "cannot be created" in output, output[-2000:]
 
 
+def test_checkpoint_of_another_model_is_refused_before_training(tmp_path: Path, digits_root: Path) -> None:
+    first, _ = _run(2, [*COMMON, f"data.root={digits_root}", "max_steps=2"], tmp_path)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-2000:]
+    other, _ = _run(2, [*COMMON, f"data.root={digits_root}", "max_steps=4", "model.width=0.25"], tmp_path)
+    output = other.stdout + other.stderr
+    assert other.returncode != 0
+    assert "step_000000002 does not fit this model (alexnet_bn, width 0.25, 10 classes)" in output, output[-3000:]
+    assert "size mismatch" in output and "[digits_cpu/allreduce] step" not in other.stdout  # no training
+
+
 def test_broken_wandb_never_stops_training_and_secrets_stay_out(tmp_path: Path, digits_root: Path) -> None:
     secret = "sekrit-0123456789abcdef0123456789abcdef0123456789"
     run_dir = tmp_path / "run"
