@@ -67,6 +67,7 @@ def _worker(rank: int, world: int, port: int, fn, args: tuple) -> None:
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         fn(rank, world, *args)
+        dist.barrier()  # nobody tears its connections down while a peer may still be reading
     finally:
         dist.destroy_process_group()
 
