@@ -215,9 +215,9 @@ def validate(cfg: Config | DictConfig, world_size: int) -> None:
 def _validate_run_dir(run_dir: str) -> None:
     path = Path(run_dir)
     existing = next(p for p in [path, *path.parents] if p.exists())  # "." or "/" at the latest
-    if existing.exists() and not existing.is_dir():
+    if not existing.is_dir():
         _fail("run_dir", run_dir, f"cannot be created: {existing} is a file, not a directory")
-    if existing.exists() and not os.access(existing, os.W_OK | os.X_OK):
+    if not os.access(existing, os.W_OK | os.X_OK):
         _fail("run_dir", run_dir, f"cannot be created or written: {existing} is not writable")
 
 

@@ -49,6 +49,7 @@ class Trainer:
     def __init__(self, cfg: DictConfig, world: World, device: torch.device, clock_start: float) -> None:
         self.cfg, self.world, self.device, self.clock_start = cfg, world, device, clock_start
         self.run_dir = Path(cfg.run_dir)
+        self.run_name = cfg.logger.name or cfg.comm.strategy  # wandb run and progress-line prefix
         self.stop = StopRequests()  # before the slow start-up, so an early signal is not lost
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.model = build_model(cfg.model.name, cfg.data.num_classes, cfg.data.image_size,
@@ -73,7 +74,7 @@ class Trainer:
         torch.manual_seed(cfg.seed + 1 + world.rank)  # dropout differs between ranks, as on a cluster
         wandb_id = self._resume()
         self.tracker = Tracker(self.run_dir, cfg.logger, enabled=world.is_main,
-                               name=cfg.logger.name or cfg.comm.strategy, group=cfg.logger.group or cfg.experiment,
+                               name=self.run_name, group=cfg.logger.group or cfg.experiment,
                                config=OmegaConf.to_container(cfg, resolve=True), run_id=wandb_id)
         self._last_log = (self.progress.step, self.train_s)  # for rates between progress lines
         if world.is_main:  # the composed configuration, as this run used it
@@ -276,7 +277,7 @@ class Trainer:
 
     def _print(self, line: str) -> None:
         if self.world.is_main:
-            print(f"[{self.cfg.experiment}/{self.cfg.logger.name or self.cfg.comm.strategy}] {line}", flush=True)
+            print(f"[{self.cfg.experiment}/{self.run_name}] {line}", flush=True)
 
     def _finish(self) -> dict[str, Any]:
         p, steps = self.progress, max(1, self.progress.step)

@@ -125,7 +125,6 @@ def _messages(profile: ModelProfile, strategy: Strategy) -> list[tuple[float, fl
         for t in tensors:
             if strategy.density < 1 and not t.one_dimensional:
                 work += t.elements * profile.sparsify_s_per_element
-            if strategy.density < 1 and not t.one_dimensional:
                 total += t.elements * strategy.density * strategy.wire_bytes
                 total += 4 * t.elements / strategy.chunk_elements  # the chunk norms
             else:
@@ -154,11 +153,10 @@ def predict_step(profile: ModelProfile, ranks: int, net: Network, strategy: Stra
         return StepPrediction(compute, 0.0, 0.0, compute, 0.0)
     clock = 0.0 if strategy.overlap else profile.backward_s  # relative to the start of backward
     busy = sent = 0.0
+    tiny = net.tiny_allreduce_s if net.tiny_allreduce_s is not None else allreduce_s(
+        4.0, ranks, net, strategy.hierarchical)
     for ready, payload_bytes, extra, work in _messages(profile, strategy):
-        cost = work + allreduce_s(payload_bytes, ranks, net, strategy.hierarchical)
-        tiny = net.tiny_allreduce_s if net.tiny_allreduce_s is not None else allreduce_s(
-            4.0, ranks, net, strategy.hierarchical)
-        cost += extra * tiny
+        cost = work + allreduce_s(payload_bytes, ranks, net, strategy.hierarchical) + extra * tiny
         clock = max(clock, ready if strategy.overlap else profile.backward_s) + cost
         busy += cost
         sent += 2 * (ranks - 1) / ranks * payload_bytes

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from gradientflow_repro import netemu, perfmodel  # noqa: E402
-from gradientflow_repro.tracking import environment_facts  # noqa: E402
+from gradientflow_repro.tracking import environment_facts, read_records  # noqa: E402
 
 # (label, Hydra overrides): each rung adds one of the paper's techniques
 LADDER = {
@@ -119,8 +119,7 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 def load_run(run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    return {"summary": summary, "records": records}
+    return {"summary": summary, "records": read_records(run_dir / "metrics.jsonl")}
 
 
 def steady_step(run: dict, after_epoch: float = 0.0) -> dict[str, float]:

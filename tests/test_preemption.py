@@ -16,6 +16,7 @@ import torch
 from conftest import FAST, REPO, final_params, free_port, torchrun
 from gradientflow_repro.checkpoint import complete_checkpoints
 from gradientflow_repro.preemption import EXIT_REQUEUE, StopRequests
+from gradientflow_repro.tracking import read_records
 
 
 def _children(pid: int) -> list[int]:
@@ -29,8 +30,7 @@ def _steps_done(run_dir: Path) -> int:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.exists():
         return 0
-    steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line.strip()]
-    return max(steps, default=0)
+    return max((r.get("step", 0) for r in read_records(metrics)), default=0)
 
 
 def _start(world: int, overrides: list[str], run_dir: Path) -> subprocess.Popen:

@@ -15,6 +15,7 @@ from PIL import Image
 
 from conftest import FAST, final_params, torchrun
 from gradientflow_repro.checkpoint import complete_checkpoints, find_resumable
+from gradientflow_repro.tracking import read_records
 
 COMMON = [*FAST, "global_batch_size=96", "epochs=3", "optim.warmup_epochs=1", "eval_every_epochs=1",
           "dist_timeout_s=30", "save_final_params=true"]
@@ -140,8 +141,7 @@ def test_broken_wandb_never_stops_training_and_secrets_stay_out(tmp_path: Path, 
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert output.count("UserWarning: wandb is off for this run") == 1, output[-3000:]
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-             if json.loads(line)["kind"] == "train"]
+    steps = [r["step"] for r in read_records(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert steps == [1, 2, 3, 4, 5, 6]
     assert secret not in output
     for path in run_dir.rglob("*"):
