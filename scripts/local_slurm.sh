@@ -57,6 +57,9 @@ write_conf() {
     echo "GresTypes=gpu"
     echo "ReturnToService=2"
     echo "KillWait=10"
+    # Credentials live 10 s instead of 120: Slurm holds a requeued job that long (the preemption
+    # test waits for it). Starting it sooner by hand fails it with "Job credential revoked".
+    echo "AuthInfo=cred_expire=10"
     echo "StateSaveLocation=$DIR/state"
     echo "SlurmdSpoolDir=$DIR/spool/%n"
     echo "SlurmctldPidFile=$DIR/slurmctld.pid"
