@@ -11,7 +11,8 @@ Strategies map onto the same knobs as ``comm/factory.py``:
 - ``overlap``: a message may start as soon as its data is ready (backward continues meanwhile);
   without it every message starts after backward. Messages go one at a time, in order;
 - ``wire_bytes``: 4 for fp32, 2 for the fp16 wire (plus one tiny allreduce per message for the
-  shared scale);
+  shared scale, and the local work of finding the peak, scaling, casting and casting back: a
+  measured cost per element sent, on the communication path);
 - ``density`` < 1 (CSC): multi-dimensional tensors send only that fraction of their bytes, after an
   allreduce of the chunk norms (one fp32 value per ``chunk_elements``), and after CSC's local work
   (norms, selection, packing: a measured cost per element, on the communication path); one-
@@ -42,6 +43,7 @@ class ModelProfile:
     optimizer_s: float
     tensors: tuple[TensorProfile, ...]  # in the order backward produces them
     sparsify_s_per_element: float = 0.0  # CSC's local work (norms, selection, packing, residuals)
+    wire_cast_s_per_element: float = 0.0  # the fp16 wire's local work per element it sends
 
     @property
     def elements(self) -> int:
@@ -52,7 +54,8 @@ class ModelProfile:
         return ModelProfile(self.forward_s * compute_factor, self.backward_s * compute_factor,
                             self.optimizer_s * compute_factor,
                             tuple(replace(t, ready_s=t.ready_s * compute_factor) for t in self.tensors),
-                            self.sparsify_s_per_element * compute_factor)
+                            self.sparsify_s_per_element * compute_factor,
+                            self.wire_cast_s_per_element * compute_factor)
 
 
 @dataclass(frozen=True)
@@ -122,12 +125,14 @@ def _messages(profile: ModelProfile, strategy: Strategy) -> list[tuple[float, fl
     in sending order."""
     def payload(tensors: Iterable[TensorProfile]) -> tuple[float, int, float]:
         total, extra, work = 0.0, 0, 0.0
+        cast = profile.wire_cast_s_per_element if strategy.wire_bytes < 4 else 0.0
         for t in tensors:
             if strategy.density < 1 and not t.one_dimensional:
-                work += t.elements * profile.sparsify_s_per_element
+                work += t.elements * (profile.sparsify_s_per_element + strategy.density * cast)
                 total += t.elements * strategy.density * strategy.wire_bytes
                 total += 4 * t.elements / strategy.chunk_elements  # the chunk norms
             else:
+                work += t.elements * cast
                 total += t.elements * strategy.wire_bytes
         extra += 1 if strategy.wire_bytes < 4 else 0  # the fp16 wire's shared scale
         extra += 1 if strategy.density < 1 else 0  # norms travel in their own allreduce
@@ -209,6 +214,28 @@ def measure_sparsify_s_per_element(elements: int, chunk: int = 32768, density: f
         moved.index_fill_(0, chosen, 0.0)
         times.append(time.perf_counter() - started)
     return statistics.median(times[1:]) / (chunks * chunk)
+
+
+def measure_wire_cast_s_per_element(elements: int, repeats: int = 5) -> float:
+    """Seconds per element of the fp16 wire's local work on this device, timed on the same
+    operations as ``comm/compression.py`` (peak magnitude, scale and cast to fp16, cast back and
+    unscale)."""
+    import statistics
+    import time
+
+    import torch
+
+    from gradientflow_repro.comm.compression import compress, decompress
+
+    gradient = torch.randn(max(1, elements))
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        peak = gradient.abs().max().item()
+        scale = 2.0 ** -3 if peak else 1.0  # a power of two other than 1, as agreed_scale picks
+        decompress(compress(gradient, scale), gradient, scale)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:]) / gradient.numel()
 
 
 def measure_profile(model, images, labels, repeats: int = 5) -> ModelProfile:

@@ -101,7 +101,7 @@ def plot_step_split(checks: dict[str, dict], path: Path, world: int) -> None:
 def _profile(data: dict) -> pm.ModelProfile:
     return pm.ModelProfile(data["forward_s"], data["backward_s"], data["optimizer_s"],
                            tuple(pm.TensorProfile(e, r, flat) for e, r, flat in data["tensors"]),
-                           data.get("sparsify_s_per_element", 0.0))
+                           data.get("sparsify_s_per_element", 0.0), data.get("wire_cast_s_per_element", 0.0))
 
 
 def model_check(checks: dict[int, dict[str, dict]], calibration: dict, network: dict) -> list[str]:

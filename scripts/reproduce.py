@@ -304,8 +304,10 @@ def _profile(out: Path, overrides: list[str]) -> None:
     labels = torch.randint(0, cfg.data.num_classes, (batch,))
     profile = perfmodel.measure_profile(model, images, labels)
     sparsify = perfmodel.measure_sparsify_s_per_element(profile.elements, cfg.comm.chunk_size or 32768)
+    cast = perfmodel.measure_wire_cast_s_per_element(profile.elements)
     out.write_text(json.dumps({"forward_s": profile.forward_s, "backward_s": profile.backward_s,
                                "optimizer_s": profile.optimizer_s, "sparsify_s_per_element": sparsify,
+                               "wire_cast_s_per_element": cast,
                                "tensors": [[t.elements, t.ready_s, t.one_dimensional] for t in profile.tensors]}))
 
 
