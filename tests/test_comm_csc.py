@@ -189,3 +189,76 @@ def _checkpoint_and_skip(rank: int, world: int, out: str) -> None:
 def test_checkpoint_restores_state_and_skipped_step_changes_nothing(tmp_path: Path) -> None:
     spawn(_checkpoint_and_skip, 2, str(tmp_path))
     assert_no_failures(tmp_path, 2)
+
+
+def _ddp_csc_hook(rank: int, world: int, out: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradientflow_repro.comm.ddp import CSCHookState, csc_hook
+
+    model, reference = Net(), Net()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.004)
+    state = CSCHookState(density=0.3, chunk_size=100, dense_steps=1, sum_fn=ring_sum(segment_bytes=1024))
+    layouts: dict[int, list[nn.Parameter]] = {}
+
+    def recording_hook(hook_state, bucket):  # which parameters each bucket holds, for the check
+        layouts[bucket.index()] = bucket.parameters()
+        return csc_hook(hook_state, bucket)
+
+    ddp.register_comm_hook(state, recording_hook)
+    names = {p: name for name, p in model.named_parameters()}
+    sent = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    produced = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    failures, overflow_step = [], 3
+    for step in range(6):
+        x = torch.randn(8, 37, generator=torch.Generator().manual_seed(rank * 100 + step))
+        scale = float("inf") if (step == overflow_step and rank == 0) else 1.0
+        before = {i: r.clone() for i, r in state.residual.items()}
+        ddp(x).pow(2).mean().mul(scale).backward()
+        reference(x).pow(2).mean().backward()
+        local = {name: p.grad.clone() for name, p in reference.named_parameters()}
+        for tensor in local.values():
+            dist.all_reduce(tensor)
+        if step == overflow_step:  # one rank overflowed: every rank sees it, residuals stay as they were
+            if all(torch.isfinite(p.grad).all() for p in model.parameters()):
+                failures.append("an overflow on rank 0 did not reach every rank")
+            if any(not torch.equal(before[i], state.residual[i]) for i in before):
+                failures.append("the overflowing step changed a residual")
+        else:
+            for name, p in model.named_parameters():
+                sent[name] += p.grad * world
+                produced[name] += local[name]
+                if (step == 0 or p.ndim == 1) and not torch.allclose(p.grad, local[name] / world, atol=1e-6):
+                    failures.append(f"step {step}: {name} was not averaged densely")
+            selections = [None] * world
+            dist.all_gather_object(selections, {k: v.tolist() for k, v in state.last_selection.items()})
+            if any(s != selections[0] for s in selections):
+                failures.append(f"step {step}: ranks chose different chunks")
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    if not state.residual or not any(r.abs().sum() > 0 for r in state.residual.values()):
+        failures.append("nothing was held back")
+    for index, params in layouts.items():  # sent + what all residuals hold = every gradient produced
+        residual = state.residual[index].reshape(-1).clone()
+        dist.all_reduce(residual)
+        offset = 0
+        for p in params:
+            name = names[p]
+            held = residual[offset:offset + p.numel()].view_as(p)
+            if not torch.allclose(sent[name] + held, produced[name], rtol=1e-5, atol=1e-5):
+                failures.append(f"{name}: sent + residual != gradients "
+                                f"({(sent[name] + held - produced[name]).abs().max():.3g})")
+            offset += p.numel()
+    saved = io.BytesIO()
+    torch.save(state.state_dict(), saved)
+    restored = CSCHookState(density=0.3, chunk_size=100)
+    restored.load_state_dict(torch.load(io.BytesIO(saved.getvalue())))
+    if restored.iteration != 6 or any(not torch.equal(restored.residual[i], r) for i, r in state.residual.items()):
+        failures.append("state_dict did not restore the residuals exactly")
+    torch.save(failures, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_csc_as_a_ddp_communication_hook(world: int, tmp_path: Path) -> None:
+    spawn(_ddp_csc_hook, world, str(tmp_path))
+    assert_no_failures(tmp_path, world)

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from gradientflow_repro.comm.base import SumFn, builtin_sum
+from gradientflow_repro.comm.base import CommStats, SumFn, builtin_sum
 from gradientflow_repro.comm.lazy import Bucket, LazyAllreduce
 
 
@@ -43,11 +43,29 @@ def chunk_l1_norms(chunks: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(chunks, ord=1, dim=1, dtype=torch.float32)
 
 
-def select_chunks(global_norms: torch.Tensor, density: float) -> torch.Tensor:
-    """Indices (ascending) of the ``ceil(density * n)`` largest norms; ties go to the lower index."""
+def select_chunks(global_norms: torch.Tensor, density: float,
+                  always: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Indices (ascending) of the ``ceil(density * n)`` largest norms; ties go to the lower index.
+    Chunks listed in ``always`` are chosen on top of those."""
     count = min(global_norms.numel(), max(1, math.ceil(density * global_norms.numel())))
+    if always is not None and always.numel():
+        global_norms = global_norms.index_fill(0, always, math.inf)
+        count = min(global_norms.numel(), count + always.numel())
     order = torch.sort(global_norms, descending=True, stable=True).indices[:count]
     return order.sort().values
+
+
+def send_chosen_chunks_(accumulated: torch.Tensor, global_norms: torch.Tensor, density: float,
+                        sum_fn: SumFn, stats: CommStats,
+                        always: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 3-5 on a [chunks, chunk_size] matrix of residual + gradient, once the chunk norms are
+    summed over ranks: choose, pack, sum the packed chunks over ranks, and clear the sent chunks in
+    ``accumulated``, which is left holding the new residual. Returns (chosen indices, their sums)."""
+    chosen = select_chunks(global_norms, density, always)
+    packed = accumulated.index_select(0, chosen)
+    sum_fn(packed.view(-1), stats)
+    accumulated.index_fill_(0, chosen, 0.0)
+    return chosen, packed
 
 
 class CSCCommunicator(LazyAllreduce):
@@ -132,12 +150,9 @@ class CSCCommunicator(LazyAllreduce):
         accumulated = self.residual[index] + gradient
         norms = chunk_l1_norms(accumulated)
         self.norm_sum(norms, self.stats)  # every rank now ranks chunks by the same global norms
-        chosen = select_chunks(norms, self.density)
-        packed = accumulated.index_select(0, chosen)
-        self.sum_fn(packed.view(-1), self.stats)
+        chosen, packed = send_chosen_chunks_(accumulated, norms, self.density, self.sum_fn, self.stats)
         bucket.flat.zero_()
         self.chunks(bucket).index_copy_(0, chosen, packed.mul_(self.grad_scale) if self.grad_scale != 1.0 else packed)
-        accumulated.index_fill_(0, chosen, 0.0)
         if velocity is not None and self.momentum_masking:
             velocity.index_fill_(0, chosen, 0.0)
         self._staged[index] = (accumulated, velocity)

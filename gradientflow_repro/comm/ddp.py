@@ -4,10 +4,12 @@ DDP fuses gradients into ~25 MB buckets and allreduces each bucket as soon as ba
 its communication happens inside ``backward()`` and ``synchronize()`` has nothing left to wait for.
 A pass-through communication hook counts the buckets and their bytes. With ``comm.algorithm`` or
 ``comm.wire`` set, DDP's buckets are summed by this project's ring / hierarchical / fp16 wire
-through ``sum_hook``, which any DDP program can register too. (No postponed annotations in
-this file: DDP checks the hook's annotations at run time.)
+through ``sum_hook``, which any DDP program can register too; ``csc_hook`` brings coarse-grained
+sparse communication to any DDP program. (No postponed annotations in this file: DDP checks the
+hook's annotations at run time.)
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -16,7 +18,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from gradientflow_repro.comm.base import CommStats, Communicator, SumFn, ring_bytes
+from gradientflow_repro.comm.base import CommStats, Communicator, SumFn, builtin_sum, ring_bytes
+from gradientflow_repro.comm.csc import chunk_l1_norms, send_chosen_chunks_
 
 
 def _counting_allreduce_hook(stats: CommStats, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -43,6 +46,99 @@ def sum_hook(state: SumHookState, bucket: dist.GradBucket) -> torch.futures.Futu
     buffer = bucket.buffer()
     state.sum_fn(buffer, state.stats)
     buffer.div_(dist.get_world_size())
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+class CSCHookState:
+    """State of ``csc_hook``: the knobs, a residual per DDP bucket (kept in fp32, per rank: save it
+    with ``state_dict`` beside the model's checkpoint) and the counts.
+
+    ``dense_steps``: iterations sent densely first (dense warm-up). The first iteration is always
+    dense, since DDP lays its buckets out anew after it. Unlike ``CSCCommunicator`` the hook cannot
+    reach the optimizer, so there is no DGC momentum correction (the optimizer's momentum applies to
+    what arrives), and a step that GradScaler skips also discards the residual sent in it."""
+
+    def __init__(self, density: float, chunk_size: int = 32768, dense_steps: int = 0,
+                 sum_fn: Optional[SumFn] = None, group: Optional[dist.ProcessGroup] = None) -> None:
+        if not 0 < density <= 1:
+            raise ValueError(f"csc_hook: density {density} must be in (0, 1]")
+        if chunk_size < 1:
+            raise ValueError(f"csc_hook: chunk_size {chunk_size} must be positive")
+        self.density, self.chunk_size, self.dense_steps = density, chunk_size, max(1, dense_steps)
+        self.sum_fn = sum_fn or builtin_sum(group)
+        self.norm_sum = builtin_sum(group)
+        self.group = group
+        self.iteration = 0
+        self.residual: dict[int, torch.Tensor] = {}
+        self.last_selection: dict[int, torch.Tensor] = {}
+        self.always_sent: dict[int, torch.Tensor] = {}  # bucket -> chunks holding 1-D tensors
+        self.stats = CommStats()
+
+    def state_dict(self) -> dict:
+        return {"iteration": self.iteration, "chunk_size": self.chunk_size,
+                "residual": {i: t.cpu() for i, t in self.residual.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["chunk_size"] != self.chunk_size:
+            raise ValueError(f"csc_hook state was saved with chunk_size {state['chunk_size']}, "
+                             f"not {self.chunk_size}")
+        self.iteration = state["iteration"]
+        self.residual = {int(i): t.clone() for i, t in state["residual"].items()}
+
+
+def _one_dimensional_chunks(bucket: dist.GradBucket, chunk_size: int) -> torch.Tensor:
+    """Chunks of the bucket that hold any part of a bias or BatchNorm gradient: always sent."""
+    chunks, offset = set(), 0
+    for param in bucket.parameters():
+        if param.ndim <= 1:
+            chunks.update(range(offset // chunk_size, (offset + param.numel() - 1) // chunk_size + 1))
+        offset += param.numel()
+    return torch.tensor(sorted(chunks), dtype=torch.long)
+
+
+def csc_hook(state: CSCHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook that sends each bucket by coarse-grained sparse communication
+    (``comm/csc.py``): chunk norms of residual + gradient summed over ranks, the top ``density`` of
+    the chunks (plus those holding 1-D tensors) averaged, the rest kept in the bucket's residual::
+
+        state = CSCHookState(density=0.1, dense_steps=500)
+        ddp_model.register_comm_hook(state, csc_hook)
+
+    A non-finite gradient on any rank makes the summed norms non-finite on every rank: that bucket
+    is then averaged densely (GradScaler sees the inf and skips the step) and its residual is kept."""
+    buffer = bucket.buffer()
+    world = dist.get_world_size(state.group)
+    index = bucket.index()
+    if state.iteration < state.dense_steps or state.density >= 1 or world == 1:
+        state.sum_fn(buffer, state.stats)
+    else:
+        chunks = math.ceil(buffer.numel() / state.chunk_size)
+        residual = state.residual.get(index)
+        if residual is None:
+            residual = state.residual[index] = torch.zeros(chunks, state.chunk_size, device=buffer.device)
+        elif residual.shape[0] != chunks:
+            raise RuntimeError(f"csc_hook: DDP bucket {index} holds {buffer.numel()} elements but its residual "
+                               f"was made for {residual.numel()} (another model, bucket_cap_mb or chunk_size?)")
+        accumulated = residual.clone()
+        accumulated.view(-1)[:buffer.numel()] += buffer.float()
+        norms = chunk_l1_norms(accumulated)
+        state.norm_sum(norms, state.stats)
+        if not bool(torch.isfinite(norms).all()):
+            state.sum_fn(buffer, state.stats)
+        else:
+            if index not in state.always_sent:
+                state.always_sent[index] = _one_dimensional_chunks(bucket, state.chunk_size)
+            chosen, summed = send_chosen_chunks_(accumulated, norms, state.density, state.sum_fn, state.stats,
+                                                 always=state.always_sent[index])
+            result = torch.zeros_like(accumulated).index_copy_(0, chosen, summed)
+            buffer.copy_(result.view(-1)[:buffer.numel()])
+            state.residual[index] = accumulated
+            state.last_selection[index] = chosen
+    buffer.div_(world)
+    if bucket.is_last():
+        state.iteration += 1
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(buffer)
     return future
