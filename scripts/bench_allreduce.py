@@ -60,15 +60,19 @@ def _one_call(fn, tensor: torch.Tensor, device: torch.device) -> float:
 
 def _time_round_robin(algorithms: dict, tensor: torch.Tensor, budget_s: float,
                       device: torch.device) -> dict[str, list[float]]:
-    """Per-call seconds of every algorithm, taken in rounds of one call each (builtin, ring, ...),
-    so that load from other processes on a shared machine hits all of them alike."""
+    """Per-call seconds of every algorithm, taken in rounds of one call each, so that load from
+    other processes on a shared machine hits all of them alike. The order rotates from round to
+    round: on a busy machine the call after another algorithm's can be 10-30% slower or faster, and
+    no algorithm should always sit in the same place."""
     for fn in algorithms.values():
         fn(tensor)  # warm-up
+    names = list(algorithms)
     times: dict[str, list[float]] = {name: [] for name in algorithms}
-    while len(times["builtin"]) < 5 or (sum(map(sum, times.values())) < budget_s
-                                         and len(times["builtin"]) < 400):
-        for name, fn in algorithms.items():
-            times[name].append(_one_call(fn, tensor, device))
+    rounds = 0
+    while rounds < 6 or (sum(map(sum, times.values())) < budget_s and rounds < 400):
+        for name in names[rounds % len(names):] + names[:rounds % len(names)]:
+            times[name].append(_one_call(algorithms[name], tensor, device))
+        rounds += 1
     return times
 
 
@@ -87,11 +91,15 @@ def _worker(rank: int, world: int, port: int, backend: str, max_mb: int, per_nod
     for repeat in range(repeats):  # whole sweeps repeated, so slow drift shows up as spread
         for size in sizes(max_mb):
             tensor = torch.ones(size // 4, device=device)
-            for name, times in _time_round_robin(algorithms, tensor, budget_s, device).items():
+            timed = _time_round_robin(algorithms, tensor, budget_s, device)
+            for name, times in timed.items():
                 seconds = statistics.median(times)
                 busbw = size / seconds * 2 * (world - 1) / world / 1e9
+                # paired within each round, so drift between rounds cancels
+                vs_builtin = statistics.median(b / t for b, t in zip(timed["builtin"], times))
                 rows.append({"world": world, "repeat": repeat, "bytes": size, "algorithm": name,
-                             "seconds": seconds, "calls": len(times), "busbw_GBps": busbw})
+                             "seconds": seconds, "calls": len(times), "busbw_GBps": busbw,
+                             "vs_builtin": vs_builtin})
                 if rank == 0:
                     print(f"world {world} repeat {repeat} {size / 2**20:9.3f} MiB {name:12s} "
                           f"{seconds * 1e3:9.2f} ms busbw {busbw:7.3f} GB/s", flush=True)
@@ -118,7 +126,7 @@ def main() -> None:
     parser.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo")
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--budget-s", type=float, default=3.0, help="timing budget per point")
-    parser.add_argument("--repeats", type=int, default=3, help="whole sweeps per world size")
+    parser.add_argument("--repeats", type=int, default=5, help="whole sweeps per world size")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "allreduce")
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -143,8 +151,10 @@ def main() -> None:
              f"commit {facts['git_commit']}.", f"Command: `{command}`. Each cell: the median over "
              f"{args.repeats} repeated sweeps of the median time per call, as bus bandwidth, with the "
              "range over the sweeps in brackets. Within a sweep the algorithms are timed side by side, "
-             "in rounds of one call each (at least 5 rounds per size). busbw = bytes/time * 2(N-1)/N "
-             "(nccl-tests).", ""]
+             "in rounds of one call each, in an order that rotates every round (at least 6 rounds per "
+             "size). ring / builtin: the median over the rounds of builtin's time over ring's in the "
+             "same round (paired, so drift between rounds cancels), then median and range over the "
+             "sweeps. busbw = bytes/time * 2(N-1)/N (nccl-tests).", ""]
     for world in args.worlds:
         lines += [f"## World size {world}", "",
                   "| size | builtin GB/s | ring GB/s | hierarchical GB/s | ring / builtin |",
@@ -153,7 +163,7 @@ def main() -> None:
         for size in sizes(args.max_mb):
             busbw = {name: [r["busbw_GBps"] for r in rows if (r["world"], r["bytes"], r["algorithm"])
                             == (world, size, name)] for name in ("builtin", "ring", "hierarchical")}
-            ratios = [ring / builtin for ring, builtin in zip(busbw["ring"], busbw["builtin"])]
+            ratios = [r["vs_builtin"] for r in rows if (r["world"], r["bytes"], r["algorithm"]) == (world, size, "ring")]
             label = f"{size // 1024} KiB" if size < 2**20 else f"{size // 2**20} MiB"
             cells = [_spread(busbw[name], ".3f") for name in ("builtin", "ring", "hierarchical")]
             lines.append(f"| {label} | {' | '.join(cells)} | {_spread(ratios, '.2f')}x |")
