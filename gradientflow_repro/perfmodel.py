@@ -17,7 +17,10 @@ Strategies map onto the same knobs as ``comm/factory.py``:
   allreduce of the chunk norms (one fp32 value per ``chunk_elements``), and after CSC's local work
   (norms, selection, packing: a measured cost per element, on the communication path); one-
   dimensional tensors go dense;
-- ``hierarchical``: reduce inside each node, ring among node leaders, broadcast inside the node.
+- ``hierarchical``: reduce inside each node, ring among node leaders, broadcast inside the node;
+- ``builtin``: the backend's own allreduce (``allreduce``, ``ddp``). On a cluster that is NCCL's
+  ring, priced like ours; where the network description carries the builtin's own measured cost per
+  call and bandwidth (gloo picks its algorithm by size), those are used instead.
 
 Step time = forward + max(end of backward, end of the last message) + optimizer. Speedup for N GPUs
 is weak scaling (fixed per-GPU batch): N * step(1) / step(N).
@@ -66,6 +69,8 @@ class Network:
     intra_bandwidth_Bps: float = float("inf")
     intra_latency_s: float = 0.0
     tiny_allreduce_s: Optional[float] = None  # measured cost of a one-value allreduce, if known
+    builtin_call_s: Optional[float] = None  # the backend's allreduce: measured cost per call ...
+    builtin_bandwidth_Bps: Optional[float] = None  # ... and bus bandwidth, if known
 
 
 @dataclass(frozen=True)
@@ -78,12 +83,13 @@ class Strategy:
     density: float = 1.0
     chunk_elements: int = 32768
     hierarchical: bool = False
+    builtin: bool = False
 
 
 # The ablation ladder of `make reproduce`, as the model sees it.
 LADDER: tuple[Strategy, ...] = (
-    Strategy("allreduce"),
-    Strategy("ddp", fusion="bucket", bucket_bytes=25 * 2**20, overlap=True),
+    Strategy("allreduce", builtin=True),
+    Strategy("ddp", fusion="bucket", bucket_bytes=25 * 2**20, overlap=True, builtin=True),
     Strategy("ring"),
     Strategy("ring+fp16", wire_bytes=2),
     Strategy("ring+fp16+lazy", fusion="bucket", bucket_bytes=32 * 2**20, overlap=True, wire_bytes=2),
@@ -107,8 +113,11 @@ def ring_allreduce_s(payload_bytes: float, ranks: int, bandwidth_Bps: float, lat
     return 2 * (ranks - 1) * (latency_s + payload_bytes / (ranks * bandwidth_Bps))
 
 
-def allreduce_s(payload_bytes: float, ranks: int, net: Network, hierarchical: bool) -> float:
+def allreduce_s(payload_bytes: float, ranks: int, net: Network, hierarchical: bool,
+                builtin: bool = False) -> float:
     """One allreduce of ``payload_bytes`` among ``ranks`` ranks placed ``net.ranks_per_node`` per node."""
+    if builtin and net.builtin_call_s is not None and net.builtin_bandwidth_Bps is not None and ranks > 1:
+        return net.builtin_call_s + 2 * (ranks - 1) / ranks * payload_bytes / net.builtin_bandwidth_Bps
     per_node = min(net.ranks_per_node, ranks)
     nodes = max(1, ranks // per_node)
     if hierarchical and per_node > 1:
@@ -161,7 +170,8 @@ def predict_step(profile: ModelProfile, ranks: int, net: Network, strategy: Stra
     tiny = net.tiny_allreduce_s if net.tiny_allreduce_s is not None else allreduce_s(
         4.0, ranks, net, strategy.hierarchical)
     for ready, payload_bytes, extra, work in _messages(profile, strategy):
-        cost = work + allreduce_s(payload_bytes, ranks, net, strategy.hierarchical) + extra * tiny
+        cost = (work + allreduce_s(payload_bytes, ranks, net, strategy.hierarchical, strategy.builtin)
+                + extra * tiny)
         clock = max(clock, ready if strategy.overlap else profile.backward_s) + cost
         busy += cost
         sent += 2 * (ranks - 1) / ranks * payload_bytes

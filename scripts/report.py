@@ -104,13 +104,35 @@ def _profile(data: dict) -> pm.ModelProfile:
                            data.get("sparsify_s_per_element", 0.0), data.get("wire_cast_s_per_element", 0.0))
 
 
-def model_check(checks: dict[int, dict[str, dict]], calibration: dict, network: dict) -> list[str]:
+def _network(measured: dict) -> pm.Network:
+    return pm.Network(measured["bandwidth_Bps"], measured["latency_s"],
+                      tiny_allreduce_s=measured.get("tiny_allreduce_s"),
+                      builtin_call_s=measured.get("builtin_call_s"),
+                      builtin_bandwidth_Bps=measured.get("builtin_bandwidth_Bps"))
+
+
+def _network_table(network_by_world: dict[int, dict]) -> list[str]:
+    lines = ["| world | ring: bandwidth (MB/s) | ring: latency per message (us) | builtin allreduce: per call (ms) "
+             "| builtin: bus bandwidth (MB/s) | one-value builtin allreduce (ms) |", "|---|---|---|---|---|---|"]
+    for world, measured in sorted(network_by_world.items()):
+        builtin_bw = measured.get("builtin_bandwidth_Bps")
+        lines.append(f"| {world} | {measured['bandwidth_Bps'] / 1e6:.1f} | {measured['latency_s'] * 1e6:.0f} "
+                     f"| {measured.get('builtin_call_s', float('nan')) * 1e3:.2f} "
+                     f"| {builtin_bw / 1e6 if builtin_bw else float('nan'):.1f} "
+                     f"| {measured.get('tiny_allreduce_s', float('nan')) * 1e3:.2f} |")
+    return lines + ["", "Ring: latency from a one-element-per-rank ring allreduce over its 2(N-1) messages, "
+                    "bandwidth from an 8 MiB one. Builtin (gloo's own allreduce, used by `allreduce` and `ddp`): "
+                    "cost per call from a one-element-per-rank allreduce, bus bandwidth from an 8 MiB one; the "
+                    "one-value allreduce is the fp16 wire's scale and CSC's norms."]
+
+
+def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
+                network_by_world: dict[int, dict]) -> list[str]:
     """Predicted vs measured step times. The measured single-process profile is scaled per world
     size so that its compute equals the allreduce run's (step - synchronize wait): on a shared CPU
-    the ranks slow each other; that one factor is the only thing taken from the runs."""
+    the ranks slow each other; that one factor is the only thing taken from the runs. The network
+    is the one measured at that world size."""
     profile = _profile(calibration["profile"])
-    net = pm.Network(network["bandwidth_Bps"], network["latency_s"],
-                     tiny_allreduce_s=network.get("tiny_allreduce_s"))
     strategies = {s.name: s for s in pm.LADDER}
     lines = ["| world | strategy | measured step (ms) | predicted step (ms) | predicted comm exposed (ms) | error |",
              "|---|---|---|---|---|---|"]
@@ -119,6 +141,7 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict, network: 
         if "allreduce" not in by_label:
             continue
         base = by_label["allreduce"]
+        net = _network(network_by_world[world])
         factor = (base["step_s"] - base["sync_wait_s"]) / (profile.forward_s + profile.backward_s + profile.optimizer_s)
         scaled = profile.scaled(factor)
         for label, measured in by_label.items():
@@ -137,9 +160,11 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict, network: 
 def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, dict[str, dict]],
                  calibration: dict, network: dict, world: int, repeats: int, command: str,
                  elapsed_s: float, experiment: str, group: str, overrides: list[str],
-                 machine: dict) -> None:
+                 machine: dict, network_by_world: Optional[dict[int, dict]] = None) -> None:
     """Writes ``path`` and its figures beside it. ``machine``: environment_facts() of the run."""
     from simulate_scaling import paper_check, plot
+
+    network_by_world = network_by_world or {world: network}  # reproductions before per-world measurement
 
     figures = path.parent
     facts = machine
@@ -178,15 +203,16 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
         "![time per step: compute and communication](reproduce_step_split.png)", "",
         "## How the link rate was chosen", "",
         "The paper's setting: " + ratio_note + ".", "", rate_note, "",
-        f"Measured on the shaped network (ring allreduce, world size {world}): bandwidth "
-        f"{network.get('bandwidth_Bps', 0) / 1e6:.2f} MB/s, per-message latency {network.get('latency_s', 0) * 1e6:.0f} us; "
-        f"a one-value builtin allreduce (the fp16 wire's scale, CSC's norms) "
-        f"{network.get('tiny_allreduce_s', 0) * 1e3:.2f} ms.", "",
+        "Measured on the shaped network at each world size the model is checked at:", "",
+        *_network_table(network_by_world), "",
         "## Scaling model against measurement", "",
         "`gradientflow_repro/perfmodel.py` with the measured per-tensor backward profile of this model "
         "(one process) and the measured network above; step times are medians of the logged intervals "
         f"(short runs at world sizes {', '.join(str(w) for w in sorted(checks))}; `gradientflow` after its "
-        "dense warm-up).", "", *model_check(checks, calibration, network), "",
+        "dense warm-up). Local work on the communication path, measured in the same process per "
+        f"gradient element: CSC {calibration['profile'].get('sparsify_s_per_element', 0) * 1e9:.2f} ns, "
+        f"fp16 wire {calibration['profile'].get('wire_cast_s_per_element', 0) * 1e9:.2f} ns (scaled like the "
+        "compute).", "", *model_check(checks, calibration, network_by_world), "",
         "## Scaling model against the paper", "", *paper_lines, "",
         "![speedup against GPU count](scaling.png)", "",
         "## Dashboards", "",

@@ -185,6 +185,7 @@ def main() -> None:
     network: dict = {"emulated": reason is None, "why_not": reason, "rate_mbit": rate if reason is None else None}
     with _network(args.world, rate, reason) as net:
         network.update(measure_network(args.world, net, args.runs_dir / "netbench", args.timeout_s))
+        network_by_world = {args.world: network}
         print(f"reproduce: measured link {network['bandwidth_Bps'] / 1e6:.1f} MB/s, per-message latency "
               f"{network['latency_s'] * 1e6:.0f} us", flush=True)
         for repeat in range(args.repeats):  # (4) the ladder, repeat-major
@@ -196,8 +197,10 @@ def main() -> None:
                           run_dir, f"{label} r{repeat + 1}", net, args.timeout_s)
                 runs[label].append(load_run(run_dir))
         checks[args.world] = {label: steady_step(runs[label][0], _warmup(runs[label][0])) for label in args.rungs}
-    for world in args.check_world:  # (5) step times at other world sizes
+    for world in args.check_world:  # (5) step times at other world sizes, on a network measured there
         with _network(world, rate, reason) as net:
+            network_by_world[world] = measure_network(world, net, args.runs_dir / f"netbench-world{world}",
+                                                      args.timeout_s)
             checks[world] = {}
             for label in args.rungs:
                 run_dir = args.runs_dir / f"check-world{world}" / label
@@ -207,7 +210,8 @@ def main() -> None:
                           run_dir, f"{label} w{world}", net, args.timeout_s, show=False)
                 checks[world][label] = steady_step(load_run(run_dir))
 
-    facts = {"checks": checks, "calibration": calibration, "network": network, "world": args.world,
+    facts = {"checks": checks, "calibration": calibration, "network": network,
+             "network_by_world": network_by_world, "world": args.world,
              "repeats": args.repeats, "command": "python scripts/reproduce.py " + " ".join(sys.argv[1:]),
              "elapsed_s": time.time() - started, "experiment": args.experiment, "group": group,
              "overrides": base[1:], "rungs": args.rungs, "machine": environment_facts()}
@@ -221,6 +225,7 @@ def report_from(runs_dir: Path, report: Path) -> None:
     facts = json.loads((runs_dir / "reproduce.json").read_text())
     runs = {label: [load_run(d) for d in sorted((runs_dir / label).glob("r*"))] for label in facts.pop("rungs")}
     facts["checks"] = {int(world): value for world, value in facts["checks"].items()}
+    facts["network_by_world"] = {int(world): value for world, value in facts.get("network_by_world", {}).items()}
     write_report(report, runs=runs, **facts)
 
 
@@ -256,13 +261,13 @@ def _netbench(out: Path) -> None:
     dist.init_process_group("gloo", init_method="env://", timeout=__import__("datetime").timedelta(seconds=120))
     world = dist.get_world_size()
 
-    def timed(tensor: torch.Tensor, calls: int) -> float:
-        ring_allreduce_(tensor)
+    def timed(tensor: torch.Tensor, calls: int, allreduce=ring_allreduce_) -> float:
+        allreduce(tensor)
         times = []
         for _ in range(calls):
             dist.barrier()
             started = time.perf_counter()
-            ring_allreduce_(tensor)
+            allreduce(tensor)
             times.append(time.perf_counter() - started)
         return statistics.median(times)
 
@@ -277,10 +282,15 @@ def _netbench(out: Path) -> None:
     large = timed(torch.ones(size // 4), 5)
     latency = tiny / (2 * (world - 1))
     bandwidth = 2 * (world - 1) / world * size / max(1e-9, large - 2 * (world - 1) * latency)
+    # the backend's own allreduce (the `allreduce` and `ddp` strategies), which need not be a ring
+    builtin_call = timed(torch.ones(world), 30, dist.all_reduce)
+    builtin_large = timed(torch.ones(size // 4), 5, dist.all_reduce)
     if dist.get_rank() == 0:
-        out.write_text(json.dumps({"latency_s": latency, "bandwidth_Bps": bandwidth,
-                                   "tiny_allreduce_s": statistics.median(builtin_tiny[1:]),
-                                   "tiny_ring_s": tiny, "allreduce_8MiB_s": large}))
+        out.write_text(json.dumps({
+            "latency_s": latency, "bandwidth_Bps": bandwidth,
+            "tiny_allreduce_s": statistics.median(builtin_tiny[1:]), "tiny_ring_s": tiny, "allreduce_8MiB_s": large,
+            "builtin_call_s": builtin_call,
+            "builtin_bandwidth_Bps": 2 * (world - 1) / world * size / max(1e-9, builtin_large - builtin_call)}))
     dist.destroy_process_group()
 
 

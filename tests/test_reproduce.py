@@ -51,6 +51,18 @@ def test_bandwidth_bound_ring_after_backward() -> None:
     assert slow.comm_s - step.comm_s == pytest.approx(3 * 6 * 1e-3)
 
 
+def test_builtin_allreduce_priced_from_its_own_measurement() -> None:
+    # without its own figures the backend's allreduce is a ring (NCCL on a cluster)
+    ring_net = pm.Network(1e8, 1e-3)
+    builtin = pm.Strategy("allreduce", builtin=True)
+    assert pm.predict_step(PROFILE, 4, ring_net, builtin).comm_s == pm.predict_step(PROFILE, 4, ring_net,
+                                                                                    pm.Strategy("ring")).comm_s
+    # with them (gloo picks its own algorithm): a cost per call plus the bytes at its bus bandwidth
+    measured = pm.Network(1e8, 1e-3, builtin_call_s=2e-3, builtin_bandwidth_Bps=5e7)
+    step = pm.predict_step(PROFILE, 4, measured, builtin)
+    assert step.comm_s == pytest.approx(3 * 2e-3 + 4_001_000 * 4 * 1.5 / 5e7)
+
+
 def test_full_overlap_hides_communication() -> None:
     fast = pm.Network(bandwidth_Bps=1e12, latency_s=0.0)
     lazy = pm.Strategy("lazy", fusion="bucket", bucket_bytes=1, overlap=True)  # one bucket per tensor
@@ -143,6 +155,8 @@ def test_short_comparison_writes_a_complete_report(tmp_path: Path, digits_root: 
         assert len(cells) == 8 and all(cells) and "not reached" not in row and "nan" not in row, row
     assert "Machine:" in text and "Command: `python scripts/reproduce.py" in text and "world size 2" in text
     assert "| 2 | ring+fp16+lazy |" in text  # the model's check against this run
+    measured = text[text.index("| world | ring: bandwidth"):].split("\n\n")[0].splitlines()[2:]
+    assert len(measured) == 1 and measured[0].startswith("| 2 |") and "nan" not in measured[0], measured
     assert "410.2x" in text
     for figure in ("reproduce_top1.png", "reproduce_step_split.png", "scaling.png"):
         assert (tmp_path / figure).stat().st_size > 1000
