@@ -20,6 +20,12 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+X_AXIS = "time/mlperf_s"
+# wandb metric (as gradientflow_repro.tracking.wandb_keys names it) -> panel title
+PANELS = {"val/top1": "validation top-1 (%)",
+          "train/step_s": "seconds per step",
+          "comm/bytes_per_step": "bytes sent per rank per step",
+          "comm/sync_wait_s_per_step": "seconds waited in synchronize per step"}
 
 
 def offline_runs() -> list[Path]:
@@ -56,7 +62,7 @@ def main() -> int:
                        filters=f"Group = '{args.group}'", groupby=["Name"])
 
     def line(y: str, title: str) -> wr.LinePlot:
-        return wr.LinePlot(title=title, x="time/mlperf_s", y=[y], smoothing_factor=0.0)
+        return wr.LinePlot(title=title, x=X_AXIS, y=[y], smoothing_factor=0.0)
 
     report = wr.Report(
         entity=entity, project=args.project, title=f"GradientFlow reproduction: {args.group}",
@@ -66,10 +72,7 @@ def main() -> int:
             wr.P("Validation top-1 against wall-clock seconds (MLPerf clock: from before data "
                  "loading, never paused, evaluation included), one line per strategy and repeat."),
             wr.PanelGrid(runsets=[runset], panels=[
-                line("val/top1", "validation top-1 (%)"),
-                line("train/step_s", "seconds per step"),
-                line("comm/bytes_per_step", "bytes sent per rank per step"),
-                line("comm/sync_wait_s_per_step", "seconds waited in synchronize per step"),
+                *[line(metric, title) for metric, title in PANELS.items()],
                 wr.RunComparer(diff_only=False)]),
         ])
     report.save()

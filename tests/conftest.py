@@ -49,6 +49,34 @@ def torchrun(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 2
     return result
 
 
+def wandb_history_keys(wandb_file: Path) -> set[str]:
+    """Metric names in the history of an offline wandb run file (``run-<id>.wandb``): what the
+    dashboards can plot. The file is a LevelDB-style log (32 KiB blocks of records with a 7-byte
+    header: crc, length, type) after a 7-byte ':W&B' header, each record one protobuf ``Record``."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = wandb_file.read_bytes()
+    assert data[:4] == b":W&B", f"{wandb_file} is not a wandb run file"
+    keys, position, pending = set(), 7, b""
+    while position + 7 <= len(data):
+        left_in_block = 32768 - position % 32768
+        _, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        if left_in_block < 7 or (kind == 0 and length == 0):  # block padding
+            position += left_in_block
+            continue
+        pending += data[position + 7:position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # a whole record, or the last fragment of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                keys.update(item.key or "/".join(item.nested_key) for item in record.history.item)
+    return keys
+
+
 def final_params(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / f"final_params_rank{rank}.pt", weights_only=True)
 
