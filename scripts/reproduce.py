@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -180,11 +180,12 @@ def main() -> None:
           f"MB sent per rank per step (allreduce, fp32) -> link rate {rate} Mbit/s "
           f"{'(chosen for comm/compute = %.2f)' % PAPER_RATIO if not args.rate_mbit else '(given)'}", flush=True)
 
+    gradients = [elements for elements, _, _ in calibration["profile"]["tensors"]]
     runs: dict[str, list[dict]] = {label: [] for label in args.rungs}
     checks: dict[int, dict[str, dict]] = {}
     network: dict = {"emulated": reason is None, "why_not": reason, "rate_mbit": rate if reason is None else None}
     with _network(args.world, rate, reason) as net:
-        network.update(measure_network(args.world, net, args.runs_dir / "netbench", args.timeout_s))
+        network.update(measure_network(args.world, net, args.runs_dir / "netbench", args.timeout_s, gradients))
         network_by_world = {args.world: network}
         print(f"reproduce: measured link {network['bandwidth_Bps'] / 1e6:.1f} MB/s, per-message latency "
               f"{network['latency_s'] * 1e6:.0f} us", flush=True)
@@ -200,7 +201,7 @@ def main() -> None:
     for world in args.check_world:  # (5) step times at other world sizes, on a network measured there
         with _network(world, rate, reason) as net:
             network_by_world[world] = measure_network(world, net, args.runs_dir / f"netbench-world{world}",
-                                                      args.timeout_s)
+                                                      args.timeout_s, gradients)
             checks[world] = {}
             for label in args.rungs:
                 run_dir = args.runs_dir / f"check-world{world}" / label
@@ -245,14 +246,19 @@ def calibrate(world: int, base: list[str], run_dir: Path, net: Optional[netemu.E
 
 
 def measure_network(world: int, net: Optional[netemu.EmulatedNetwork], run_dir: Path,
-                    timeout_s: float) -> dict:
-    """Per-message latency and link bandwidth as the ring sees them (rank 0 writes the JSON)."""
+                    timeout_s: float, tensor_elements: Sequence[int] = ()) -> dict:
+    """Per-message latency and link bandwidth as the ring sees them, the same for the backend's
+    own allreduce, and (given the model's gradient sizes) how long one allreduce per gradient takes
+    in isolation, by either (rank 0 writes the JSON)."""
     out = run_dir / "network.json"
-    run_ranks(world, [str(out)], run_dir, "netbench", net, timeout_s, show=False, module=NETBENCH)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "tensors.json").write_text(json.dumps(list(tensor_elements)))
+    run_ranks(world, [str(out), str(run_dir / "tensors.json")], run_dir, "netbench", net, timeout_s,
+              show=False, module=NETBENCH)
     return json.loads(out.read_text())
 
 
-def _netbench(out: Path) -> None:
+def _netbench(out: Path, tensors_file: Path) -> None:
     import torch
     import torch.distributed as dist
 
@@ -261,7 +267,7 @@ def _netbench(out: Path) -> None:
     dist.init_process_group("gloo", init_method="env://", timeout=__import__("datetime").timedelta(seconds=120))
     world = dist.get_world_size()
 
-    def timed(tensor: torch.Tensor, calls: int, allreduce=ring_allreduce_) -> float:
+    def timed(tensor, calls: int, allreduce=ring_allreduce_) -> float:
         allreduce(tensor)
         times = []
         for _ in range(calls):
@@ -285,11 +291,17 @@ def _netbench(out: Path) -> None:
     # the backend's own allreduce (the `allreduce` and `ddp` strategies), which need not be a ring
     builtin_call = timed(torch.ones(world), 30, dist.all_reduce)
     builtin_large = timed(torch.ones(size // 4), 5, dist.all_reduce)
+    # one allreduce per gradient of the model, back to back: what `allreduce` and `ring` do after
+    # backward, without the training around it
+    gradients = [torch.ones(n) for n in json.loads(tensors_file.read_text())]
+    per_tensor = {name: timed(gradients, 5, lambda tensors, fn=fn: [fn(t) for t in tensors]) if gradients else None
+                  for name, fn in (("builtin", dist.all_reduce), ("ring", ring_allreduce_))}
     if dist.get_rank() == 0:
         out.write_text(json.dumps({
             "latency_s": latency, "bandwidth_Bps": bandwidth,
             "tiny_allreduce_s": statistics.median(builtin_tiny[1:]), "tiny_ring_s": tiny, "allreduce_8MiB_s": large,
-            "builtin_call_s": builtin_call,
+            "builtin_call_s": builtin_call, "per_tensor_builtin_s": per_tensor["builtin"],
+            "per_tensor_ring_s": per_tensor["ring"],
             "builtin_bandwidth_Bps": 2 * (world - 1) / world * size / max(1e-9, builtin_large - builtin_call)}))
     dist.destroy_process_group()
 
@@ -342,7 +354,7 @@ class _network:
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--netbench":
-        _netbench(Path(sys.argv[2]))
+        _netbench(Path(sys.argv[2]), Path(sys.argv[3]))
     elif len(sys.argv) > 2 and sys.argv[1] == "--profile":
         _profile(Path(sys.argv[2]), sys.argv[4:])
     else:

@@ -157,6 +157,8 @@ def test_short_comparison_writes_a_complete_report(tmp_path: Path, digits_root: 
     assert "| 2 | ring+fp16+lazy |" in text  # the model's check against this run
     measured = text[text.index("| world | ring: bandwidth"):].split("\n\n")[0].splitlines()[2:]
     assert len(measured) == 1 and measured[0].startswith("| 2 |") and "nan" not in measured[0], measured
+    alone = text[text.index("| world | builtin: measured"):].split("\n\n")[0].splitlines()[2:]
+    assert len(alone) == 1 and alone[0].startswith("| 2 |") and "nan" not in alone[0], alone
     assert "410.2x" in text
     for figure in ("reproduce_top1.png", "reproduce_step_split.png", "scaling.png"):
         assert (tmp_path / figure).stat().st_size > 1000
