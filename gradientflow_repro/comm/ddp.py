@@ -116,6 +116,8 @@ def csc_hook(state: CSCHookState, bucket: dist.GradBucket) -> torch.futures.Futu
     else:
         chunks = math.ceil(buffer.numel() / state.chunk_size)
         residual = state.residual.get(index)
+        if residual is not None and residual.device != buffer.device:  # restored from a checkpoint
+            residual = state.residual[index] = residual.to(buffer.device)
         if residual is None:
             residual = state.residual[index] = torch.zeros(chunks, state.chunk_size, device=buffer.device)
         elif residual.shape[0] != chunks:
