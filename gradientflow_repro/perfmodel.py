@@ -198,22 +198,31 @@ def uniform_profile(layer_elements: list[int], forward_s: float, backward_s: flo
     return ModelProfile(forward_s, backward_s, optimizer_s, tuple(tensors))
 
 
+def _median_seconds(work, repeats: int) -> float:
+    """Median wall-clock seconds of ``work()`` over ``repeats`` calls after one warm-up call."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
 def measure_sparsify_s_per_element(elements: int, chunk: int = 32768, density: float = 0.1,
                                    repeats: int = 5) -> float:
     """Seconds per gradient element of CSC's local work on this device, timed on the same operations
     as ``comm/csc.py`` (velocity and residual sums, chunk norms, selection, packing, write-back)."""
-    import statistics
-    import time
-
     import torch
 
     from gradientflow_repro.comm.csc import chunk_l1_norms, select_chunks
 
     chunks = max(1, elements // chunk)
     gradient, residual, velocity = (torch.randn(chunks, chunk) for _ in range(3))
-    times = []
-    for _ in range(repeats + 1):
-        started = time.perf_counter()
+
+    def local_work() -> None:
         moved = torch.add(gradient, velocity, alpha=0.9)
         accumulated = residual + moved
         chosen = select_chunks(chunk_l1_norms(accumulated), density)
@@ -222,30 +231,26 @@ def measure_sparsify_s_per_element(elements: int, chunk: int = 32768, density: f
         out.index_copy_(0, chosen, packed)
         accumulated.index_fill_(0, chosen, 0.0)
         moved.index_fill_(0, chosen, 0.0)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:]) / (chunks * chunk)
+
+    return _median_seconds(local_work, repeats) / (chunks * chunk)
 
 
 def measure_wire_cast_s_per_element(elements: int, repeats: int = 5) -> float:
     """Seconds per element of the fp16 wire's local work on this device, timed on the same
     operations as ``comm/compression.py`` (peak magnitude, scale and cast to fp16, cast back and
     unscale)."""
-    import statistics
-    import time
-
     import torch
 
     from gradientflow_repro.comm.compression import compress, decompress
 
     gradient = torch.randn(max(1, elements))
-    times = []
-    for _ in range(repeats + 1):
-        started = time.perf_counter()
+
+    def local_work() -> None:
         peak = gradient.abs().max().item()
         scale = 2.0 ** -3 if peak else 1.0  # a power of two other than 1, as agreed_scale picks
         decompress(compress(gradient, scale), gradient, scale)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:]) / gradient.numel()
+
+    return _median_seconds(local_work, repeats) / gradient.numel()
 
 
 def measure_profile(model, images, labels, repeats: int = 5) -> ModelProfile:
