@@ -85,6 +85,7 @@ class CommConfig:
     chunk_size: int = 32768  # csc: elements per chunk
     density: float = 0.1  # csc: fraction of chunks sent
     csc_warmup_epochs: float = 1.0  # csc: dense training before sparsifying
+    density_ramp_epochs: int = 0  # csc: epochs after the warm-up over which density falls to `density`
     momentum_correction: bool = True
     momentum_masking: bool = True
 

@@ -261,7 +261,7 @@ class Trainer:
         record = {"kind": "train", "loss": loss.item(), "lr": lr, "images_per_s": images_per_s,
                   "step_s": interval / steps, "bytes_per_step": comm["bytes"] / steps,
                   "collectives_per_step": comm["collectives"] / steps,
-                  "sync_wait_s_per_step": comm["wait_s"] / steps,
+                  "sync_wait_s_per_step": comm["wait_s"] / steps, "density": self.comm.density_now,
                   "loss_scale": self.precision.loss_scale, "skipped_steps": self.precision.skipped_steps,
                   "epoch": p.step / self.data.steps_per_epoch}
         self._log(record)

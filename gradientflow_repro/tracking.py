@@ -87,7 +87,7 @@ def wandb_keys(record: dict[str, Any]) -> dict[str, float]:
             continue
         if key in ("mlperf_s", "train_s"):
             metrics[f"time/{key}"] = value
-        elif key in ("bytes_per_step", "collectives_per_step", "sync_wait_s_per_step"):
+        elif key in ("bytes_per_step", "collectives_per_step", "sync_wait_s_per_step", "density"):
             metrics[f"comm/{key}"] = value
         else:
             metrics[f"{prefix}/{key}"] = value

@@ -25,7 +25,8 @@ X_AXIS = "time/mlperf_s"
 PANELS = {"val/top1": "validation top-1 (%)",
           "train/step_s": "seconds per step",
           "comm/bytes_per_step": "bytes sent per rank per step",
-          "comm/sync_wait_s_per_step": "seconds waited in synchronize per step"}
+          "comm/sync_wait_s_per_step": "seconds waited in synchronize per step",
+          "comm/density": "fraction of gradient chunks sent (CSC)"}
 
 
 def offline_runs() -> list[Path]:

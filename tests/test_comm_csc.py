@@ -5,6 +5,7 @@ a skipped step leaves the state untouched."""
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 
 import pytest
@@ -33,10 +34,11 @@ class Net(nn.Module):
         return self.norm(self.b(torch.relu(self.a(x))))
 
 
-def csc(density: float, momentum_correction: bool = False, overlap: bool = True) -> CSCCommunicator:
+def csc(density: float, momentum_correction: bool = False, overlap: bool = True,
+        density_ramp_epochs: int = 0) -> CSCCommunicator:
     return CSCCommunicator(CPU, ring_sum(segment_bytes=1024), bucket_bytes=4096, overlap=overlap,
                            chunk_size=100, density=density, warmup_epochs=0.0,
-                           momentum_correction=momentum_correction)
+                           momentum_correction=momentum_correction, density_ramp_epochs=density_ramp_epochs)
 
 
 def backward(model: nn.Module, rank: int, step: int) -> None:
@@ -60,15 +62,29 @@ def test_chunk_norms_and_deterministic_selection() -> None:
     assert select_chunks(torch.tensor([1.0, 2.0, 3.0]), 0.01).tolist() == [2]  # at least one chunk
 
 
+def test_density_falls_exponentially_after_the_dense_warmup() -> None:
+    ramped = CSCCommunicator(CPU, builtin_sum(), 4096, overlap=False, chunk_size=100, density=0.1,
+                             warmup_epochs=1.0, density_ramp_epochs=3)
+    epochs = (0.0, 0.99, 1.0, 1.99, 2.5, 3.0, 4.0, 9.0)
+    expected = (1.0, 1.0, 0.1 ** 0.25, 0.1 ** 0.25, 0.1 ** 0.5, 0.1 ** 0.75, 0.1, 0.1)  # DGC: 0.56 0.32 0.18
+    assert [ramped.density_at(e) for e in epochs] == pytest.approx(expected)
+    at_once = CSCCommunicator(CPU, builtin_sum(), 4096, overlap=False, chunk_size=100, density=0.1,
+                              warmup_epochs=1.0)
+    assert [at_once.density_at(e) for e in (0.5, 1.0, 5.0)] == pytest.approx([1.0, 0.1, 0.1])
+    with pytest.raises(ValueError, match="comm.density_ramp_epochs"):
+        CSCCommunicator(CPU, builtin_sum(), 4096, overlap=False, chunk_size=100, density=0.1,
+                        warmup_epochs=1.0, density_ramp_epochs=-1)
+
+
 def _same_selection_and_no_loss(rank: int, world: int, out: str) -> None:
     model = Net()
-    comm = csc(density=0.3)
+    comm = csc(density=0.3, density_ramp_epochs=2)  # densities 0.67, 0.45, then 0.3
     comm.attach(model)
     sent_total = [torch.zeros_like(b.flat) for b in comm.buckets]
     grad_total = [torch.zeros_like(b.flat) for b in comm.buckets]
     failures = []
     for step in range(5):
-        comm.begin_step(epoch=1.0)
+        comm.begin_step(epoch=float(step))
         backward(model, rank, step)
         # what this rank produced, in pool layout (reduced only after synchronize(): while the
         # communication thread runs, no other collective may be issued)
@@ -86,6 +102,11 @@ def _same_selection_and_no_loss(rank: int, world: int, out: str) -> None:
             failures.append(f"step {step}: ranks chose different chunks {selections}")
         if not comm.last_selection:
             failures.append("nothing was sparsified")
+        for i, chosen in comm.last_selection.items():
+            chunks = comm.chunks(comm.buckets[i]).shape[0]
+            if len(chosen) != math.ceil(0.3 ** (min(step + 1, 3) / 3) * chunks):
+                failures.append(f"step {step}: part {i} sent {len(chosen)} of {chunks} chunks at "
+                                f"density {comm.density_now:.3f}")
         model.zero_grad(set_to_none=True)
     for i, bucket in enumerate(comm.buckets):
         held_back = comm.residual[i].reshape(-1).clone() if i in comm.residual else torch.zeros_like(bucket.flat)

@@ -137,3 +137,5 @@ def test_gradientflow_at_density_0_1_reaches_the_digits_target(tmp_path: Path, d
     dense = [r["bytes_per_step"] for r in records if r["kind"] == "train" and r["epoch"] <= 1]
     sparse = [r["bytes_per_step"] for r in records if r["kind"] == "train" and r["epoch"] >= 3]
     assert sparse and dense and max(sparse) < 0.5 * min(dense)  # sparsification really cut the bytes
+    assert {r["density"] for r in records if r["kind"] == "train" and r["epoch"] <= 1} == {1.0}
+    assert {r["density"] for r in records if r["kind"] == "train" and r["epoch"] >= 3} == {0.1}

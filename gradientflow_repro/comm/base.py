@@ -63,6 +63,7 @@ def trainable(model: nn.Module) -> list[nn.Parameter]:
 
 class Communicator(abc.ABC):
     name: str = "abstract"
+    density_now: float = 1.0  # fraction of weight-gradient chunks sent this step (below 1: CSC)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

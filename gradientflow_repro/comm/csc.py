@@ -18,7 +18,10 @@ sent chunks of v (and, with momentum factor masking, of u) are cleared. The opti
 is then set to 0 so momentum is not applied twice; it is restored during dense phases. One-
 dimensional tensors (BatchNorm, bias) are small and sensitive: they are always sent densely (with
 the same velocity while momentum correction is on). Training starts dense for ``warmup_epochs``
-(dense warm-up); with ``density`` 1 nothing is sparsified and this is exactly lazy allreduce.
+(dense warm-up); optionally the density then falls over ``density_ramp_epochs`` epochs instead of at
+once, exponentially as in DGC's sparsity warm-up (the k-th of R epochs sends density^(k/(R+1)):
+0.56, 0.32, 0.18 for density 0.1 and R = 3). With ``density`` 1 nothing is sparsified and this is
+exactly lazy allreduce.
 
 State per rank (residual v and velocity u per part) is saved in that rank's checkpoint. Updates to
 it are staged and committed by ``end_step``: a step skipped on every rank (fp16 overflow) leaves the
@@ -71,11 +74,16 @@ def send_chosen_chunks_(accumulated: torch.Tensor, global_norms: torch.Tensor, d
 class CSCCommunicator(LazyAllreduce):
     def __init__(self, device: torch.device, sum_fn: SumFn, bucket_bytes: int, overlap: bool,
                  chunk_size: int, density: float, warmup_epochs: float,
-                 momentum_correction: bool = True, momentum_masking: bool = True) -> None:
+                 momentum_correction: bool = True, momentum_masking: bool = True,
+                 density_ramp_epochs: int = 0) -> None:
         super().__init__(device, sum_fn, bucket_bytes, overlap)
         if not 0 < density <= 1:
             raise ValueError(f"config key 'comm.density' = {density}: must be in (0, 1]")
+        if density_ramp_epochs < 0:
+            raise ValueError(f"config key 'comm.density_ramp_epochs' = {density_ramp_epochs}: must be >= 0")
         self.chunk_size, self.density, self.warmup_epochs = chunk_size, density, warmup_epochs
+        self.density_ramp_epochs = density_ramp_epochs
+        self.density_now = 1.0
         self.momentum_correction, self.momentum_masking = momentum_correction, momentum_masking
         self.norm_sum = builtin_sum()
         self.sparse_now = False
@@ -107,9 +115,19 @@ class CSCCommunicator(LazyAllreduce):
     def uses_velocity(self) -> bool:
         return self.momentum_correction and self.sparse_now
 
+    def density_at(self, epoch: float) -> float:
+        """The fraction of chunks sent in ``epoch``: 1 during the dense warm-up, then the ramp."""
+        if epoch < self.warmup_epochs:
+            return 1.0
+        ramp_epoch = math.floor(epoch - self.warmup_epochs) + 1
+        if ramp_epoch <= self.density_ramp_epochs:
+            return self.density ** (ramp_epoch / (self.density_ramp_epochs + 1))
+        return self.density
+
     def begin_step(self, epoch: float, grad_scale: float = 1.0) -> None:
         self.grad_scale = grad_scale
-        self.sparse_now = epoch >= self.warmup_epochs and self.density < 1
+        self.density_now = self.density_at(epoch)
+        self.sparse_now = self.density_now < 1
         self._hand_momentum_to_optimizer(not self.uses_velocity)
 
     def _hand_momentum_to_optimizer(self, optimizer_owns: bool) -> None:
@@ -150,7 +168,7 @@ class CSCCommunicator(LazyAllreduce):
         accumulated = self.residual[index] + gradient
         norms = chunk_l1_norms(accumulated)
         self.norm_sum(norms, self.stats)  # every rank now ranks chunks by the same global norms
-        chosen, packed = send_chosen_chunks_(accumulated, norms, self.density, self.sum_fn, self.stats)
+        chosen, packed = send_chosen_chunks_(accumulated, norms, self.density_now, self.sum_fn, self.stats)
         bucket.flat.zero_()
         self.chunks(bucket).index_copy_(0, chosen, packed.mul_(self.grad_scale) if self.grad_scale != 1.0 else packed)
         if velocity is not None and self.momentum_masking:

@@ -65,6 +65,8 @@ def resolve(options: Mapping[str, Any]) -> dict[str, Any]:
                          "buckets: use comm.fusion=lazy")
     if not 0 < float(knobs.get("density", 1.0)) <= 1:
         raise ValueError(f"config key 'comm.density' = {knobs['density']}: must be in (0, 1]")
+    if int(knobs.get("density_ramp_epochs", 0)) < 0:
+        raise ValueError(f"config key 'comm.density_ramp_epochs' = {knobs['density_ramp_epochs']}: must be >= 0")
     return knobs
 
 
@@ -97,7 +99,8 @@ def build_communicator(options: Mapping[str, Any], device: torch.device) -> Comm
                                density=float(knobs.get("density", 0.1)),
                                warmup_epochs=float(knobs.get("csc_warmup_epochs", 1.0)),
                                momentum_correction=bool(knobs.get("momentum_correction", True)),
-                               momentum_masking=bool(knobs.get("momentum_masking", True)))
+                               momentum_masking=bool(knobs.get("momentum_masking", True)),
+                               density_ramp_epochs=int(knobs.get("density_ramp_epochs", 0)))
     if knobs["fusion"] == "lazy":
         return LazyAllreduce(device, sum_fn, bucket_bytes, knobs["overlap"])
     return PerTensorAllreduce(device, sum_fn)
