@@ -19,8 +19,10 @@ Strategies map onto the same knobs as ``comm/factory.py``:
   dimensional tensors go dense;
 - ``hierarchical``: reduce inside each node, ring among node leaders, broadcast inside the node;
 - ``builtin``: the backend's own allreduce (``allreduce``, ``ddp``). On a cluster that is NCCL's
-  ring, priced like ours; where the network description carries the builtin's own measured cost per
-  call and bandwidth (gloo picks its algorithm by size), those are used instead.
+  ring, priced like ours. Where the network description carries the builtin's own measured cost by
+  message size (as nccl-tests measures it), that table is used instead, interpolated linearly in
+  bytes: the builtin is a black box (gloo picks its algorithm by size, and small calls pay the
+  host's scheduling), so it is measured, not described by two numbers.
 
 Step time = forward + max(end of backward, end of the last message) + optimizer. Speedup for N GPUs
 is weak scaling (fixed per-GPU batch): N * step(1) / step(N).
@@ -69,8 +71,8 @@ class Network:
     intra_bandwidth_Bps: float = float("inf")
     intra_latency_s: float = 0.0
     tiny_allreduce_s: Optional[float] = None  # measured cost of a one-value allreduce, if known
-    builtin_call_s: Optional[float] = None  # the backend's allreduce: measured cost per call ...
-    builtin_bandwidth_Bps: Optional[float] = None  # ... and bus bandwidth, if known
+    # the backend's allreduce, if measured: (payload bytes, seconds per call), by increasing size
+    builtin_cost_by_size: Optional[tuple[tuple[float, float], ...]] = None
 
 
 @dataclass(frozen=True)
@@ -113,11 +115,24 @@ def ring_allreduce_s(payload_bytes: float, ranks: int, bandwidth_Bps: float, lat
     return 2 * (ranks - 1) * (latency_s + payload_bytes / (ranks * bandwidth_Bps))
 
 
+def measured_cost_s(payload_bytes: float, cost_by_size: tuple[tuple[float, float], ...]) -> float:
+    """Seconds for ``payload_bytes`` from a table of measured (bytes, seconds): linear between the
+    two sizes around it, the smallest size's cost below it, proportional to bytes beyond the largest."""
+    sizes = sorted(cost_by_size)
+    if payload_bytes <= sizes[0][0]:
+        return sizes[0][1]
+    for (small, small_s), (large, large_s) in zip(sizes, sizes[1:]):
+        if payload_bytes <= large:
+            return small_s + (large_s - small_s) * (payload_bytes - small) / (large - small)
+    largest, largest_s = sizes[-1]
+    return largest_s * payload_bytes / largest
+
+
 def allreduce_s(payload_bytes: float, ranks: int, net: Network, hierarchical: bool,
                 builtin: bool = False) -> float:
     """One allreduce of ``payload_bytes`` among ``ranks`` ranks placed ``net.ranks_per_node`` per node."""
-    if builtin and net.builtin_call_s is not None and net.builtin_bandwidth_Bps is not None and ranks > 1:
-        return net.builtin_call_s + 2 * (ranks - 1) / ranks * payload_bytes / net.builtin_bandwidth_Bps
+    if builtin and net.builtin_cost_by_size and ranks > 1:
+        return measured_cost_s(payload_bytes, net.builtin_cost_by_size)
     per_node = min(net.ranks_per_node, ranks)
     nodes = max(1, ranks // per_node)
     if hierarchical and per_node > 1:

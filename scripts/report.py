@@ -105,25 +105,39 @@ def _profile(data: dict) -> pm.ModelProfile:
 
 
 def _network(measured: dict) -> pm.Network:
+    table = measured.get("builtin_cost_by_size")
     return pm.Network(measured["bandwidth_Bps"], measured["latency_s"],
                       tiny_allreduce_s=measured.get("tiny_allreduce_s"),
-                      builtin_call_s=measured.get("builtin_call_s"),
-                      builtin_bandwidth_Bps=measured.get("builtin_bandwidth_Bps"))
+                      builtin_cost_by_size=tuple(map(tuple, table)) if table else None)
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes:g} B"
 
 
 def _network_table(network_by_world: dict[int, dict]) -> list[str]:
-    lines = ["| world | ring: bandwidth (MB/s) | ring: latency per message (us) | builtin allreduce: per call (ms) "
-             "| builtin: bus bandwidth (MB/s) | one-value builtin allreduce (ms) |", "|---|---|---|---|---|---|"]
+    lines = ["| world | ring: bandwidth (MB/s) | ring: latency per message (us) | one-value builtin allreduce (ms) |",
+             "|---|---|---|---|"]
     for world, measured in sorted(network_by_world.items()):
-        builtin_bw = measured.get("builtin_bandwidth_Bps")
         lines.append(f"| {world} | {measured['bandwidth_Bps'] / 1e6:.1f} | {measured['latency_s'] * 1e6:.0f} "
-                     f"| {measured.get('builtin_call_s', float('nan')) * 1e3:.2f} "
-                     f"| {builtin_bw / 1e6 if builtin_bw else float('nan'):.1f} "
                      f"| {measured.get('tiny_allreduce_s', float('nan')) * 1e3:.2f} |")
-    return lines + ["", "Ring: latency from a one-element-per-rank ring allreduce over its 2(N-1) messages, "
-                    "bandwidth from an 8 MiB one. Builtin (gloo's own allreduce, used by `allreduce` and `ddp`): "
-                    "cost per call from a one-element-per-rank allreduce, bus bandwidth from an 8 MiB one; the "
-                    "one-value allreduce is the fp16 wire's scale and CSC's norms."]
+    lines += ["", "Ring: latency from a one-element-per-rank ring allreduce over its 2(N-1) messages, bandwidth "
+              "from an 8 MiB one. The one-value allreduce is the fp16 wire's scale and CSC's norms."]
+    worlds = [w for w, m in sorted(network_by_world.items()) if m.get("builtin_cost_by_size")]
+    if worlds:
+        costs = {w: dict((size, s) for size, s in network_by_world[w]["builtin_cost_by_size"]) for w in worlds}
+        sizes = sorted({size for w in worlds for size in costs[w] if size >= 4096})
+        lines += ["", "The backend's own allreduce (gloo's, used by `allreduce` and `ddp`), ms per call by message "
+                  "size (the first row: one element per rank); the model interpolates between these sizes:", "",
+                  "| size | " + " | ".join(f"world {w}" for w in worlds) + " |", "|---|" + "---|" * len(worlds),
+                  "| 1 element per rank | " + " | ".join(f"{min(costs[w].items())[1] * 1e3:.2f}" for w in worlds) + " |"]
+        lines += [f"| {_size(size)} | " + " | ".join(f"{costs[w][size] * 1e3:.2f}" if size in costs[w] else "-"
+                                                   for w in worlds) + " |" for size in sizes]
+    return lines + ["", "Every figure is the mean over its calls without the fastest and slowest tenth: a step "
+                    "pays the sum of many calls, and small calls are bimodal when ranks share cores."]
 
 
 def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
@@ -148,7 +162,8 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
             predicted = pm.predict_step(scaled, world, net, strategies[label])
             error = predicted.step_s / measured["step_s"] - 1
             errors.append(abs(error))
-            lines.append(f"| {world} | {label} | {measured['step_s'] * 1e3:.1f} | {predicted.step_s * 1e3:.1f} "
+            each = measured.get("step_s_each") or [measured["step_s"]]
+            lines.append(f"| {world} | {label} | {_spread(each, '.1f', 1e3)} | {predicted.step_s * 1e3:.1f} "
                          f"| {predicted.exposed_comm_s * 1e3:.1f} | {error * 100:+.0f}% |")
     if errors:
         within = sum(e <= 0.15 for e in errors)
@@ -168,22 +183,25 @@ def _per_tensor_alone(profile: pm.ModelProfile, network_by_world: dict[int, dict
         net = _network(measured)
         cells = []
         for key, strategy in (("per_tensor_builtin_s", pm.Strategy("allreduce", builtin=True)),
-                              ("per_tensor_ring_s", pm.Strategy("ring"))):
+                              ("per_tensor_ring_s", pm.Strategy("ring")),
+                              ("per_tensor_ring_fp16_s", pm.Strategy("ring+fp16", wire_bytes=2))):
             model = pm.predict_step(profile, world, net, strategy).comm_s
-            cells.append(f"{measured[key] * 1e3:.1f} | {model * 1e3:.1f} ({model / measured[key] - 1:+.0%})")
+            cells.append(f"{measured[key] * 1e3:.1f} | {model * 1e3:.1f} ({model / measured[key] - 1:+.0%})"
+                         if measured.get(key) else "- | -")
         rows.append(f"| {world} | {' | '.join(cells)} |")
     if not rows:
         return []
-    return ["", "One allreduce per gradient of this model (fp32, in backward order), back to back and alone "
-            "on the network, against the model's communication time for the same messages:", "",
-            "| world | builtin: measured (ms) | builtin: model (ms) | ring: measured (ms) | ring: model (ms) |",
-            "|---|---|---|---|---|", *rows]
+    return ["", "One allreduce per gradient of this model (in backward order; with the fp16 wire, its one-value "
+            "scale allreduce first), back to back and alone on the network, against the model's communication "
+            "time for the same messages:", "",
+            "| world | builtin: measured (ms) | builtin: model (ms) | ring: measured (ms) | ring: model (ms) "
+            "| ring+fp16: measured (ms) | ring+fp16: model (ms) |", "|---|---|---|---|---|---|---|", *rows]
 
 
 def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, dict[str, dict]],
                  calibration: dict, network: dict, world: int, repeats: int, command: str,
                  elapsed_s: float, experiment: str, group: str, overrides: list[str],
-                 machine: dict, network_by_world: Optional[dict[int, dict]] = None) -> None:
+                 machine: dict, network_by_world: Optional[dict[int, dict]] = None, check_repeats: int = 1) -> None:
     """Writes ``path`` and its figures beside it. ``machine``: environment_facts() of the run."""
     from simulate_scaling import paper_check, plot
 
@@ -206,6 +224,11 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
                  f"(tbf counts Ethernet frames: TCP payload is about 96% of the rate) that takes "
                  f"{calibration['bytes_per_step'] * 8 / 1e6 / (network['rate_mbit'] or 1) * 1e3:.1f} ms, "
                  f"the paper's ratio times the compute." if network["emulated"] else "No rate: loopback.")
+    others = [str(w) for w in sorted(checks) if w != world]
+    check_runs = f"at world size {world} the ladder's {repeats} runs (`gradientflow` after its dense warm-up)"
+    if others:
+        check_runs += (f"; at world size{'s' if len(others) > 1 else ''} {', '.join(others)}, {check_repeats} "
+                       "short runs per strategy (sparse from the start)")
     paper_lines, table = paper_check()
     plot(table, figures / "scaling.png")
     text = [
@@ -230,9 +253,9 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
         *_network_table(network_by_world), "",
         "## Scaling model against measurement", "",
         "`gradientflow_repro/perfmodel.py` with the measured per-tensor backward profile of this model "
-        "(one process) and the measured network above; step times are medians of the logged intervals "
-        f"(short runs at world sizes {', '.join(str(w) for w in sorted(checks))}; `gradientflow` after its "
-        "dense warm-up). Local work on the communication path, measured in the same process per "
+        "(one process) and the measured network above. Measured step time: each run's median logged "
+        f"interval, then the median [range] over the repeats: {check_runs}. "
+        "Local work on the communication path, measured in the same process per "
         f"gradient element: CSC {calibration['profile'].get('sparsify_s_per_element', 0) * 1e9:.2f} ns, "
         f"fp16 wire {calibration['profile'].get('wire_cast_s_per_element', 0) * 1e9:.2f} ns (scaled like the "
         "compute).", "", *model_check(checks, calibration, network_by_world), "",

@@ -135,6 +135,14 @@ def steady_step(run: dict, after_epoch: float = 0.0) -> dict[str, float]:
             "bytes_per_step": statistics.median(r["bytes_per_step"] for r in train)}
 
 
+def median_step(repeats: list[dict], skip_warmup: bool = True) -> dict:
+    """``steady_step`` of each repeat of one strategy (after CSC's dense warm-up if
+    ``skip_warmup``): the median of each figure, and every repeat's step time (``step_s_each``)."""
+    steps = [steady_step(run, _warmup(run) if skip_warmup else 0.0) for run in repeats]
+    return {**{key: statistics.median(step[key] for step in steps) for key in steps[0]},
+            "step_s_each": [step["step_s"] for step in steps]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--experiment", default="digits_cpu")
@@ -150,6 +158,7 @@ def main() -> None:
     parser.add_argument("--report", type=Path, default=REPO / "results" / "REPORT.md")
     parser.add_argument("--timeout-s", type=float, default=600, help="per training run")
     parser.add_argument("--check-steps", type=int, default=24, help="steps of each step-time run")
+    parser.add_argument("--check-repeats", type=int, default=3, help="step-time runs per strategy and world size")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the report from the runs of the last reproduction, run nothing")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
@@ -197,23 +206,26 @@ def main() -> None:
                 run_ranks(args.world, [*base, *LADDER[label], f"run_dir={run_dir}", f"logger.name={label}"],
                           run_dir, f"{label} r{repeat + 1}", net, args.timeout_s)
                 runs[label].append(load_run(run_dir))
-        checks[args.world] = {label: steady_step(runs[label][0], _warmup(runs[label][0])) for label in args.rungs}
+        checks[args.world] = {label: median_step(runs[label]) for label in args.rungs}
     for world in args.check_world:  # (5) step times at other world sizes, on a network measured there
         with _network(world, rate, reason) as net:
             network_by_world[world] = measure_network(world, net, args.runs_dir / f"netbench-world{world}",
                                                       args.timeout_s, gradients)
-            checks[world] = {}
-            for label in args.rungs:
-                run_dir = args.runs_dir / f"check-world{world}" / label
-                print(f"reproduce: [{label}] step-time run at world size {world}", flush=True)
-                run_ranks(world, [*base, *LADDER[label], f"run_dir={run_dir}", f"max_steps={args.check_steps}",
-                                  "comm.csc_warmup_epochs=0", "logger=jsonl", "logger.log_every=4"],
-                          run_dir, f"{label} w{world}", net, args.timeout_s, show=False)
-                checks[world][label] = steady_step(load_run(run_dir))
+            repeats: dict[str, list[dict]] = {label: [] for label in args.rungs}
+            for repeat in range(args.check_repeats):  # repeat-major, as the ladder
+                for label in args.rungs:
+                    run_dir = args.runs_dir / f"check-world{world}" / label / f"r{repeat + 1}"
+                    print(f"reproduce: [{label}] step-time run {repeat + 1}/{args.check_repeats} at world "
+                          f"size {world}", flush=True)
+                    run_ranks(world, [*base, *LADDER[label], f"run_dir={run_dir}", f"max_steps={args.check_steps}",
+                                      "comm.csc_warmup_epochs=0", "logger=jsonl", "logger.log_every=4"],
+                              run_dir, f"{label} w{world}", net, args.timeout_s, show=False)
+                    repeats[label].append(load_run(run_dir))
+            checks[world] = {label: median_step(repeats[label], skip_warmup=False) for label in args.rungs}
 
     facts = {"checks": checks, "calibration": calibration, "network": network,
              "network_by_world": network_by_world, "world": args.world,
-             "repeats": args.repeats, "command": "python scripts/reproduce.py " + " ".join(sys.argv[1:]),
+             "repeats": args.repeats, "check_repeats": args.check_repeats, "command": "python scripts/reproduce.py " + " ".join(sys.argv[1:]),
              "elapsed_s": time.time() - started, "experiment": args.experiment, "group": group,
              "overrides": base[1:], "rungs": args.rungs, "machine": environment_facts()}
     (args.runs_dir / "reproduce.json").write_text(json.dumps(facts, indent=1))
@@ -262,12 +274,17 @@ def _netbench(out: Path, tensors_file: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from gradientflow_repro.comm.ring import ring_allreduce_
+    from gradientflow_repro.comm.base import CommStats
+    from gradientflow_repro.comm.compression import Fp16Wire
+    from gradientflow_repro.comm.ring import ring_allreduce_, ring_sum
 
     dist.init_process_group("gloo", init_method="env://", timeout=__import__("datetime").timedelta(seconds=120))
     world = dist.get_world_size()
 
     def timed(tensor, calls: int, allreduce=ring_allreduce_) -> float:
+        """Mean seconds per call, without the fastest and slowest tenth: a training step pays the
+        sum of many calls, and small ones are bimodal when ranks share cores (a rank that is not
+        running answers a scheduler slice later), so the median would miss what they cost."""
         allreduce(tensor)
         times = []
         for _ in range(calls):
@@ -275,7 +292,7 @@ def _netbench(out: Path, tensors_file: Path) -> None:
             started = time.perf_counter()
             allreduce(tensor)
             times.append(time.perf_counter() - started)
-        return statistics.median(times)
+        return _trimmed_mean(times)
 
     tiny = timed(torch.ones(world), 30)  # one element per rank: latency only
     # a one-value MAX allreduce, as the fp16 wire's scale and CSC's norms
@@ -284,22 +301,33 @@ def _netbench(out: Path, tensors_file: Path) -> None:
     large = timed(torch.ones(size // 4), 5)
     latency = tiny / (2 * (world - 1))
     bandwidth = 2 * (world - 1) / world * size / max(1e-9, large - 2 * (world - 1) * latency)
-    # the backend's own allreduce (the `allreduce` and `ddp` strategies), which need not be a ring
-    builtin_call = timed(torch.ones(world), 30, dist.all_reduce)
-    builtin_large = timed(torch.ones(size // 4), 5, dist.all_reduce)
+    # the backend's own allreduce (the `allreduce` and `ddp` strategies), which need not be a ring:
+    # its cost by message size, one element per rank up to past DDP's 25 MiB buckets
+    builtin_sizes = [4 * world] + [4096 * 4 ** k for k in range(7)] + [32 << 20]
+    builtin_cost = [[nbytes, timed(torch.ones(nbytes // 4), 20 if nbytes < 1 << 20 else 5, dist.all_reduce)]
+                    for nbytes in builtin_sizes]
     # one allreduce per gradient of the model, back to back: what `allreduce` and `ring` do after
     # backward, without the training around it
-    gradients = [torch.ones(n) for n in json.loads(tensors_file.read_text())]
+    gradients = [torch.randn(n) for n in json.loads(tensors_file.read_text())]
+    ring_fp16 = Fp16Wire(ring_sum(), world)
     per_tensor = {name: timed(gradients, 5, lambda tensors, fn=fn: [fn(t) for t in tensors]) if gradients else None
-                  for name, fn in (("builtin", dist.all_reduce), ("ring", ring_allreduce_))}
+                  for name, fn in (("builtin", dist.all_reduce), ("ring", ring_allreduce_),
+                                   ("ring_fp16", lambda t: ring_fp16(t, CommStats())))}
     if dist.get_rank() == 0:
         out.write_text(json.dumps({
             "latency_s": latency, "bandwidth_Bps": bandwidth,
             "tiny_allreduce_s": builtin_tiny, "tiny_ring_s": tiny, "allreduce_8MiB_s": large,
-            "builtin_call_s": builtin_call, "per_tensor_builtin_s": per_tensor["builtin"],
-            "per_tensor_ring_s": per_tensor["ring"],
-            "builtin_bandwidth_Bps": 2 * (world - 1) / world * size / max(1e-9, builtin_large - builtin_call)}))
+            "builtin_cost_by_size": builtin_cost, "per_tensor_builtin_s": per_tensor["builtin"],
+            "per_tensor_ring_s": per_tensor["ring"], "per_tensor_ring_fp16_s": per_tensor["ring_fp16"]}))
     dist.destroy_process_group()
+
+
+def _trimmed_mean(values: Sequence[float]) -> float:
+    """The mean without the lowest and highest tenth (at least one each, from three values on)."""
+    ordered = sorted(values)
+    cut = max(1, len(ordered) // 10) if len(ordered) >= 3 else 0
+    kept = ordered[cut:len(ordered) - cut]
+    return sum(kept) / len(kept)
 
 
 def _profile(out: Path, overrides: list[str]) -> None:

@@ -57,10 +57,19 @@ def test_builtin_allreduce_priced_from_its_own_measurement() -> None:
     builtin = pm.Strategy("allreduce", builtin=True)
     assert pm.predict_step(PROFILE, 4, ring_net, builtin).comm_s == pm.predict_step(PROFILE, 4, ring_net,
                                                                                     pm.Strategy("ring")).comm_s
-    # with them (gloo picks its own algorithm): a cost per call plus the bytes at its bus bandwidth
-    measured = pm.Network(1e8, 1e-3, builtin_call_s=2e-3, builtin_bandwidth_Bps=5e7)
+    # with its cost by message size (gloo picks its own algorithm): each tensor from the table
+    measured = pm.Network(1e8, 1e-3, builtin_cost_by_size=((4000, 2e-3), (4_000_000, 20e-3)))
     step = pm.predict_step(PROFILE, 4, measured, builtin)
-    assert step.comm_s == pytest.approx(3 * 2e-3 + 4_001_000 * 4 * 1.5 / 5e7)
+    assert step.comm_s == pytest.approx(20e-3 + 2e-3 + 60e-3)  # 4 MB, 4 kB on the table, 12 MB beyond it
+    assert pm.predict_step(PROFILE, 4, measured, pm.Strategy("ring")).comm_s == pm.predict_step(
+        PROFILE, 4, ring_net, pm.Strategy("ring")).comm_s  # our ring keeps its own description
+
+
+def test_measured_cost_interpolates_between_sizes() -> None:
+    table = ((5000, 3e-3), (1000, 1e-3))  # any order
+    assert pm.measured_cost_s(500, table) == pytest.approx(1e-3)  # below the smallest: its cost
+    assert pm.measured_cost_s(3000, table) == pytest.approx(2e-3)  # halfway: halfway
+    assert pm.measured_cost_s(10_000, table) == pytest.approx(6e-3)  # beyond the largest: by bytes
 
 
 def test_full_overlap_hides_communication() -> None:
@@ -157,6 +166,8 @@ def test_short_comparison_writes_a_complete_report(tmp_path: Path, digits_root: 
     assert "| 2 | ring+fp16+lazy |" in text  # the model's check against this run
     measured = text[text.index("| world | ring: bandwidth"):].split("\n\n")[0].splitlines()[2:]
     assert len(measured) == 1 and measured[0].startswith("| 2 |") and "nan" not in measured[0], measured
+    builtin = text[text.index("| size | world 2 |"):].split("\n\n")[0].splitlines()[2:]
+    assert builtin[0].startswith("| 1 element per rank |") and len(builtin) == 9 and "nan" not in str(builtin)
     alone = text[text.index("| world | builtin: measured"):].split("\n\n")[0].splitlines()[2:]
     assert len(alone) == 1 and alone[0].startswith("| 2 |") and "nan" not in alone[0], alone
     assert "410.2x" in text
