@@ -136,8 +136,10 @@ def _network_table(network_by_world: dict[int, dict]) -> list[str]:
                   "| 1 element per rank | " + " | ".join(f"{min(costs[w].items())[1] * 1e3:.2f}" for w in worlds) + " |"]
         lines += [f"| {_size(size)} | " + " | ".join(f"{costs[w][size] * 1e3:.2f}" if size in costs[w] else "-"
                                                    for w in worlds) + " |" for size in sizes]
-    return lines + ["", "Every figure is the mean over its calls without the fastest and slowest tenth: a step "
-                    "pays the sum of many calls, and small calls are bimodal when ranks share cores."]
+    launches = min(m.get("launches", 1) for m in network_by_world.values())
+    return lines + ["", "Every figure is the mean over its calls without the fastest and slowest tenth (a step "
+                    "pays the sum of many calls, and small calls are bimodal when ranks share cores), then the "
+                    f"mean over {launches} separate launch{'es' if launches > 1 else ''} of the ranks."]
 
 
 def model_check(checks: dict[int, dict[str, dict]], calibration: dict,

@@ -159,6 +159,8 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=600, help="per training run")
     parser.add_argument("--check-steps", type=int, default=24, help="steps of each step-time run")
     parser.add_argument("--check-repeats", type=int, default=3, help="step-time runs per strategy and world size")
+    parser.add_argument("--netbench-launches", type=int, default=3,
+                        help="launches of the network measurement per world size (figures are averaged)")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the report from the runs of the last reproduction, run nothing")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
@@ -194,7 +196,8 @@ def main() -> None:
     checks: dict[int, dict[str, dict]] = {}
     network: dict = {"emulated": reason is None, "why_not": reason, "rate_mbit": rate if reason is None else None}
     with _network(args.world, rate, reason) as net:
-        network.update(measure_network(args.world, net, args.runs_dir / "netbench", args.timeout_s, gradients))
+        network.update(measure_network(args.world, net, args.runs_dir / "netbench", args.timeout_s, gradients,
+                                       args.netbench_launches))
         network_by_world = {args.world: network}
         print(f"reproduce: measured link {network['bandwidth_Bps'] / 1e6:.1f} MB/s, per-message latency "
               f"{network['latency_s'] * 1e6:.0f} us", flush=True)
@@ -210,7 +213,7 @@ def main() -> None:
     for world in args.check_world:  # (5) step times at other world sizes, on a network measured there
         with _network(world, rate, reason) as net:
             network_by_world[world] = measure_network(world, net, args.runs_dir / f"netbench-world{world}",
-                                                      args.timeout_s, gradients)
+                                                      args.timeout_s, gradients, args.netbench_launches)
             repeats: dict[str, list[dict]] = {label: [] for label in args.rungs}
             for repeat in range(args.check_repeats):  # repeat-major, as the ladder
                 for label in args.rungs:
@@ -225,7 +228,8 @@ def main() -> None:
 
     facts = {"checks": checks, "calibration": calibration, "network": network,
              "network_by_world": network_by_world, "world": args.world,
-             "repeats": args.repeats, "check_repeats": args.check_repeats, "command": "python scripts/reproduce.py " + " ".join(sys.argv[1:]),
+             "repeats": args.repeats, "check_repeats": args.check_repeats,
+             "command": "python scripts/reproduce.py " + " ".join(sys.argv[1:]),
              "elapsed_s": time.time() - started, "experiment": args.experiment, "group": group,
              "overrides": base[1:], "rungs": args.rungs, "machine": environment_facts()}
     (args.runs_dir / "reproduce.json").write_text(json.dumps(facts, indent=1))
@@ -258,16 +262,28 @@ def calibrate(world: int, base: list[str], run_dir: Path, net: Optional[netemu.E
 
 
 def measure_network(world: int, net: Optional[netemu.EmulatedNetwork], run_dir: Path,
-                    timeout_s: float, tensor_elements: Sequence[int] = ()) -> dict:
+                    timeout_s: float, tensor_elements: Sequence[int] = (), launches: int = 3) -> dict:
     """Per-message latency and link bandwidth as the ring sees them, the same for the backend's
     own allreduce, and (given the model's gradient sizes) how long one allreduce per gradient takes
-    in isolation, by either (rank 0 writes the JSON)."""
-    out = run_dir / "network.json"
+    in isolation, by either. Each figure is the mean over ``launches`` separate launches of the
+    ranks (rank 0 writes one JSON per launch): on a shared host the per-message costs differ more
+    between launches than between the calls of one."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "tensors.json").write_text(json.dumps(list(tensor_elements)))
-    run_ranks(world, [str(out), str(run_dir / "tensors.json")], run_dir, "netbench", net, timeout_s,
-              show=False, module=NETBENCH)
-    return json.loads(out.read_text())
+    measured = []
+    for launch in range(launches):
+        out = run_dir / f"network{launch + 1}.json"
+        run_ranks(world, [str(out), str(run_dir / "tensors.json")], run_dir, "netbench", net, timeout_s,
+                  show=False, module=NETBENCH)
+        measured.append(json.loads(out.read_text()))
+    mean = {key: (None if value is None else
+                  [[row[0], statistics.mean(m[key][i][1] for m in measured)] for i, row in enumerate(value)]
+                  if isinstance(value, list) else statistics.mean(m[key] for m in measured))
+            for key, value in measured[0].items()}
+    size = mean.pop("ring_large_bytes")
+    latency = mean["tiny_ring_s"] / (2 * (world - 1))
+    bandwidth = 2 * (world - 1) / world * size / max(1e-9, mean["ring_large_s"] - 2 * (world - 1) * latency)
+    return {**mean, "latency_s": latency, "bandwidth_Bps": bandwidth, "launches": launches}
 
 
 def _netbench(out: Path, tensors_file: Path) -> None:
@@ -298,16 +314,14 @@ def _netbench(out: Path, tensors_file: Path) -> None:
     # a one-value MAX allreduce, as the fp16 wire's scale and CSC's norms
     builtin_tiny = timed(torch.ones(1), 30, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))
     size = 8 << 20
-    large = timed(torch.ones(size // 4), 5)
-    latency = tiny / (2 * (world - 1))
-    bandwidth = 2 * (world - 1) / world * size / max(1e-9, large - 2 * (world - 1) * latency)
+    large = timed(torch.ones(size // 4), 15)  # per call bimodal on a shaped link (e.g. 54 or 80 ms at world 2)
     # the backend's own allreduce (the `allreduce` and `ddp` strategies), which need not be a ring:
     # its cost by message size, one element per rank up to past DDP's 25 MiB buckets
     builtin_sizes = [4 * world] + [4096 * 4 ** k for k in range(7)] + [32 << 20]
-    builtin_cost = [[nbytes, timed(torch.ones(nbytes // 4), 20 if nbytes < 1 << 20 else 5, dist.all_reduce)]
-                    for nbytes in builtin_sizes]
-    # one allreduce per gradient of the model, back to back: what `allreduce` and `ring` do after
-    # backward, without the training around it
+    builtin_cost = [[nbytes, timed(torch.ones(nbytes // 4), 20 if nbytes < 1 << 20 else 10 if nbytes <= size else 5,
+                                   dist.all_reduce)] for nbytes in builtin_sizes]
+    # one allreduce per gradient of the model, back to back: what `allreduce`, `ring` and
+    # `ring`+fp16 do after backward, without the training around it
     gradients = [torch.randn(n) for n in json.loads(tensors_file.read_text())]
     ring_fp16 = Fp16Wire(ring_sum(), world)
     per_tensor = {name: timed(gradients, 5, lambda tensors, fn=fn: [fn(t) for t in tensors]) if gradients else None
@@ -315,8 +329,7 @@ def _netbench(out: Path, tensors_file: Path) -> None:
                                    ("ring_fp16", lambda t: ring_fp16(t, CommStats())))}
     if dist.get_rank() == 0:
         out.write_text(json.dumps({
-            "latency_s": latency, "bandwidth_Bps": bandwidth,
-            "tiny_allreduce_s": builtin_tiny, "tiny_ring_s": tiny, "allreduce_8MiB_s": large,
+            "tiny_allreduce_s": builtin_tiny, "tiny_ring_s": tiny, "ring_large_s": large, "ring_large_bytes": size,
             "builtin_cost_by_size": builtin_cost, "per_tensor_builtin_s": per_tensor["builtin"],
             "per_tensor_ring_s": per_tensor["ring"], "per_tensor_ring_fp16_s": per_tensor["ring_fp16"]}))
     dist.destroy_process_group()

@@ -148,7 +148,8 @@ def test_emulated_network_leaves_nothing_behind_when_a_rank_fails(tmp_path: Path
 def test_short_comparison_writes_a_complete_report(tmp_path: Path, digits_root: Path) -> None:
     report = tmp_path / "REPORT.md"
     command = [sys.executable, "scripts/reproduce.py", "--world", "2", "--check-world", "--repeats", "1",
-               "--rungs", "allreduce", "ring+fp16+lazy", "--runs-dir", str(tmp_path / "runs"),
+               "--rungs", "allreduce", "ring+fp16+lazy", "--netbench-launches", "2",
+               "--runs-dir", str(tmp_path / "runs"),
                "--report", str(report), "--timeout-s", "240", "--",
                f"data.root={digits_root}", "model.width=0.125", "epochs=2", "eval_every_epochs=1",
                "optim.warmup_epochs=0.5", "target_top1=20"]
@@ -170,6 +171,9 @@ def test_short_comparison_writes_a_complete_report(tmp_path: Path, digits_root: 
     assert builtin[0].startswith("| 1 element per rank |") and len(builtin) == 9 and "nan" not in str(builtin)
     alone = text[text.index("| world | builtin: measured"):].split("\n\n")[0].splitlines()[2:]
     assert len(alone) == 1 and alone[0].startswith("| 2 |") and "nan" not in alone[0], alone
+    assert "mean over 2 separate launches" in text
+    launches = sorted((tmp_path / "runs" / "netbench").glob("network*.json"))
+    assert [p.name for p in launches] == ["network1.json", "network2.json"]
     assert "410.2x" in text
     for figure in ("reproduce_top1.png", "reproduce_step_split.png", "scaling.png"):
         assert (tmp_path / figure).stat().st_size > 1000
