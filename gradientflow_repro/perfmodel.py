@@ -235,15 +235,15 @@ def measure_sparsify_s_per_element(elements: int, chunk: int = 32768, density: f
     from gradientflow_repro.comm.csc import chunk_l1_norms, select_chunks
 
     chunks = max(1, elements // chunk)
-    gradient, residual, velocity = (torch.randn(chunks, chunk) for _ in range(3))
+    gradient, residual, velocity, moved, accumulated, pool = (torch.randn(chunks, chunk) for _ in range(6))
 
-    def local_work() -> None:
-        moved = torch.add(gradient, velocity, alpha=0.9)
-        accumulated = residual + moved
+    def local_work() -> None:  # into preallocated buffers, as csc.py writes into its spare state
+        torch.add(gradient, velocity, alpha=0.9, out=moved)
+        torch.add(residual, moved, out=accumulated)
         chosen = select_chunks(chunk_l1_norms(accumulated), density)
         packed = accumulated.index_select(0, chosen)
-        out = torch.zeros_like(accumulated)
-        out.index_copy_(0, chosen, packed)
+        pool.zero_()
+        pool.index_copy_(0, chosen, packed)
         accumulated.index_fill_(0, chosen, 0.0)
         moved.index_fill_(0, chosen, 0.0)
 
