@@ -26,9 +26,10 @@ exactly lazy allreduce.
 State per rank (residual v and velocity u per part) is saved in that rank's checkpoint. Updates to
 it are staged and committed by ``end_step``: a step skipped on every rank (fp16 overflow) leaves the
 state as it was. Each state tensor has a spare of the same size that the step's update is written
-into and that ``end_step`` swaps in, so no step allocates: a fresh allocation of this size
-page-faults every time on the CPU, which made CSC's own work cost up to five times more. Residuals are kept in unscaled units (the fp16 loss scale is divided out on the way
-in and multiplied back on the way out), so a changing loss scale never corrupts them.
+into and that ``end_step`` swaps in, so no step allocates: a fresh allocation of this size page-
+faults every time on the CPU, which made CSC's own work cost up to five times more. Residuals are
+kept in unscaled units (the fp16 loss scale is divided out on the way in and multiplied back on the
+way out), so a changing loss scale never corrupts them.
 """
 
 from __future__ import annotations

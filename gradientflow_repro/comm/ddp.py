@@ -72,6 +72,7 @@ class CSCHookState:
         self.group = group
         self.iteration = 0
         self.residual: dict[int, torch.Tensor] = {}
+        self._spare: dict[int, torch.Tensor] = {}  # a bucket's next residual is built here (no allocation)
         self.last_selection: dict[int, torch.Tensor] = {}
         self.always_sent: dict[int, torch.Tensor] = {}  # bucket -> chunks holding 1-D tensors
         self.stats = CommStats()
@@ -123,7 +124,10 @@ def csc_hook(state: CSCHookState, bucket: dist.GradBucket) -> torch.futures.Futu
         elif residual.shape[0] != chunks:
             raise RuntimeError(f"csc_hook: DDP bucket {index} holds {buffer.numel()} elements but its residual "
                                f"was made for {residual.numel()} (another model, bucket_cap_mb or chunk_size?)")
-        accumulated = residual.clone()
+        spare = state._spare.get(index)
+        if spare is None or spare.shape != residual.shape or spare.device != residual.device:
+            spare = state._spare[index] = torch.empty_like(residual)
+        accumulated = spare.copy_(residual)
         accumulated.view(-1)[:buffer.numel()] += buffer.float()
         norms = chunk_l1_norms(accumulated)
         state.norm_sum(norms, state.stats)
@@ -134,9 +138,10 @@ def csc_hook(state: CSCHookState, bucket: dist.GradBucket) -> torch.futures.Futu
                 state.always_sent[index] = _one_dimensional_chunks(bucket, state.chunk_size)
             chosen, summed = send_chosen_chunks_(accumulated, norms, state.density, state.sum_fn, state.stats,
                                                  always=state.always_sent[index])
-            result = torch.zeros_like(accumulated).index_copy_(0, chosen, summed)
+            # the old residual is free now: it takes the result and then serves as the next spare
+            result = residual.zero_().index_copy_(0, chosen, summed)
             buffer.copy_(result.view(-1)[:buffer.numel()])
-            state.residual[index] = accumulated
+            state.residual[index], state._spare[index] = accumulated, residual
             state.last_selection[index] = chosen
     buffer.div_(world)
     if bucket.is_last():
