@@ -13,10 +13,11 @@ Strategies map onto the same knobs as ``comm/factory.py``:
 - ``wire_bytes``: 4 for fp32, 2 for the fp16 wire (plus one tiny allreduce per message for the
   shared scale, and the local work of finding the peak, scaling, casting and casting back: a
   measured cost per element sent, on the communication path);
-- ``density`` < 1 (CSC): multi-dimensional tensors send only that fraction of their bytes, after an
-  allreduce of the chunk norms (one fp32 value per ``chunk_elements``), and after CSC's local work
-  (norms, selection, packing: a measured cost per element, on the communication path); one-
-  dimensional tensors go dense;
+- ``density`` < 1 (CSC): multi-dimensional tensors send ceil(density x chunks) whole chunks of
+  ``chunk_elements``, after an allreduce of the chunk norms (one fp32 value per chunk, by the
+  backend's own allreduce, priced at its size) and after CSC's local work (norms, selection,
+  packing: a measured cost per element, on the communication path); one-dimensional tensors go
+  dense, in pool parts of their own after the others (as ``comm/csc.py`` lays out the pool);
 - ``hierarchical``: reduce inside each node, ring among node leaders, broadcast inside the node;
 - ``builtin``: the backend's own allreduce (``allreduce``, ``ddp``). On a cluster that is NCCL's
   ring, priced like ours. Where the network description carries the builtin's own measured cost by
@@ -30,8 +31,9 @@ is weak scaling (fixed per-GPU batch): N * step(1) / step(N).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
-from typing import Iterable, Optional
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -144,36 +146,56 @@ def allreduce_s(payload_bytes: float, ranks: int, net: Network, hierarchical: bo
     return ring_allreduce_s(payload_bytes, ranks, net.bandwidth_Bps, net.latency_s)
 
 
-def _messages(profile: ModelProfile, strategy: Strategy) -> list[tuple[float, float, int, float]]:
-    """(ready time, payload bytes, tiny extra allreduces, local work before sending) per message,
-    in sending order."""
-    def payload(tensors: Iterable[TensorProfile]) -> tuple[float, int, float]:
-        total, extra, work = 0.0, 0, 0.0
-        cast = profile.wire_cast_s_per_element if strategy.wire_bytes < 4 else 0.0
-        for t in tensors:
-            if strategy.density < 1 and not t.one_dimensional:
-                work += t.elements * (profile.sparsify_s_per_element + strategy.density * cast)
-                total += t.elements * strategy.density * strategy.wire_bytes
-                total += 4 * t.elements / strategy.chunk_elements  # the chunk norms
-            else:
-                work += t.elements * cast
-                total += t.elements * strategy.wire_bytes
-        extra += 1 if strategy.wire_bytes < 4 else 0  # the fp16 wire's shared scale
-        extra += 1 if strategy.density < 1 else 0  # norms travel in their own allreduce
-        return total, extra, work
+@dataclass(frozen=True)
+class Message:
+    """One summed part of the gradients, as the communicator sends it."""
+    ready_s: float  # when its last gradient is complete, after the start of backward
+    payload_bytes: float  # what the summing algorithm carries
+    scalar_allreduces: int  # one-value allreduces before it (the fp16 wire's shared scale)
+    local_work_s: float  # CSC's and the fp16 wire's own work on the communication path
+    norm_bytes: float = 0.0  # CSC's chunk norms: summed first, by the backend's own allreduce
 
-    if strategy.fusion == "per_tensor":
-        return [(t.ready_s, *payload([t])) for t in profile.tensors]
-    messages, bucket, filled = [], [], 0.0
-    for t in profile.tensors:
+
+def _buckets(tensors: list[TensorProfile], bucket_bytes: float) -> list[list[TensorProfile]]:
+    """Consecutive tensors into buckets of at least ``bucket_bytes`` (fp32), as the memory pool and
+    DDP (given ``bucket_cap_mb``) cut them; the last one may be smaller."""
+    buckets, bucket, filled = [], [], 0.0
+    for t in tensors:
         bucket.append(t)
         filled += t.elements * 4
-        if filled >= strategy.bucket_bytes:
-            messages.append((t.ready_s, *payload(bucket)))
+        if filled >= bucket_bytes:
+            buckets.append(bucket)
             bucket, filled = [], 0.0
-    if bucket:
-        messages.append((bucket[-1].ready_s, *payload(bucket)))
-    return messages
+    return buckets + ([bucket] if bucket else [])
+
+
+def _message(tensors: list[TensorProfile], profile: ModelProfile, strategy: Strategy) -> Message:
+    cast = profile.wire_cast_s_per_element if strategy.wire_bytes < 4 else 0.0
+    sparse_elements = sum(t.elements for t in tensors if strategy.density < 1 and not t.one_dimensional)
+    dense_elements = sum(t.elements for t in tensors) - sparse_elements
+    # as csc.py: a part is padded to whole chunks and ceil(density x chunks) of them are sent
+    chunks = math.ceil(sparse_elements / strategy.chunk_elements)
+    sent_elements = dense_elements + math.ceil(strategy.density * chunks) * strategy.chunk_elements
+    return Message(ready_s=max(t.ready_s for t in tensors),
+                   payload_bytes=sent_elements * strategy.wire_bytes,
+                   scalar_allreduces=1 if strategy.wire_bytes < 4 else 0,
+                   local_work_s=sparse_elements * profile.sparsify_s_per_element + sent_elements * cast,
+                   norm_bytes=4.0 * chunks)
+
+
+def messages(profile: ModelProfile, strategy: Strategy) -> list[Message]:
+    """The messages of one step, in sending order. With CSC the pool holds the multi-dimensional
+    gradients first and the one-dimensional ones (always dense) in parts of their own after them,
+    as ``comm/csc.py`` lays it out."""
+    tensors = list(profile.tensors)
+    if strategy.fusion == "per_tensor":
+        groups = [[t] for t in tensors]
+    elif strategy.density < 1:
+        groups = (_buckets([t for t in tensors if not t.one_dimensional], strategy.bucket_bytes)
+                  + _buckets([t for t in tensors if t.one_dimensional], strategy.bucket_bytes))
+    else:
+        groups = _buckets(tensors, strategy.bucket_bytes)
+    return [_message(group, profile, strategy) for group in groups if group]
 
 
 def predict_step(profile: ModelProfile, ranks: int, net: Network, strategy: Strategy) -> StepPrediction:
@@ -184,12 +206,14 @@ def predict_step(profile: ModelProfile, ranks: int, net: Network, strategy: Stra
     busy = sent = 0.0
     tiny = net.tiny_allreduce_s if net.tiny_allreduce_s is not None else allreduce_s(
         4.0, ranks, net, strategy.hierarchical)
-    for ready, payload_bytes, extra, work in _messages(profile, strategy):
-        cost = (work + allreduce_s(payload_bytes, ranks, net, strategy.hierarchical, strategy.builtin)
-                + extra * tiny)
-        clock = max(clock, ready if strategy.overlap else profile.backward_s) + cost
+    for message in messages(profile, strategy):
+        cost = (message.local_work_s + message.scalar_allreduces * tiny
+                + allreduce_s(message.payload_bytes, ranks, net, strategy.hierarchical, strategy.builtin))
+        if message.norm_bytes:  # CSC's norms travel in the backend's own allreduce (comm/csc.py)
+            cost += allreduce_s(message.norm_bytes, ranks, net, strategy.hierarchical, builtin=True)
+        clock = max(clock, message.ready_s if strategy.overlap else profile.backward_s) + cost
         busy += cost
-        sent += 2 * (ranks - 1) / ranks * payload_bytes
+        sent += 2 * (ranks - 1) / ranks * (message.payload_bytes + message.norm_bytes)
     exposed = max(0.0, clock - profile.backward_s)
     return StepPrediction(compute, busy, exposed, compute + exposed, sent)
 

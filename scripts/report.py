@@ -125,13 +125,15 @@ def _network_table(network_by_world: dict[int, dict]) -> list[str]:
         lines.append(f"| {world} | {measured['bandwidth_Bps'] / 1e6:.1f} | {measured['latency_s'] * 1e6:.0f} "
                      f"| {measured.get('tiny_allreduce_s', float('nan')) * 1e3:.2f} |")
     lines += ["", "Ring: latency from a one-element-per-rank ring allreduce over its 2(N-1) messages, bandwidth "
-              "from an 8 MiB one. The one-value allreduce is the fp16 wire's scale and CSC's norms."]
+              "from an 8 MiB one. The one-value allreduce is the fp16 wire's shared scale; CSC's chunk norms "
+              "(one value per chunk) are priced from the builtin's table below."]
     worlds = [w for w, m in sorted(network_by_world.items()) if m.get("builtin_cost_by_size")]
     if worlds:
         costs = {w: dict((size, s) for size, s in network_by_world[w]["builtin_cost_by_size"]) for w in worlds}
-        sizes = sorted({size for w in worlds for size in costs[w] if size >= 4096})
+        sizes = sorted({size for w in worlds for size in costs[w] if size > 4 * w})
         lines += ["", "The backend's own allreduce (gloo's, used by `allreduce` and `ddp`), ms per call by message "
-                  "size (the first row: one element per rank); the model interpolates between these sizes:", "",
+                  "size, calls back to back as a training step issues them (the first row: one element per "
+                  "rank); the model interpolates between these sizes:", "",
                   "| size | " + " | ".join(f"world {w}" for w in worlds) + " |", "|---|" + "---|" * len(worlds),
                   "| 1 element per rank | " + " | ".join(f"{min(costs[w].items())[1] * 1e3:.2f}" for w in worlds) + " |"]
         lines += [f"| {_size(size)} | " + " | ".join(f"{costs[w][size] * 1e3:.2f}" if size in costs[w] else "-"

@@ -297,29 +297,34 @@ def _netbench(out: Path, tensors_file: Path) -> None:
     dist.init_process_group("gloo", init_method="env://", timeout=__import__("datetime").timedelta(seconds=120))
     world = dist.get_world_size()
 
-    def timed(tensor, calls: int, allreduce=ring_allreduce_) -> float:
+    def timed(tensor, calls: int, allreduce=ring_allreduce_, back_to_back: bool = False) -> float:
         """Mean seconds per call, without the fastest and slowest tenth: a training step pays the
         sum of many calls, and small ones are bimodal when ranks share cores (a rank that is not
-        running answers a scheduler slice later), so the median would miss what they cost."""
+        running answers a scheduler slice later), so the median would miss what they cost. Each
+        call starts after a barrier, or ``back_to_back`` as a training step issues them (and as
+        nccl-tests times them): then a call also pays for the ranks it waits for."""
         allreduce(tensor)
         times = []
         for _ in range(calls):
-            dist.barrier()
+            if not back_to_back:
+                dist.barrier()
             started = time.perf_counter()
             allreduce(tensor)
             times.append(time.perf_counter() - started)
         return _trimmed_mean(times)
 
     tiny = timed(torch.ones(world), 30)  # one element per rank: latency only
-    # a one-value MAX allreduce, as the fp16 wire's scale and CSC's norms
+    # a one-value MAX allreduce, as the fp16 wire's shared scale
     builtin_tiny = timed(torch.ones(1), 30, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))
     size = 8 << 20
     large = timed(torch.ones(size // 4), 15)  # per call bimodal on a shaped link (e.g. 54 or 80 ms at world 2)
     # the backend's own allreduce (the `allreduce` and `ddp` strategies), which need not be a ring:
-    # its cost by message size, one element per rank up to past DDP's 25 MiB buckets
-    builtin_sizes = [4 * world] + [4096 * 4 ** k for k in range(7)] + [32 << 20]
+    # its cost by message size, one element per rank up to past DDP's 25 MiB buckets, back to back
+    # as `allreduce` issues one per gradient. Small sizes are dense in the table: with two or more
+    # elements per rank gloo's small allreduce takes several times as long as with one.
+    builtin_sizes = [4 * world, 64, 256, 1024] + [4096 * 4 ** k for k in range(7)] + [32 << 20]
     builtin_cost = [[nbytes, timed(torch.ones(nbytes // 4), 20 if nbytes < 1 << 20 else 10 if nbytes <= size else 5,
-                                   dist.all_reduce)] for nbytes in builtin_sizes]
+                                   dist.all_reduce, back_to_back=True)] for nbytes in sorted(set(builtin_sizes))]
     # one allreduce per gradient of the model, back to back: what `allreduce`, `ring` and
     # `ring`+fp16 do after backward, without the training around it
     gradients = [torch.randn(n) for n in json.loads(tensors_file.read_text())]

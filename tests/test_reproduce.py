@@ -108,6 +108,24 @@ def test_fp16_wire_and_csc_shrink_the_bytes() -> None:
     assert 0 < pm.measure_wire_cast_s_per_element(100_000, repeats=2) < 1e-6  # measured, not assumed
 
 
+def test_csc_pool_parts_and_norms_as_the_communicator_sends_them() -> None:
+    # the builtin's table prices the norms; our ring (latency 1 ms, 1e8 B/s) carries the chunks
+    net = pm.Network(1e8, 1e-3, builtin_cost_by_size=((16_000, 2e-3), (32_000, 3e-3)))
+    csc = pm.Strategy("csc", fusion="bucket", bucket_bytes=1e9, density=0.1, chunk_elements=1000)
+    first, second = pm.messages(PROFILE, csc)
+    # multi-dimensional gradients first: 4000 chunks, 400 sent, 4000 norms; then the 1-D one, dense
+    assert (first.payload_bytes, first.norm_bytes, first.ready_s) == (400_000 * 4, 4000 * 4, 0.020)
+    assert (second.payload_bytes, second.norm_bytes, second.ready_s) == (1000 * 4, 0, 0.010)
+    step = pm.predict_step(PROFILE, 4, net, csc)
+    chunks_ring = 6 * (1e-3 + 1.6e6 / (4 * 1e8))
+    dense_ring = 6 * (1e-3 + 4000 / (4 * 1e8))
+    assert step.comm_s == pytest.approx(chunks_ring + 2e-3 + dense_ring)
+    # a part is padded to whole chunks, and the sent count rounds up as select_chunks does
+    odd = pm.ModelProfile(0.01, 0.02, 0.0, (pm.TensorProfile(10_500, 0.02),))
+    (only,) = pm.messages(odd, pm.Strategy("csc", fusion="bucket", density=0.1, chunk_elements=1000))
+    assert (only.payload_bytes, only.norm_bytes) == (2 * 1000 * 4, 11 * 4)
+
+
 def test_hierarchical_ring_runs_among_node_leaders() -> None:
     net = pm.Network(1e8, 1e-3, ranks_per_node=4, intra_bandwidth_Bps=1e9, intra_latency_s=0.0)
     cost = pm.allreduce_s(4e6, 16, net, hierarchical=True)
