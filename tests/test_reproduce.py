@@ -186,7 +186,7 @@ def test_short_comparison_writes_a_complete_report(tmp_path: Path, digits_root: 
     measured = text[text.index("| world | ring: bandwidth"):].split("\n\n")[0].splitlines()[2:]
     assert len(measured) == 1 and measured[0].startswith("| 2 |") and "nan" not in measured[0], measured
     builtin = text[text.index("| size | world 2 |"):].split("\n\n")[0].splitlines()[2:]
-    assert builtin[0].startswith("| 1 element per rank |") and len(builtin) == 9 and "nan" not in str(builtin)
+    assert builtin[0].startswith("| 1 element per rank |") and len(builtin) == 12 and "nan" not in str(builtin)
     alone = text[text.index("| world | builtin: measured"):].split("\n\n")[0].splitlines()[2:]
     assert len(alone) == 1 and alone[0].startswith("| 2 |") and "nan" not in alone[0], alone
     assert "mean over 2 separate launches" in text
