@@ -2,7 +2,8 @@
 """Bus bandwidth of builtin allreduce, ring and hierarchical -> results/allreduce.md and .csv
 
 For each world size, one set of processes measures every message size with the three algorithms
-side by side (in rounds of one call each), so ratios are not skewed by drift; the whole sweep is
+side by side (in rounds; in each round every algorithm runs a warm-up call and a block of timed
+calls back to back, as nccl-tests does), so ratios are not skewed by drift; the whole sweep is
 repeated (``--repeats``) and the table gives the median and the range over the sweeps. Bus bandwidth follows
 nccl-tests: algbw = bytes / time, busbw = algbw * 2(N-1)/N (what each link carries for a
 bandwidth-optimal allreduce). Hierarchical treats blocks of ``--ranks-per-node`` ranks as nodes.
@@ -59,19 +60,23 @@ def _one_call(fn, tensor: torch.Tensor, device: torch.device) -> float:
 
 
 def _time_round_robin(algorithms: dict, tensor: torch.Tensor, budget_s: float,
-                      device: torch.device) -> dict[str, list[float]]:
-    """Per-call seconds of every algorithm, taken in rounds of one call each, so that load from
-    other processes on a shared machine hits all of them alike. The order rotates from round to
-    round: on a busy machine the call after another algorithm's can be 10-30% slower or faster, and
-    no algorithm should always sit in the same place."""
-    for fn in algorithms.values():
-        fn(tensor)  # warm-up
+                      device: torch.device, block: int = 3) -> dict[str, list[float]]:
+    """Per-call seconds of every algorithm, taken in rounds: in each round every algorithm runs
+    one untimed warm-up call and then ``block`` timed calls back to back, as nccl-tests times an
+    operation (and as training calls one algorithm again and again). A call is faster after a call
+    of its own kind than after another algorithm's (the ring's buffers and the sockets' state are
+    warm): timing single calls in turn would charge each algorithm for its predecessor. Rounds
+    spread load from other processes over all algorithms alike, and the order rotates from round
+    to round. Returns, per algorithm, the median of each round's block."""
     names = list(algorithms)
     times: dict[str, list[float]] = {name: [] for name in algorithms}
-    rounds = 0
-    while rounds < 6 or (sum(map(sum, times.values())) < budget_s and rounds < 400):
+    rounds, spent = 0, 0.0
+    while rounds < 6 or (spent < budget_s and rounds < 400):
         for name in names[rounds % len(names):] + names[:rounds % len(names)]:
-            times[name].append(_one_call(algorithms[name], tensor, device))
+            algorithms[name](tensor)  # warm-up: the block measures this algorithm after itself
+            calls = [_one_call(algorithms[name], tensor, device) for _ in range(block)]
+            spent += sum(calls)
+            times[name].append(statistics.median(calls))
         rounds += 1
     return times
 
@@ -151,8 +156,10 @@ def main() -> None:
              f"commit {facts['git_commit']}.", f"Command: `{command}`. Each cell: the median over "
              f"{args.repeats} repeated sweeps of the median time per call, as bus bandwidth, with the "
              "range over the sweeps in brackets. Within a sweep the algorithms are timed side by side, "
-             "in rounds of one call each, in an order that rotates every round (at least 6 rounds per "
-             "size). ring / builtin: the median over the rounds of builtin's time over ring's in the "
+             "in rounds (at least 6 per size): in each round every algorithm runs one untimed warm-up call "
+             "and then 3 timed calls back to back (as nccl-tests times an operation, and as training calls "
+             "one algorithm again and again), in an order that rotates every round; a round's figure is "
+             "the median of its block. ring / builtin: the median over the rounds of builtin's time over ring's in the "
              "same round (paired, so drift between rounds cancels), then median and range over the "
              "sweeps. busbw = bytes/time * 2(N-1)/N (nccl-tests).", ""]
     for world in args.worlds:
