@@ -36,6 +36,9 @@ from gradientflow_repro.comm.ring import ring_allreduce_  # noqa: E402
 from gradientflow_repro.tracking import environment_facts  # noqa: E402
 
 
+BLOCK_CALLS = 3  # timed calls per algorithm and round
+
+
 def sizes(max_mb: int) -> list[int]:
     out, size = [], 4 * 1024
     while size <= max_mb * 2**20:
@@ -60,7 +63,7 @@ def _one_call(fn, tensor: torch.Tensor, device: torch.device) -> float:
 
 
 def _time_round_robin(algorithms: dict, tensor: torch.Tensor, budget_s: float,
-                      device: torch.device, block: int = 3) -> dict[str, list[float]]:
+                      device: torch.device, block: int = BLOCK_CALLS) -> dict[str, list[float]]:
     """Per-call seconds of every algorithm, taken in rounds: in each round every algorithm runs
     one untimed warm-up call and then ``block`` timed calls back to back, as nccl-tests times an
     operation (and as training calls one algorithm again and again). A call is faster after a call
@@ -156,10 +159,11 @@ def main() -> None:
              f"commit {facts['git_commit']}.", f"Command: `{command}`. Each cell: the median over "
              f"{args.repeats} repeated sweeps of the median time per call, as bus bandwidth, with the "
              "range over the sweeps in brackets. Within a sweep the algorithms are timed side by side, "
-             "in rounds (at least 6 per size): in each round every algorithm runs one untimed warm-up call "
-             "and then 3 timed calls back to back (as nccl-tests times an operation, and as training calls "
-             "one algorithm again and again), in an order that rotates every round; a round's figure is "
-             "the median of its block. ring / builtin: the median over the rounds of builtin's time over ring's in the "
+             "in rounds (at least 6 per size): in each round every algorithm runs one untimed warm-up "
+             f"call and then {BLOCK_CALLS} timed calls back to back (as nccl-tests times an operation, "
+             "and as training calls one algorithm again and again), in an order that rotates every "
+             "round; a round's figure is the median of its block. ring / builtin: the median over the "
+             "rounds of builtin's time over ring's in the "
              "same round (paired, so drift between rounds cancels), then median and range over the "
              "sweeps. busbw = bytes/time * 2(N-1)/N (nccl-tests).", ""]
     for world in args.worlds:
