@@ -154,13 +154,25 @@ def environment_facts() -> dict[str, Any]:
         except Exception:  # noqa: BLE001
             facts[module.split(".")[-1]] = None
     facts["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    try:
-        facts["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                             text=True, timeout=5,
-                                             cwd=Path(__file__).parent).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        facts["git_commit"] = None
+    facts["git_commit"] = _git_commit()
     return facts
+
+
+def _git_commit(repo: Path = Path(__file__).resolve().parents[1]) -> Optional[str]:
+    """HEAD, marked when the code (not results) differs from it: a number must name the code
+    that produced it."""
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=5,
+                                  cwd=repo).stdout.strip()
+        commit = git("rev-parse", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--",
+                      "gradientflow_repro", "scripts", "configs", "slurm", "Makefile")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if not commit:
+        return None
+    return f"{commit} (with uncommitted changes to the code)" if changed else commit
 
 
 def _cpu_model() -> str:

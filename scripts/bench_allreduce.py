@@ -9,6 +9,9 @@ nccl-tests: algbw = bytes / time, busbw = algbw * 2(N-1)/N (what each link carri
 bandwidth-optimal allreduce). Hierarchical treats blocks of ``--ranks-per-node`` ranks as nodes.
 
     python scripts/bench_allreduce.py [--worlds 2 4] [--max-mb 256] [--repeats 3] [--backend gloo]
+    # the ring's segment size against the default, side by side:
+    python scripts/bench_allreduce.py --worlds 2 --max-mb 16 --ring-segment-kb 1024 512 128 \\
+        --out results/allreduce_segments
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from gradientflow_repro.comm.base import CommStats  # noqa: E402
 from gradientflow_repro.comm.hierarchical import HierarchicalSum  # noqa: E402
-from gradientflow_repro.comm.ring import ring_allreduce_  # noqa: E402
+from gradientflow_repro.comm.ring import DEFAULT_SEGMENT_BYTES, ring_allreduce_  # noqa: E402
 from gradientflow_repro.tracking import environment_facts  # noqa: E402
 
 
@@ -84,8 +87,12 @@ def _time_round_robin(algorithms: dict, tensor: torch.Tensor, budget_s: float,
     return times
 
 
+def _segmented(kb: int):
+    return lambda t: ring_allreduce_(t, segment_bytes=kb * 1024)
+
+
 def _worker(rank: int, world: int, port: int, backend: str, max_mb: int, per_node: int,
-            out: str, budget_s: float, repeats: int) -> None:
+            out: str, budget_s: float, repeats: int, segment_kbs: list[int]) -> None:
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -94,7 +101,8 @@ def _worker(rank: int, world: int, port: int, backend: str, max_mb: int, per_nod
                             world_size=world, timeout=datetime.timedelta(seconds=600))
     hierarchical = HierarchicalSum(per_node if world % per_node == 0 else 1)
     algorithms = {"builtin": lambda t: dist.all_reduce(t), "ring": ring_allreduce_,
-                  "hierarchical": lambda t: hierarchical(t, CommStats())}
+                  "hierarchical": lambda t: hierarchical(t, CommStats()),
+                  **{_segments_name(kb): _segmented(kb) for kb in segment_kbs}}
     rows = []
     for repeat in range(repeats):  # whole sweeps repeated, so slow drift shows up as spread
         for size in sizes(max_mb):
@@ -117,6 +125,10 @@ def _worker(rank: int, world: int, port: int, backend: str, max_mb: int, per_nod
     dist.destroy_process_group()
 
 
+def _segments_name(kb: int) -> str:
+    return f"ring, {kb} KiB segments"
+
+
 def _spread(values: list[float], fmt: str) -> str:
     return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
 
@@ -127,6 +139,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _segments_table(rows: list[dict], world: int, max_mb: int, segment_kbs: list[int]) -> list[str]:
+    """ring / builtin with the default segments and with each ``--ring-segment-kb``, side by side."""
+    names = ["ring"] + [_segments_name(kb) for kb in segment_kbs]
+    lines = [f"Ring segment sizes at world size {world}, each as ring / builtin (paired within rounds):", "",
+             f"| size | ring ({DEFAULT_SEGMENT_BYTES // 1024} KiB segments) | "
+             + " | ".join(names[1:]) + " |", "|---|" + "---|" * len(names)]
+    for size in sizes(max_mb):
+        cells = [_spread([r["vs_builtin"] for r in rows if (r["world"], r["bytes"], r["algorithm"])
+                          == (world, size, name)], ".2f") + "x" for name in names]
+        label = f"{size // 1024} KiB" if size < 2**20 else f"{size // 2**20} MiB"
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    return lines + [""]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
@@ -135,6 +161,9 @@ def main() -> None:
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--budget-s", type=float, default=3.0, help="timing budget per point")
     parser.add_argument("--repeats", type=int, default=5, help="whole sweeps per world size")
+    parser.add_argument("--ring-segment-kb", type=int, nargs="*", default=[],
+                        help="also time the ring with these segment sizes (default segments: "
+                             f"{DEFAULT_SEGMENT_BYTES // 1024} KiB)")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "allreduce")
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -142,7 +171,7 @@ def main() -> None:
     for world in args.worlds:
         mp.start_processes(_worker, args=(world, free_port(), args.backend, args.max_mb,
                                           args.ranks_per_node, str(args.out.parent), args.budget_s,
-                                          args.repeats),
+                                          args.repeats, args.ring_segment_kb),
                            nprocs=world, join=True, start_method="spawn")
         rows += torch.load(args.out.parent / f"world{world}.pt")
         os.remove(args.out.parent / f"world{world}.pt")
@@ -185,6 +214,8 @@ def main() -> None:
         lines += ["", f"Goal (ring at least 0.9x builtin from 4 MiB up, median over sweeps): worst "
                   f"{worst[0]:.2f}x at {worst[2]}: {'met' if worst[0] >= 0.9 else 'NOT met'}. Lowest "
                   f"single sweep: {lowest[1]:.2f}x at {lowest[2]}.", ""]
+        if args.ring_segment_kb:
+            lines += _segments_table(rows, world, args.max_mb, args.ring_segment_kb)
     args.out.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
 
