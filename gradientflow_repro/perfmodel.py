@@ -195,7 +195,7 @@ def messages(profile: ModelProfile, strategy: Strategy) -> list[Message]:
                   + _buckets([t for t in tensors if t.one_dimensional], strategy.bucket_bytes))
     else:
         groups = _buckets(tensors, strategy.bucket_bytes)
-    return [_message(group, profile, strategy) for group in groups if group]
+    return [_message(group, profile, strategy) for group in groups]
 
 
 def predict_step(profile: ModelProfile, ranks: int, net: Network, strategy: Strategy) -> StepPrediction:

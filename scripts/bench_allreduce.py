@@ -129,6 +129,15 @@ def _segments_name(kb: int) -> str:
     return f"ring, {kb} KiB segments"
 
 
+def _figures(rows: list[dict], world: int, size: int, algorithm: str, key: str) -> list[float]:
+    """``key`` of every sweep's row for one world size, message size and algorithm."""
+    return [r[key] for r in rows if (r["world"], r["bytes"], r["algorithm"]) == (world, size, algorithm)]
+
+
+def _label(size: int) -> str:
+    return f"{size // 1024} KiB" if size < 2**20 else f"{size // 2**20} MiB"
+
+
 def _spread(values: list[float], fmt: str) -> str:
     return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
 
@@ -146,10 +155,8 @@ def _segments_table(rows: list[dict], world: int, max_mb: int, segment_kbs: list
              f"| size | ring ({DEFAULT_SEGMENT_BYTES // 1024} KiB segments) | "
              + " | ".join(names[1:]) + " |", "|---|" + "---|" * len(names)]
     for size in sizes(max_mb):
-        cells = [_spread([r["vs_builtin"] for r in rows if (r["world"], r["bytes"], r["algorithm"])
-                          == (world, size, name)], ".2f") + "x" for name in names]
-        label = f"{size // 1024} KiB" if size < 2**20 else f"{size // 2**20} MiB"
-        lines.append(f"| {label} | {' | '.join(cells)} |")
+        cells = [_spread(_figures(rows, world, size, name, "vs_builtin"), ".2f") + "x" for name in names]
+        lines.append(f"| {_label(size)} | {' | '.join(cells)} |")
     return lines + [""]
 
 
@@ -192,19 +199,19 @@ def main() -> None:
              f"call and then {BLOCK_CALLS} timed calls back to back (as nccl-tests times an operation, "
              "and as training calls one algorithm again and again), in an order that rotates every "
              "round; a round's figure is the median of its block. ring / builtin: the median over the "
-             "rounds of builtin's time over ring's in the "
-             "same round (paired, so drift between rounds cancels), then median and range over the "
-             "sweeps. busbw = bytes/time * 2(N-1)/N (nccl-tests).", ""]
+             "rounds of builtin's time over ring's in the same round (paired, so drift between rounds "
+             "cancels), then median and range over the sweeps. busbw = bytes/time * 2(N-1)/N "
+             "(nccl-tests).", ""]
     for world in args.worlds:
         lines += [f"## World size {world}", "",
                   "| size | builtin GB/s | ring GB/s | hierarchical GB/s | ring / builtin |",
                   "|---|---|---|---|---|"]
         verdicts = []
         for size in sizes(args.max_mb):
-            busbw = {name: [r["busbw_GBps"] for r in rows if (r["world"], r["bytes"], r["algorithm"])
-                            == (world, size, name)] for name in ("builtin", "ring", "hierarchical")}
-            ratios = [r["vs_builtin"] for r in rows if (r["world"], r["bytes"], r["algorithm"]) == (world, size, "ring")]
-            label = f"{size // 1024} KiB" if size < 2**20 else f"{size // 2**20} MiB"
+            busbw = {name: _figures(rows, world, size, name, "busbw_GBps")
+                     for name in ("builtin", "ring", "hierarchical")}
+            ratios = _figures(rows, world, size, "ring", "vs_builtin")
+            label = _label(size)
             cells = [_spread(busbw[name], ".3f") for name in ("builtin", "ring", "hierarchical")]
             lines.append(f"| {label} | {' | '.join(cells)} | {_spread(ratios, '.2f')}x |")
             if size >= 4 * 2**20:
