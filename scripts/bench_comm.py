@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from gradientflow_repro.comm import build_communicator  # noqa: E402
+from gradientflow_repro.distributed import destroy_process_group_and_exit  # noqa: E402
 from gradientflow_repro.models import build_model  # noqa: E402
 from gradientflow_repro.tracking import environment_facts  # noqa: E402
 
@@ -86,7 +87,7 @@ def _worker(rank: int, world: int, port: int, models: list[str], steps: int, ima
             del model, train_model, comm
     if rank == 0:
         torch.save(rows, Path(out) / "comm_rows.pt")
-    dist.destroy_process_group()
+    destroy_process_group_and_exit()  # skips finalization: see its docstring
 
 
 def main() -> None:

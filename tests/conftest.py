@@ -90,14 +90,18 @@ def _worker(rank: int, world: int, port: int, fn, args: tuple) -> None:
 
     import torch.distributed as dist
 
+    from gradientflow_repro.distributed import destroy_process_group_and_exit
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         fn(rank, world, *args)
         dist.barrier()  # nobody tears its connections down while a peer may still be reading
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    destroy_process_group_and_exit()
 
 
 def spawn(fn, world: int, *args) -> None:
