@@ -5,6 +5,7 @@
 #   make train                one training run (EXPERIMENT, NPROC, ARGS as Hydra overrides)
 #   make test                 the test suite
 #   make bench / reliability  benchmark tables / fault-injection table under results/
+#   make gpu-check            on a GPU machine: the CUDA path item by item -> results/gpu_check.md
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -16,11 +17,13 @@ ARGS ?=
 REPRO_ARGS ?=
 DIGITS := data/digits
 
-.PHONY: venv data reproduce train test bench reliability clean
+.PHONY: venv data reproduce train test bench reliability gpu-check clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	@# DALI's CUDA 12 build (before the stack moved to CUDA 13) shares its files with the CUDA 13 one
+	$(PY) -m pip uninstall --quiet --yes nvidia-dali-cuda120 2>/dev/null || true
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
@@ -51,6 +54,10 @@ bench: venv data
 
 reliability: venv data
 	$(PY) scripts/fault_report.py
+
+# Also runs without the venv: python3 scripts/gpu_check.py (needs only torch; the rest is SKIP).
+gpu-check: venv
+	$(PY) scripts/gpu_check.py $(ARGS)
 
 clean:
 	rm -rf results/runs .pytest_cache

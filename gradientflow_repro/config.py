@@ -81,7 +81,7 @@ class CommConfig:
     bucket_mb: float = 32.0  # lazy-allreduce pool part (fusion threshold)
     ddp_bucket_mb: float = 25.0
     segment_kb: int = 4096  # ring: pipelining segment
-    ranks_per_node: Optional[int] = None  # hierarchical: default LOCAL_WORLD_SIZE
+    ranks_per_node: Optional[int] = None  # hierarchical: default the launcher's ranks per node
     chunk_size: int = 32768  # csc: elements per chunk
     density: float = 0.1  # csc: fraction of chunks sent
     csc_warmup_epochs: float = 1.0  # csc: dense training before sparsifying
@@ -137,6 +137,9 @@ class Config:
     deterministic: bool = False
     resume: str = "auto"  # auto | never | path to a checkpoint directory
     dist_timeout_s: float = 300.0
+    # a rank with no progress for this long names the lost ranks and exits (null: dist_timeout_s
+    # under NCCL, whose collectives hang on a dead peer; a backstop after gloo's own timeout)
+    watchdog_s: Optional[float] = None
     threads_per_rank: int = 4  # torch intra-op threads per process (CPU training)
     save_final_params: bool = False  # write params.pt at the end (tests compare runs with it)
     consistency_every_steps: int = 100  # compare parameter checksums across ranks (0: never)
@@ -200,6 +203,8 @@ def validate(cfg: Config | DictConfig, world_size: int) -> None:
         _fail("consistency_every_steps", cfg.consistency_every_steps, "must be zero (off) or positive")
     if cfg.max_nonfinite_steps <= 0:
         _fail("max_nonfinite_steps", cfg.max_nonfinite_steps, "must be positive")
+    if cfg.watchdog_s is not None and cfg.watchdog_s <= 0:
+        _fail("watchdog_s", cfg.watchdog_s, "must be positive or null")
     if cfg.max_steps is not None and cfg.max_steps <= 0:
         _fail("max_steps", cfg.max_steps, "must be positive or null")
     if cfg.target_top1 is not None and not 0 < cfg.target_top1 <= 100:

@@ -3,8 +3,15 @@
 The world comes from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), else
 from Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, master = first host of the node list),
 else it is a single process. The backend follows the device: NCCL with one GPU per local rank when
-CUDA is there, gloo otherwise. Every collective has a timeout so that a lost rank ends the job with
-an error instead of a hang.
+CUDA is there, gloo otherwise; two ranks on one GPU are refused before NCCL starts, naming them.
+
+A lost rank must end the job with an error that names it, not a hang. Under gloo a collective with a
+dead peer fails after ``dist_timeout_s`` and ``describe_failure`` names the ranks that no longer
+answer. Under NCCL collectives return before they finish, so a dead peer is a hang in the next host
+synchronisation, and NCCL's own watchdog aborts the process without a word. So every rank runs a
+``Liveness`` watchdog: a thread that beats in the rendezvous store and, when its rank has made no
+progress for ``watchdog_s`` (by default ``dist_timeout_s``; NCCL's own timeout is set later than
+that), names the ranks whose beats stopped and ends the process.
 """
 
 from __future__ import annotations
@@ -15,9 +22,10 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Mapping, NoReturn, Optional
+from typing import Iterable, Mapping, NoReturn, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,6 +69,23 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + first
 
 
+def slurm_tasks_per_node(env: Mapping[str, str]) -> int:
+    """Ranks per node of this Slurm step. srun sets SLURM_STEP_TASKS_PER_NODE ("8(x64)", or "2,1"
+    when nodes differ); sbatch sets SLURM_NTASKS_PER_NODE only with --ntasks-per-node, and
+    SLURM_TASKS_PER_NODE for the job. Nodes with different task counts cannot form the equal blocks
+    a two-level allreduce needs: that is an error naming the variable."""
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        value = env.get(name, "").strip()
+        if not value:
+            continue
+        counts = {int(re.match(r"\d+", part).group()) for part in value.split(",") if re.match(r"\d+", part)}
+        if len(counts) != 1:
+            raise WorldError(f"{name}={value!r}: nodes run different numbers of tasks; launch the same "
+                             f"number of tasks on every node (--ntasks-per-node)")
+        return counts.pop()
+    return 1
+
+
 def discover_world(env: Optional[Mapping[str, str]] = None) -> World:
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
@@ -73,11 +98,10 @@ def discover_world(env: Optional[Mapping[str, str]] = None) -> World:
         _check_slurm_agrees(world, env)
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and int(env["SLURM_NTASKS"]) > 1:
         nodelist = env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1"))
-        tasks_per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
         world = World(
             rank=int(env["SLURM_PROCID"]), world_size=int(env["SLURM_NTASKS"]),
             local_rank=int(env.get("SLURM_LOCALID", 0)),
-            local_world_size=int(tasks_per_node) if tasks_per_node.isdigit() else 1,
+            local_world_size=slurm_tasks_per_node(env),
             master_addr=env.get("MASTER_ADDR") or first_slurm_host(nodelist),
             master_port=int(env.get("MASTER_PORT", 29500)), source="slurm")
     else:
@@ -111,30 +135,200 @@ def describe_rank(world: World, device: torch.device) -> str:
 
 
 def select_device(preference: str, world: World) -> torch.device:
+    """The device of this rank. With CUDA: GPU ``local_rank`` when the rank sees every GPU of its
+    node, GPU 0 when the launcher gave each rank one GPU of its own (Slurm's ``--gpus-per-task=1``,
+    a per-rank CUDA_VISIBLE_DEVICES); fewer GPUs than ranks on a node is an error naming the
+    settings, never two ranks silently sharing a GPU (NCCL would fail later with "Duplicate GPU")."""
     if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise WorldError(f"rank {world.rank}: device=cuda asked for but CUDA is not available")
-    index = world.local_rank % torch.cuda.device_count()
+    index = gpu_index(world, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
 
-def init_process_group(world: World, device: torch.device, timeout_s: float) -> None:
+def gpu_index(world: World, visible: int, cuda_visible_devices: Optional[str]) -> int:
+    """Which of the ``visible`` GPUs this rank drives (see ``select_device``)."""
+    if visible >= world.local_world_size and world.local_rank < visible:
+        return world.local_rank
+    if visible == 1:
+        return 0  # one GPU per rank, bound by the launcher; duplicates are caught at start-up
+    raise WorldError(
+        f"rank {world.rank}: local rank {world.local_rank} of {world.local_world_size} ranks on this "
+        f"node, but only {visible} GPU(s) are visible (CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}); "
+        f"NCCL needs one GPU per rank: start at most {visible} ranks per node (torchrun "
+        f"--nproc-per-node, Slurm --ntasks-per-node) or give each rank its own GPU (--gpus-per-task=1)")
+
+
+def gpu_identity(device: torch.device) -> str:
+    """A name for the physical GPU behind ``device``, the same from every process that sees it."""
+    properties = torch.cuda.get_device_properties(device)
+    uuid = getattr(properties, "uuid", None)
+    return f"GPU-{uuid}" if uuid else f"{socket.gethostname()}/pci-{getattr(properties, 'pci_bus_id', device.index)}"
+
+
+def check_one_rank_per_gpu(store: dist.Store, world: World, gpu: str, timeout_s: float) -> None:
+    """Collective over the store, before NCCL starts: every rank claims its GPU; if two ranks claim
+    the same one, every rank raises the same error naming them (rather than NCCL failing on some
+    ranks with "Duplicate GPU" and leaving the others waiting)."""
+    generation = _generation()
+    key = f"gradientflow/gpu/{generation}/"
+    owner = store.compare_set(key + "owner/" + gpu, "", str(world.rank)).decode()
+    if owner != str(world.rank):
+        store.set(key + "conflict", f"ranks {owner} and {world.rank} both use GPU {gpu}")
+    if store.add(key + "checked", 1) == world.world_size:
+        store.set(key + "done", "1")
+    store.wait([key + "done"], datetime.timedelta(seconds=timeout_s))
+    if store.check([key + "conflict"]):
+        conflict = store.get(key + "conflict").decode()
+        raise WorldError(f"rank {world.rank}: {conflict} (and maybe more): NCCL needs one GPU per rank; "
+                         f"check CUDA_VISIBLE_DEVICES, Slurm's --gpus-per-task / --gpu-bind and the "
+                         f"number of ranks per node")
+
+
+def _generation() -> str:
+    """Keys of an earlier attempt of this job (torchrun restart, Slurm requeue) stay apart."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("SLURM_RESTART_COUNT", "0"))
+
+
+NCCL_TIMEOUT_GRACE_S = 60.0  # NCCL's watchdog aborts silently: ours must speak first
+_STORE: Optional[dist.Store] = None
+_LIVENESS: Optional["Liveness"] = None
+
+
+def init_process_group(world: World, device: torch.device, timeout_s: float,
+                       watchdog_s: Optional[float] = None) -> None:
+    """Join the job: rendezvous, refuse two ranks on one GPU, start the process group (NCCL eagerly
+    on this rank's GPU) and this rank's ``Liveness`` watchdog."""
+    global _STORE, _LIVENESS
     if world.world_size == 1 or dist.is_initialized():
         return
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    nccl = device.type == "cuda"
     os.environ.setdefault("MASTER_ADDR", world.master_addr)
     os.environ.setdefault("MASTER_PORT", str(world.master_port))
-    dist.init_process_group(
-        backend=backend, init_method="env://", rank=world.rank, world_size=world.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=device if device.type == "cuda" else None)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # the store init_process_group would make itself (torchrun's agent store under torchrun)
+    store, _, _ = next(dist.rendezvous("env://", rank=world.rank, world_size=world.world_size,
+                                       timeout=timeout))
+    if nccl:
+        check_one_rank_per_gpu(store, world, gpu_identity(device), timeout_s)
+        timeout = datetime.timedelta(seconds=max(timeout_s, watchdog_s or 0) + NCCL_TIMEOUT_GRACE_S)
+    dist.init_process_group(backend="nccl" if nccl else "gloo", store=store, rank=world.rank,
+                            world_size=world.world_size, timeout=timeout,
+                            device_id=device if nccl else None)
+    _STORE = store
+    # gloo raises on its own after timeout_s (and describe_failure names the lost ranks): there the
+    # watchdog is only a backstop for a rank stuck outside a collective
+    limit = watchdog_s if watchdog_s else timeout_s if nccl else timeout_s + LOST_RANK_WAIT_S + 30
+    _LIVENESS = Liveness(store, world, limit)
+    _LIVENESS.start()
+
+
+def mark_progress(where: str) -> None:
+    """This rank is alive and at ``where`` (a step, evaluation, checkpoint): the watchdog's clock
+    starts again. A plain assignment: cheap enough for every step."""
+    if _LIVENESS is not None:
+        _LIVENESS.where, _LIVENESS.since = where, time.monotonic()
+
+
+class Liveness:
+    """A rank's heartbeat in the rendezvous store, and its watchdog.
+
+    One thread adds 1 to this rank's counter every ``beat_s`` seconds; a rank whose process is dead
+    or frozen stops counting. Another watches this rank: when it has made no progress
+    (``mark_progress``) for ``limit_s`` seconds, it is stuck in a collective with a rank that is
+    gone. The watchdog then compares everyone's counters over a few beats, prints one line naming
+    the ranks that stopped counting, where this rank is stuck and for how long, and ends the process
+    (exit status 1), so the launcher ends the others. Under ``srun`` the store lives in rank 0: if it
+    does not answer in time, the line says rank 0 is the likely loss. Store calls can block when
+    the store's host is frozen, so none of them is made by the watching thread itself."""
+
+    def __init__(self, store: dist.Store, world: World, limit_s: float,
+                 beat_s: Optional[float] = None) -> None:
+        self.world, self.limit_s = world, limit_s
+        self.beat_s = beat_s or min(5.0, max(0.5, limit_s / 10))
+        self.store = store.clone() if hasattr(store, "clone") else store  # its own connection
+        self.store.set_timeout(datetime.timedelta(seconds=max(5.0, 2 * self.beat_s)))
+        self.prefix = f"gradientflow/alive/{_generation()}/"
+        self.where, self.since = "start-up", time.monotonic()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=target, name=f"gradientflow-{name}", daemon=True)
+                         for name, target in (("heartbeat", self._beat_forever), ("watchdog", self._watch))]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._threads[1].join(timeout=2 * self.beat_s)  # the heartbeat may sit in a store call
+
+    def _beat(self) -> bool:
+        try:
+            self.store.add(self.prefix + str(self.world.rank), 1)
+            return True
+        except Exception:  # noqa: BLE001 - the store is gone; judged only when we are stuck
+            return False
+
+    def _beat_forever(self) -> None:
+        while True:
+            self._beat()
+            if self._stop.wait(self.beat_s):
+                return
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.beat_s):
+            stalled = time.monotonic() - self.since
+            if stalled > self.limit_s and not self._stop.is_set():
+                print(f"error: {self.diagnose(stalled)}", file=sys.stderr, flush=True)
+                os._exit(1)
+
+    def counters(self) -> list[int]:
+        return [self.store.add(self.prefix + str(rank), 0) for rank in range(self.world.world_size)]
+
+    def silent_ranks(self) -> Optional[list[int]]:
+        """Ranks whose counter did not move over a few beats (None: the store does not answer)."""
+        window = 2 * self.beat_s + 0.5
+        result: list = []
+
+        def compare() -> None:
+            before = self.counters()
+            time.sleep(window)
+            after = self.counters()
+            result.append([r for r, (a, b) in enumerate(zip(before, after))
+                           if a == b and r != self.world.rank])
+
+        reader = threading.Thread(target=compare, daemon=True)
+        reader.start()
+        reader.join(timeout=window + 2 * max(5.0, 2 * self.beat_s))
+        return result[0] if result else None
+
+    def diagnose(self, stalled_s: float) -> str:
+        silent = self.silent_ranks()
+        if silent is None:
+            who = "the rendezvous store is unreachable: rank 0 (which hosts it) is probably lost"
+        elif silent:
+            who = f"lost rank(s) {silent} (no heartbeat for {2 * self.beat_s + 0.5:.0f} s)"
+        else:
+            who = "every rank is still alive (a rank is stuck, not lost)"
+        return (f"rank {self.world.rank}: {who}; no progress for {stalled_s:.0f} s in {self.where} "
+                f"(watchdog after {self.limit_s:.0f} s): a collective waits for a rank that is gone")
+
+
+def stop_liveness() -> None:
+    global _LIVENESS
+    if _LIVENESS is not None:
+        _LIVENESS.stop()
+        _LIVENESS = None
 
 
 def destroy_process_group() -> None:
+    global _STORE
+    stop_liveness()
     if dist.is_initialized():
         dist.destroy_process_group()
+    _STORE = None
 
 
 def destroy_process_group_and_exit() -> NoReturn:
@@ -163,6 +357,16 @@ def all_reduce_scalars(values: list[float], device: torch.device, op: str = "sum
     return tensor.tolist()
 
 
+def agree_max(flags: Sequence[torch.Tensor | float], device: torch.device) -> list[float]:
+    """Collective: the largest value of each flag over all ranks, in one MAX-allreduce, read back
+    to the host once. Every rank gets the same answer, so every rank takes the same decision."""
+    values = torch.stack([torch.as_tensor(flag, dtype=torch.float32, device=device).reshape(())
+                          for flag in flags])
+    if dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values.tolist()
+
+
 def ranks_that_differ(tensors: Iterable[torch.Tensor], device: torch.device) -> list[int]:
     """Collective: ranks whose tensors' checksum (float64 sum and sum of squares) differs from
     rank 0's. Identical tensors give identical sums; a changed element changes them."""
@@ -187,10 +391,10 @@ def unresponsive_ranks(world: World, wait_s: float = LOST_RANK_WAIT_S) -> Option
     lost (or stuck). None when the store itself is unreachable: it lives in rank 0 (or in
     torchrun's agent), so then rank 0 is the likely loss."""
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = _STORE.clone() if _STORE is not None and hasattr(_STORE, "clone") else (
+            _STORE or dist.distributed_c10d._get_default_store())
         store.set_timeout(datetime.timedelta(seconds=wait_s))
-        generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("SLURM_RESTART_COUNT", "0"))
-        key = f"gradientflow/failed/{generation}/" + "{}"
+        key = f"gradientflow/failed/{_generation()}/" + "{}"
         store.set(key.format(world.rank), "1")
         deadline = time.monotonic() + wait_s
         while True:

@@ -22,7 +22,8 @@ from torch import nn
 from gradientflow_repro import checkpoint, faults
 from gradientflow_repro.comm import build_communicator
 from gradientflow_repro.data import build_data
-from gradientflow_repro.distributed import World, all_reduce_scalars, barrier, ranks_that_differ
+from gradientflow_repro.distributed import (World, agree_max, all_reduce_scalars, barrier, mark_progress,
+                                            ranks_that_differ)
 from gradientflow_repro.models import build_model
 from gradientflow_repro.optim import build_optimizer, build_schedule, set_lr
 from gradientflow_repro.precision import Precision
@@ -57,7 +58,8 @@ class Trainer:
         self.data = build_data(cfg.data, global_batch=cfg.global_batch_size, rank=world.rank,
                                world_size=world.world_size, device=device, seed=cfg.seed)
         self.optimizer = build_optimizer(self.model, cfg.optim, cfg.global_batch_size)
-        self.comm = build_communicator(OmegaConf.to_container(cfg.comm), device)
+        self.comm = build_communicator(OmegaConf.to_container(cfg.comm), device,
+                                       world.local_world_size, world.local_rank)
         self.train_model = self.comm.attach(self.model, self.optimizer)
         self.schedule = build_schedule(cfg.optim, cfg.global_batch_size, self.data.steps_per_epoch,
                                        cfg.epochs)
@@ -88,7 +90,7 @@ class Trainer:
             epoch = p.step // steps_per_epoch
             for images, labels in self.data.train_batches(epoch, skip=p.step % steps_per_epoch):
                 self.train_step(images, labels)
-                if p.step >= self.total_steps or self.stop.agreed(self.device):
+                if p.step >= self.total_steps or self.stop.agreed_signal:
                     break
             if p.step % steps_per_epoch == 0:  # a whole epoch ended (not a max_steps cut)
                 done_epochs = p.step // steps_per_epoch
@@ -106,16 +108,21 @@ class Trainer:
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
         started, step = time.perf_counter(), self.progress.step
+        mark_progress(f"step {step}")
         lr = self.schedule(step)
         set_lr(self.optimizer, lr)
         faults.inject("forward", step)
-        self.comm.begin_step(step / self.data.steps_per_epoch, self.precision.loss_scale)
+        self.comm.begin_step(step / self.data.steps_per_epoch, self.precision.loss_scale_tensor())
         with self.precision.autocast():
             loss = faults.inject("loss", step, self.criterion(self.train_model(images), labels))
         self.precision.backward(loss)
         faults.inject("comm", step)
         self.comm.synchronize()
-        applied = self.precision.step(self.optimizer)  # skipped on every rank if any grad is non-finite
+        # the step's one read-back: did any rank overflow, did any rank get a stop signal
+        overflow, signal = agree_max([self.precision.nonfinite(self.optimizer), self.stop.received],
+                                     self.device)
+        applied = self.precision.apply(self.optimizer, overflow > 0)  # skipped on every rank, or none
+        self.stop.agreed_signal = int(signal)
         self.comm.end_step(applied=applied)
         self.optimizer.zero_grad(set_to_none=True)
         faults.inject("params", step, next(self.model.parameters()))
@@ -151,6 +158,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        mark_progress(f"evaluation after step {self.progress.step}")
         local_buffers = [b.clone() for b in self.model.buffers()]
         self._average_buffers()  # evaluate the consensus model; keep local stats for training
         self.model.eval()
@@ -192,6 +200,7 @@ class Trainer:
         p = self.progress
         if p.step == self._saved_step:
             return
+        mark_progress(f"checkpoint of step {p.step}")
         self._saved_step = p.step
         shared = None
         if self.world.is_main:

@@ -2,7 +2,9 @@
 
 Set ``GFR_INJECT_FAULT`` to ``WHAT@WHERE:rank=R:step=S`` (several separated by ``,``):
 
-- WHAT: ``kill`` (SIGKILL to this process), ``nan`` (this rank's loss becomes NaN),
+- WHAT: ``kill`` (SIGKILL to this process), ``freeze`` (SIGSTOP: the process stays, its connections
+  stay open, it answers nothing: how a peer that is gone looks to NCCL, which hangs rather than
+  fails), ``nan`` (this rank's loss becomes NaN),
   ``perturb`` (this rank's first parameter is nudged: ranks silently disagree);
 - WHERE: ``forward`` (start of a step), ``comm`` (entering ``synchronize``, while the other ranks
   already wait in the step's collectives), ``checkpoint`` (after this rank's file is half written,
@@ -68,6 +70,8 @@ def inject(where: str, step: int, tensor: Optional[torch.Tensor] = None) -> Opti
             log.write(json.dumps({**fault.__dict__, "time": time.time()}) + "\n")
     if fault.what == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if fault.what == "freeze":
+        os.kill(os.getpid(), signal.SIGSTOP)
     if fault.what == "nan" and tensor is not None:
         return tensor * float("nan")
     if fault.what == "perturb" and tensor is not None:

@@ -5,17 +5,22 @@ autocast runs the forward pass in the low-precision type. fp16 needs loss scalin
 GradScaler); bf16 has fp32's range and does not. Whether a step's gradients are finite is decided
 across ranks (one MAX-allreduce of a flag), so an overflow on any rank skips the step on every rank
 and all ranks keep the same scale: ranks never diverge because one of them saw an inf.
+
+On a GPU the step reads one value back to the host: that agreed flag (the trainer folds its other
+per-step agreement, the stop signal, into the same collective). The loss scale stays on the device
+(``loss_scale_tensor``) and the optimizer is stepped directly once the step is known to be finite,
+since ``GradScaler.step`` would read its own inf flag back a second time.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from typing import ContextManager, Optional
 
 import torch
-import torch.distributed as dist
 
 from gradientflow_repro.config import PrecisionConfig
+from gradientflow_repro.distributed import agree_max
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -40,31 +45,47 @@ class Precision:
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale, agree on finiteness across ranks, then step or skip everywhere. Returns whether
         the optimizer stepped."""
+        overflow, = agree_max([self.nonfinite(optimizer)], self.device)
+        return self.apply(optimizer, overflow > 0)
+
+    def nonfinite(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Unscale the gradients; 1.0 (on the device) if any of this rank's is inf or NaN, else 0."""
         if self.scaler:
             self.scaler.unscale_(optimizer)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"]
                  if p.grad is not None]
-        overflow = torch.zeros(1, device=self.device)
-        if grads:  # one fused norm over all gradients: non-finite iff some element is
-            overflow = (~torch.isfinite(torch.nn.utils.get_total_norm(grads))).float().view(1)
-        if dist.is_initialized():
-            dist.all_reduce(overflow, op=dist.ReduceOp.MAX)
-        if overflow.item() > 0:
+        if not grads:
+            return torch.zeros((), device=self.device)
+        # one fused norm over all gradients: non-finite iff some element is
+        return (~torch.isfinite(torch.nn.utils.get_total_norm(grads))).float()
+
+    def apply(self, optimizer: torch.optim.Optimizer, overflow: bool) -> bool:
+        """Step, or skip when any rank overflowed (``overflow`` is agreed); update the loss scale."""
+        if overflow:
             self.skipped_steps += 1
             if self.scaler:
                 self.scaler.update(self.scaler.get_scale() * self.scaler.get_backoff_factor())
             optimizer.zero_grad(set_to_none=True)
             return False
+        optimizer.step()  # finite on every rank, so on this one too: nothing for GradScaler to skip
         if self.scaler:
-            self.scaler.step(optimizer)
-            self.scaler.update()
-        else:
-            optimizer.step()
+            self.scaler.update()  # from the inf flags unscale_ left on the device
         return True
 
     @property
     def loss_scale(self) -> float:
+        """The loss scale as a number (reads it from the device: for logging, not every step)."""
         return self.scaler.get_scale() if self.scaler else 1.0
+
+    def loss_scale_tensor(self) -> Optional[torch.Tensor]:
+        """The loss scale as GradScaler keeps it, on the device (None without loss scaling)."""
+        if not self.scaler:
+            return None
+        scale = self.scaler._get_scale_async()
+        if scale is None:  # GradScaler makes it at its first scale(): make it now
+            self.scaler.scale(torch.zeros((), device=self.device))
+            scale = self.scaler._get_scale_async()
+        return scale
 
     def state_dict(self) -> dict:
         return {"scaler": self.scaler.state_dict() if self.scaler else None,

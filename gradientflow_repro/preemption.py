@@ -5,7 +5,8 @@ SIGUSR1) and sends SIGTERM when it preempts or cancels it. A signal reaches each
 moment, so acting on it locally would leave ranks in different steps (and one rank waiting in a
 collective for the others until the timeout). Instead the handler only records the signal; after
 every step the ranks all-reduce (MAX) the recorded signal number, so all of them see the same
-decision after the same step, checkpoint together and exit:
+decision after the same step, checkpoint together and exit. (The trainer folds that number into the
+step's overflow agreement: one collective and one read-back per step for both.)
 
 - SIGUSR1: checkpoint, then exit with ``EXIT_REQUEUE`` so that the batch script runs
   ``scontrol requeue`` and the job continues from this checkpoint when it starts again;

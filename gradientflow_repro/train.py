@@ -42,8 +42,14 @@ def main(cfg: DictConfig) -> None:
     torch.set_num_threads(max(1, cfg.threads_per_rank))
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    device = distributed.select_device(cfg.device, world)
-    distributed.init_process_group(world, device, cfg.dist_timeout_s)
+    try:
+        device = distributed.select_device(cfg.device, world)
+        distributed.init_process_group(world, device, cfg.dist_timeout_s, cfg.watchdog_s)
+    except distributed.WorldError as error:  # two ranks on one GPU, too few GPUs: every rank says it
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if device.type == "cuda" and not cfg.deterministic:
+        torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest kernels once
     print(distributed.describe_rank(world, device), flush=True)
     try:
         summary = Trainer(cfg, world, device, clock_start).fit()

@@ -65,8 +65,9 @@ def run_ranks(world: int, overrides: list[str], run_dir: Path, label: str,
     master = net.address(0) if net else "127.0.0.1"
     logs, processes = [], []
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
-               "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": master, "MASTER_PORT": str(port),
+        # every rank runs on this machine: its local rank is its rank (with device=cuda, its GPU)
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": master, "MASTER_PORT": str(port),
                "OMP_NUM_THREADS": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"),
                "PYTHONUNBUFFERED": "1"}
         argv = [sys.executable, *module, *overrides]

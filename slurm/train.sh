@@ -23,7 +23,8 @@
 ##SBATCH --exclusive
 #   (one task per GPU; 12 CPUs per task feed DALI; the warning comes 3 min before the limit, as
 #    Slurm may send it up to a minute late; remove one '#' from a '##SBATCH' line to use it)
-# module load cuda/12.4 nccl/2.21
+# module load cuda/13.0   # usually unnecessary: the pip wheels bring their own CUDA 13 runtime and
+#                          # NCCL; only the node's NVIDIA driver matters (>= 580, see README)
 ENV_CONDA=${ENV_CONDA:-}              # conda env created from environment.yml, e.g. gradientflow
 ENV_VENV=${ENV_VENV:-.venv}           # otherwise this virtualenv ('make venv')
 # export DATA=/datasets/imagenet       # dataset root for the experiment's data config

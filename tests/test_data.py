@@ -109,3 +109,62 @@ def test_validation_classes_must_match_training(digits_root: Path, tmp_path: Pat
     (tmp_path / "digit_0").mkdir()
     with pytest.raises(DatasetError, match="differ from training"):
         list_image_folder(tmp_path, train.classes)
+
+
+def test_one_training_pipeline_serves_every_epoch_exactly(digits_root: Path) -> None:
+    """Epochs read in order come from one pipeline (building one per epoch costs as much as an epoch
+    at large batch) and hold exactly the batches a fresh pipeline gives for that epoch; an epoch
+    cut short makes the next call start afresh, still exact."""
+    persistent = source(DaliSource, digits_root, 1, 2, 64)
+    streamed = [list(persistent.train_batches(epoch)) for epoch in range(3)]
+    assert persistent.pipelines_built == 1
+    for epoch in range(3):
+        fresh = list(source(DaliSource, digits_root, 1, 2, 64).train_batches(epoch))
+        for (x, y), (x_fresh, y_fresh) in zip(streamed[epoch], fresh, strict=True):
+            assert torch.equal(y, y_fresh) and torch.equal(x, x_fresh), f"epoch {epoch} differs"
+    cut = persistent.train_batches(3)
+    next(cut)
+    cut.close()  # max_steps or a stop signal in the middle of epoch 3
+    again = list(persistent.train_batches(4))
+    assert persistent.pipelines_built == 2
+    fresh = list(source(DaliSource, digits_root, 1, 2, 64).train_batches(4))
+    assert all(torch.equal(x, xf) and torch.equal(y, yf) for (x, y), (xf, yf) in zip(again, fresh, strict=True))
+
+
+def test_validation_pipeline_is_built_once_and_every_pass_is_the_same(digits_root: Path) -> None:
+    src = source(DaliSource, digits_root, 0, 3, 48)
+    passes = [[(x, y) for x, y in src.val_batches()] for _ in range(3)]
+    assert src.pipelines_built == 1
+    for other in passes[1:]:
+        assert all(torch.equal(x, xo) and torch.equal(y, yo) for (x, y), (xo, yo) in zip(passes[0], other, strict=True))
+
+
+def test_crop_windows_follow_torchvision_random_resized_crop() -> None:
+    import numpy as np
+
+    from gradientflow_repro.data.dali import crop_window
+
+    rng = np.random.default_rng(0)
+    for width, height in [(32, 32), (500, 375), (375, 500), (40, 400)]:
+        for _ in range(200):
+            x, y, w, h = crop_window(width, height, rng, min_scale=0.25)
+            assert 0 <= x and x + w <= width and 0 <= y and y + h <= height and w > 0 and h > 0
+            if (width, height) != (40, 400):  # fall-backs aside, area and aspect stay in range
+                assert 0.25 * width * height * 0.9 <= w * h and 0.7 <= w / h <= 1.4
+    again = crop_window(500, 375, np.random.default_rng([3, 1, 7]), 0.25)
+    assert again == crop_window(500, 375, np.random.default_rng([3, 1, 7]), 0.25)  # keyed, replayable
+
+
+def test_reader_processes_give_the_same_batches(digits_root: Path) -> None:
+    """On a GPU the files are read by DALI's parallel external source (worker processes): the same
+    batches as reading them in the training process."""
+    train = indexed(list_image_folder(digits_root / "train"))
+    val = indexed(list_image_folder(digits_root / "val", train.classes))
+    options = ImageOptions(image_size=32, val_resize=32, min_crop_scale=0.5, flip=True,
+                           mean=(0.0,) * 3, std=(255.0,) * 3, num_threads=1, prefetch=2)
+    shard = dict(device=CPU, local_batch=32, global_batch=64, rank=1, world_size=2, seed=3)
+    workers = DaliSource(train, val, options, reader_workers=2, **shard)
+    inline = DaliSource(train, val, options, reader_workers=0, **shard)
+    for epoch in range(2):
+        pairs = zip(workers.train_batches(epoch), inline.train_batches(epoch), strict=True)
+        assert all(torch.equal(x, xi) and torch.equal(y, yi) for (x, y), (xi, yi) in pairs)

@@ -17,8 +17,9 @@ ring-equivalent 2(N-1)/N of the payload, so all strategies are compared on the s
 from __future__ import annotations
 
 import abc
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -49,12 +50,27 @@ def ring_bytes(payload_bytes: int, world: int) -> int:
 def builtin_sum(group: Optional[dist.ProcessGroup] = None) -> SumFn:
     """The backend's own allreduce (NCCL or gloo)."""
     def sum_(tensor: torch.Tensor, stats: CommStats) -> None:
-        world = dist.get_world_size(group)
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
         if world > 1:
             dist.all_reduce(tensor, group=group)
             stats.collectives += 1
             stats.bytes += ring_bytes(tensor.numel() * tensor.element_size(), world)
     return sum_
+
+
+def communication_thread(device: torch.device) -> ThreadPoolExecutor:
+    """The one thread that sends pool parts while backward runs. A new thread's current CUDA device
+    is 0, whatever the rank's: using a stream of GPU k there (``torch.cuda.stream``) would switch
+    to GPU k and, on leaving, back to GPU 0, creating a CUDA context on GPU 0 in every rank (hundreds
+    of MB each, and an error on exclusive-process GPUs). So the thread adopts the rank's device
+    before it runs anything."""
+    initializer = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradientflow-comm", initializer=initializer)
+
+
+# The fp16 loss scale the coming gradients carry: a tensor on the device (reading it would wait for
+# the GPU), a number (tests), or None for none.
+GradScale = Union[torch.Tensor, float, None]
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:
@@ -79,9 +95,9 @@ class Communicator(abc.ABC):
         self.model, self.optimizer = model, optimizer
         return model
 
-    def begin_step(self, epoch: float, grad_scale: float = 1.0) -> None:
+    def begin_step(self, epoch: float, grad_scale: GradScale = None) -> None:
         """Called before each forward pass: training progress in epochs, and the loss scale the
-        coming gradients will carry (fp16)."""
+        coming gradients will carry (fp16; kept on the device, never read on the host)."""
 
     @abc.abstractmethod
     def synchronize(self) -> None:

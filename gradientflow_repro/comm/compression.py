@@ -15,12 +15,11 @@ are communicated. The wire scale is chosen per message after that, so the two co
 scale is undone later by ``GradScaler.unscale_`` as usual. A non-finite gradient on any rank makes
 the agreed maximum non-finite; the message is then sent unscaled, the sum carries the inf/NaN to
 every rank, and the trainer's agreed overflow check skips the step everywhere (never a silent
-clamp).
+clamp). The scale is computed and applied on the device: nothing waits for the GPU.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -31,27 +30,32 @@ from gradientflow_repro.comm.base import CommStats, SumFn, ring_bytes
 FP16_SAFE_MAX = 2.0 ** 15
 
 
-def compress(tensor: torch.Tensor, scale: float) -> torch.Tensor:
-    return (tensor * scale).to(torch.float16) if scale != 1.0 else tensor.to(torch.float16)
+def compress(tensor: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (tensor * scale).to(torch.float16)
 
 
-def decompress(wire: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+def decompress(wire: torch.Tensor, out: torch.Tensor, scale: torch.Tensor) -> None:
     out.copy_(wire)
-    if scale != 1.0:
-        out.div_(scale)
+    out.div_(scale)
 
 
 def agreed_scale(tensor: torch.Tensor, world: int, group: Optional[dist.ProcessGroup],
-                 stats: CommStats) -> float:
+                 stats: CommStats) -> torch.Tensor:
+    """The power of two 2^k (a one-element tensor on the tensor's device) that puts N times the
+    largest magnitude on any rank just below ``FP16_SAFE_MAX``; 1 when that magnitude is zero or
+    not finite. Computed on the device in float64: reading the peak on the host would make every
+    message wait for the GPU."""
     peak = tensor.detach().abs().max().float().reshape(1)
     if world > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         stats.collectives += 1
         stats.bytes += ring_bytes(peak.numel() * peak.element_size(), world)
-    value = peak.item()
-    if not math.isfinite(value) or value == 0.0:
-        return 1.0
-    return 2.0 ** math.floor(math.log2(FP16_SAFE_MAX / (world * value)))
+    peak = peak.double()
+    usable = torch.isfinite(peak) & (peak > 0)
+    scale = torch.exp2(torch.floor(torch.log2(FP16_SAFE_MAX / (world * peak.clamp_min(1e-300)))))
+    scale = torch.where(world * peak * scale > FP16_SAFE_MAX, scale / 2, scale)  # log2 rounding
+    scale = scale.clamp_max(2.0 ** 127)  # the largest power of two fp32 holds (subnormal peaks)
+    return torch.where(usable, scale, torch.ones_like(scale)).float()
 
 
 class Fp16Wire:

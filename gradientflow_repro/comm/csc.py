@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from gradientflow_repro.comm.base import CommStats, SumFn, builtin_sum
+from gradientflow_repro.comm.base import CommStats, GradScale, SumFn, builtin_sum
 from gradientflow_repro.comm.lazy import Bucket, LazyAllreduce
 
 
@@ -90,7 +90,7 @@ class CSCCommunicator(LazyAllreduce):
         self.momentum_correction, self.momentum_masking = momentum_correction, momentum_masking
         self.norm_sum = builtin_sum()
         self.sparse_now = False
-        self.grad_scale = 1.0
+        self.grad_scale: GradScale = None
         self.residual: dict[int, torch.Tensor] = {}
         self.velocity: dict[int, torch.Tensor] = {}
         self._spare_residual: dict[int, torch.Tensor] = {}  # this step's update is written here
@@ -131,8 +131,9 @@ class CSCCommunicator(LazyAllreduce):
             return self.density ** (ramp_epoch / (self.density_ramp_epochs + 1))
         return self.density
 
-    def begin_step(self, epoch: float, grad_scale: float = 1.0) -> None:
-        self.grad_scale = grad_scale
+    def begin_step(self, epoch: float, grad_scale: GradScale = None) -> None:
+        # a tensor stays a tensor: comparing it with 1 on the host would wait for the GPU
+        self.grad_scale = None if isinstance(grad_scale, (int, float)) and grad_scale == 1 else grad_scale
         self.density_now = self.density_at(epoch)
         self.sparse_now = self.density_now < 1
         self._hand_momentum_to_optimizer(not self.uses_velocity)
@@ -161,7 +162,7 @@ class CSCCommunicator(LazyAllreduce):
             super().reduce_bucket(bucket)
             return
         gradient = bucket.flat if bucket.dense else self.chunks(bucket)
-        if self.grad_scale != 1.0:
+        if self.grad_scale is not None:
             gradient.div_(self.grad_scale)  # in place: the pool part is overwritten below anyway
         velocity = None
         if self.uses_velocity:
@@ -169,7 +170,10 @@ class CSCCommunicator(LazyAllreduce):
                                  out=self._spare_velocity[index])
             gradient = velocity
         if bucket.dense:
-            torch.mul(gradient, self.grad_scale, out=bucket.flat)
+            if self.grad_scale is not None:
+                torch.mul(gradient, self.grad_scale, out=bucket.flat)
+            elif gradient is not bucket.flat:
+                bucket.flat.copy_(gradient)
             super().reduce_bucket(bucket)
             self._staged[index] = (None, velocity)
             return
@@ -178,7 +182,7 @@ class CSCCommunicator(LazyAllreduce):
         self.norm_sum(norms, self.stats)  # every rank now ranks chunks by the same global norms
         chosen, packed = send_chosen_chunks_(accumulated, norms, self.density_now, self.sum_fn, self.stats)
         bucket.flat.zero_()
-        self.chunks(bucket).index_copy_(0, chosen, packed.mul_(self.grad_scale) if self.grad_scale != 1.0 else packed)
+        self.chunks(bucket).index_copy_(0, chosen, packed if self.grad_scale is None else packed.mul_(self.grad_scale))
         if velocity is not None and self.momentum_masking:
             velocity.index_fill_(0, chosen, 0.0)
         self._staged[index] = (accumulated, velocity)

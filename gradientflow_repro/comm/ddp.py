@@ -90,13 +90,14 @@ class CSCHookState:
 
 
 def _one_dimensional_chunks(bucket: dist.GradBucket, chunk_size: int) -> torch.Tensor:
-    """Chunks of the bucket that hold any part of a bias or BatchNorm gradient: always sent."""
+    """Chunks of the bucket that hold any part of a bias or BatchNorm gradient: always sent. On the
+    bucket's device, where the chunk norms it indexes live."""
     chunks, offset = set(), 0
     for param in bucket.parameters():
         if param.ndim <= 1:
             chunks.update(range(offset // chunk_size, (offset + param.numel() - 1) // chunk_size + 1))
         offset += param.numel()
-    return torch.tensor(sorted(chunks), dtype=torch.long)
+    return torch.tensor(sorted(chunks), dtype=torch.long, device=bucket.buffer().device)
 
 
 def csc_hook(state: CSCHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -108,7 +109,8 @@ def csc_hook(state: CSCHookState, bucket: dist.GradBucket) -> torch.futures.Futu
         ddp_model.register_comm_hook(state, csc_hook)
 
     A non-finite gradient on any rank makes the summed norms non-finite on every rank: that bucket
-    is then averaged densely (GradScaler sees the inf and skips the step) and its residual is kept."""
+    then arrives as inf everywhere (GradScaler skips the step) and its residual is kept. Nothing in
+    the hook reads a value back to the host: under NCCL it never waits for the GPU."""
     buffer = bucket.buffer()
     world = dist.get_world_size(state.group)
     index = bucket.index()
@@ -131,18 +133,22 @@ def csc_hook(state: CSCHookState, bucket: dist.GradBucket) -> torch.futures.Futu
         accumulated.view(-1)[:buffer.numel()] += buffer.float()
         norms = chunk_l1_norms(accumulated)
         state.norm_sum(norms, state.stats)
-        if not bool(torch.isfinite(norms).all()):
-            state.sum_fn(buffer, state.stats)
-        else:
-            if index not in state.always_sent:
-                state.always_sent[index] = _one_dimensional_chunks(bucket, state.chunk_size)
-            chosen, summed = send_chosen_chunks_(accumulated, norms, state.density, state.sum_fn, state.stats,
-                                                 always=state.always_sent[index])
-            # the old residual is free now: it takes the result and then serves as the next spare
-            result = residual.zero_().index_copy_(0, chosen, summed)
-            buffer.copy_(result.view(-1)[:buffer.numel()])
-            state.residual[index], state._spare[index] = accumulated, residual
-            state.last_selection[index] = chosen
+        # A non-finite gradient on any rank makes the summed norms non-finite on every rank. That is
+        # decided on the device (reading it on the host would wait for the GPU in every bucket):
+        # the residual stays as it was and the bucket is poisoned with inf, so every rank sees the
+        # overflow and skips the step.
+        finite = torch.isfinite(norms.sum())
+        if index not in state.always_sent:
+            state.always_sent[index] = _one_dimensional_chunks(bucket, state.chunk_size)
+        chosen, summed = send_chosen_chunks_(accumulated, torch.nan_to_num(norms), state.density,
+                                             state.sum_fn, state.stats, always=state.always_sent[index])
+        # the new residual (or, after an overflow, the old one) goes to the residual's buffer; the
+        # spare is then free to assemble what arrived
+        torch.where(finite, accumulated, residual, out=residual)
+        result = accumulated.zero_().index_copy_(0, chosen, summed)
+        buffer.copy_(result.view(-1)[:buffer.numel()])
+        buffer.add_(torch.where(finite, 0.0, math.inf))
+        state.last_selection[index] = chosen
     buffer.div_(world)
     if bucket.is_last():
         state.iteration += 1

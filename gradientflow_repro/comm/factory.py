@@ -14,7 +14,6 @@ line (``comm=ring comm.wire=fp16``) to build the paper's ablation one technique 
 
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping
 
 import torch
@@ -71,24 +70,32 @@ def resolve(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def build_sum(algorithm: str, wire: str, ranks_per_node: int | None = None,
-              segment_kb: int = DEFAULT_SEGMENT_BYTES // 1024) -> SumFn:
+              segment_kb: int = DEFAULT_SEGMENT_BYTES // 1024, local_rank: int | None = None) -> SumFn:
+    """The summing function of ``algorithm`` (with the fp16 wire around it). ``ranks_per_node``:
+    how many consecutive ranks share a node, as the launcher says (torchrun's LOCAL_WORLD_SIZE,
+    Slurm's tasks per node) or ``comm.ranks_per_node`` sets; ``local_rank`` checks that layout."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         return builtin_sum()  # nothing to sum with
     if algorithm == "ring":
         sum_fn = ring_sum(segment_bytes=segment_kb * 1024)
     elif algorithm == "hierarchical":
-        per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        sum_fn = HierarchicalSum(per_node, segment_kb * 1024)
+        sum_fn = HierarchicalSum(ranks_per_node or 1, segment_kb * 1024, local_rank=local_rank)
     else:
         sum_fn = builtin_sum()
     return Fp16Wire(sum_fn, world) if wire == "fp16" else sum_fn
 
 
-def build_communicator(options: Mapping[str, Any], device: torch.device) -> Communicator:
+def build_communicator(options: Mapping[str, Any], device: torch.device,
+                       ranks_per_node: int | None = None, local_rank: int | None = None) -> Communicator:
+    """The communicator of ``options`` (``comm.*``). ``ranks_per_node`` and ``local_rank`` come from
+    the launcher (``distributed.World``); ``comm.ranks_per_node`` overrides the former, to emulate
+    nodes on one machine (then the launcher's local rank says nothing about that layout)."""
     knobs = resolve(options)
-    sum_fn = build_sum(knobs["algorithm"], knobs["wire"], knobs.get("ranks_per_node"),
-                       knobs.get("segment_kb", DEFAULT_SEGMENT_BYTES // 1024))
+    if knobs.get("ranks_per_node"):
+        ranks_per_node, local_rank = knobs["ranks_per_node"], None
+    sum_fn = build_sum(knobs["algorithm"], knobs["wire"], ranks_per_node,
+                       knobs.get("segment_kb", DEFAULT_SEGMENT_BYTES // 1024), local_rank)
     if knobs["fusion"] == "ddp":
         custom = (knobs["algorithm"], knobs["wire"]) != ("builtin", "fp32")
         return DDPCommunicator(device, knobs.get("ddp_bucket_mb", 25.0), sum_fn if custom else None)

@@ -5,10 +5,14 @@ one rank per node (its leader, the lowest rank) takes part in the inter-node rin
 network carries 2(M-1)/M of the tensor for M nodes instead of for N = M * G ranks, and each message
 is G times larger, which amortises per-message latency. Nodes are consecutive blocks of
 ``ranks_per_node`` global ranks (torchrun and Slurm number ranks node by node); on one machine any
-block size can be chosen, which is how the tests emulate several nodes.
+block size can be chosen, which is how the tests emulate several nodes. The block size comes from the
+launcher (torchrun's LOCAL_WORLD_SIZE, Slurm's tasks per node: ``distributed.World``), never
+guessed; a layout that is not node by node (Slurm's ``--distribution=cyclic``) is refused.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -21,11 +25,20 @@ class HierarchicalSum:
     """An in-place SUM over all ranks (a ``SumFn``). Creating it is collective: every rank must
     construct it, in the same order relative to other process groups."""
 
-    def __init__(self, ranks_per_node: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+    def __init__(self, ranks_per_node: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+                 local_rank: Optional[int] = None) -> None:
         world, rank = dist.get_world_size(), dist.get_rank()
         if ranks_per_node < 1 or world % ranks_per_node:
             raise ValueError(f"config key 'comm.ranks_per_node' = {ranks_per_node}: must divide the "
                              f"world size {world}")
+        if local_rank is not None:  # every rank checks every rank's place: all raise, or none
+            local_ranks: list = [None] * world
+            dist.all_gather_object(local_ranks, local_rank)
+            misplaced = [r for r, local in enumerate(local_ranks) if local != r % ranks_per_node]
+            if misplaced:
+                raise ValueError(f"hierarchical allreduce needs ranks numbered node by node "
+                                 f"({ranks_per_node} per node), but rank(s) {misplaced[:8]} are not "
+                                 f"where that puts them; launch with srun --distribution=block (or torchrun)")
         self.ranks_per_node, self.segment_bytes = ranks_per_node, segment_bytes
         self.nodes = world // ranks_per_node
         self.leader = rank - rank % ranks_per_node

@@ -28,7 +28,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from gradientflow_repro.comm.base import Communicator, SumFn, trainable
+from gradientflow_repro.comm.base import Communicator, SumFn, communication_thread, trainable
 
 
 @dataclass(eq=False)
@@ -68,7 +68,7 @@ class LazyAllreduce(Communicator):
                 self._slot[param] = (index, position)
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
         if self.overlap:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradientflow-comm")
+            self._executor = communication_thread(self.device)
         return model
 
     def layout(self, params: list[nn.Parameter]) -> list[Bucket]:

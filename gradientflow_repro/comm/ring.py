@@ -11,6 +11,17 @@ Each chunk travels in segments (``segment_bytes``); a segment is forwarded to th
 as it has been reduced, so reduction, receiving and sending overlap across steps (as in NCCL).
 Low-precision tensors travel in their own type; each addition is done in fp32 and rounded once, as
 NCCL does.
+
+Each step's send and receive of a segment are issued together, as one ``batch_isend_irecv`` group.
+That is what makes the ring safe under NCCL: there, point-to-point ops of a communicator run one
+after another on one CUDA stream in the order issued, and a send may not finish before its
+receiver runs the matching receive. A ring that queued the next step's receive before its own
+forwarding send would wait, on every rank at once, for a send stuck behind that receive: a cycle
+around the ring at any size. A group runs its send and receive together, and every rank issues the
+groups in the same (step, segment) order, so each group meets its partners. (gloo has no groups and
+runs the two ops one by one, which is the same thing there.) We keep our own ring under NCCL rather
+than calling NCCL's allreduce because the ring is what the paper's ablation studies (``comm.algorithm
+=builtin`` is NCCL's own, which also picks trees for small messages).
 """
 
 from __future__ import annotations
@@ -29,8 +40,10 @@ def _peer(group: Optional[dist.ProcessGroup], rank_in_group: int) -> int:
     return rank_in_group if group is None else dist.get_global_rank(group, rank_in_group)
 
 
-def _segments(start: int, end: int, step: int) -> list[tuple[int, int]]:
-    return [(lo, min(lo + step, end)) for lo in range(start, end, step)]
+def _pieces(start: int, end: int, count: int) -> list[tuple[int, int]]:
+    """``[start, end)`` cut into ``count`` near-equal consecutive pieces (some empty if it is short)."""
+    return [(start + (end - start) * i // count, start + (end - start) * (i + 1) // count)
+            for i in range(count)]
 
 
 _INBOXES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -50,8 +63,10 @@ def ring_allreduce_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = N
 
     Both phases are one pipeline of 2(N-1) steps: in step k rank r receives chunk (r - k - 1) mod N
     (added to its own in the first N-1 steps, copied in the rest) and sends chunk (r - k) mod N,
-    which is exactly what it received in step k - 1. So every segment is forwarded as soon as it
-    has been reduced, without waiting for the rest of its chunk: no barrier between steps."""
+    which is exactly what it received in step k - 1. Every chunk is cut into the same number of
+    segments, so segment j of the chunk received in step k - 1 is segment j of the chunk sent in
+    step k: it is forwarded, together with step k's receive of segment j, as soon as it has been
+    reduced, without waiting for the rest of its chunk."""
     world = dist.get_world_size(group)
     if world == 1 or tensor.numel() == 0:
         return 0
@@ -60,43 +75,52 @@ def ring_allreduce_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = N
     rank = dist.get_rank(group)
     flat = tensor.view(-1)
     bounds = [flat.numel() * i // world for i in range(world + 1)]
-    segment = max(1, segment_bytes // flat.element_size())
+    largest = max(hi - lo for lo, hi in zip(bounds, bounds[1:]))
+    segments = -(-largest // max(1, segment_bytes // flat.element_size()))
     right, left = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
-    largest = bounds[1] - bounds[0] + 1
     inboxes = _inbox(2 * largest, flat.dtype, flat.device).view(2, largest)
     steps, reducing_steps = 2 * (world - 1), world - 1
 
-    def spans(chunk: int) -> list[tuple[int, int]]:
-        return _segments(bounds[chunk], bounds[chunk + 1], segment)
+    def pieces(chunk: int) -> list[tuple[int, int]]:
+        return _pieces(bounds[chunk], bounds[chunk + 1], segments)
 
-    def post_receives(step: int) -> list[tuple[int, int, torch.Tensor, dist.Work]]:
+    def issue(step: int, segment: int) -> tuple[list[dist.Work], int]:
+        """Step ``step``'s send and receive of segment ``segment``, as one group. Returns the works
+        and the bytes sent. Empty pieces are left out: their partner leaves them out too."""
+        send_lo, send_hi = pieces((rank - step) % world)[segment]
         chunk = (rank - step - 1) % world
-        posted = []
-        for lo, hi in spans(chunk):
-            # reduce steps land in an inbox (double-buffered by step); gather steps land in place
-            target = (inboxes[step % 2][lo - bounds[chunk]:hi - bounds[chunk]] if step < reducing_steps
-                      else flat[lo:hi])
-            posted.append((lo, hi, target, dist.irecv(target, src=left, group=group, tag=step)))
-        return posted
+        recv_lo, recv_hi = pieces(chunk)[segment]
+        # reduce steps land in an inbox (double-buffered by step); gather steps land in place
+        target = (inboxes[step % 2][recv_lo - bounds[chunk]:recv_hi - bounds[chunk]]
+                  if step < reducing_steps else flat[recv_lo:recv_hi])
+        ops = []
+        if send_hi > send_lo:
+            ops.append(dist.P2POp(dist.isend, flat[send_lo:send_hi], right, group, tag=step))
+        if recv_hi > recv_lo:
+            ops.append(dist.P2POp(dist.irecv, target, left, group, tag=step))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return [work for work in works if work is not None], (send_hi - send_lo) * flat.element_size()
 
-    sends = [dist.isend(flat[lo:hi], dst=right, group=group, tag=0) for lo, hi in spans(rank)]
-    sent = (bounds[rank + 1] - bounds[rank]) * flat.element_size()
-    receives = post_receives(0)
+    sent, previous = 0, [None] * segments
     for step in range(steps):
-        upcoming = post_receives(step + 1) if step + 1 < steps else []
-        for lo, hi, arrived, request in receives:
-            request.wait()
-            if step < reducing_steps:
-                if flat.dtype == torch.float32:
-                    flat[lo:hi].add_(arrived)
-                else:
-                    flat[lo:hi].copy_(flat[lo:hi].float() + arrived.float())
-            if step + 1 < steps:  # forward this segment at once: it is step + 1's send
-                sends.append(dist.isend(flat[lo:hi], dst=right, group=group, tag=step + 1))
-                sent += (hi - lo) * flat.element_size()
-        receives = upcoming
-    for request in sends:
-        request.wait()
+        for segment in range(segments):
+            if step > 0:  # segment j of the last step's receive: finish it, then forward it
+                works = previous[segment]
+                for work in works:
+                    work.wait()
+                if step - 1 < reducing_steps:
+                    chunk = (rank - step) % world
+                    lo, hi = pieces(chunk)[segment]
+                    arrived = inboxes[(step - 1) % 2][lo - bounds[chunk]:hi - bounds[chunk]]
+                    if flat.dtype == torch.float32:
+                        flat[lo:hi].add_(arrived)
+                    else:
+                        flat[lo:hi].copy_(flat[lo:hi].float() + arrived.float())
+            previous[segment], nbytes = issue(step, segment)
+            sent += nbytes
+    for works in previous:  # the last step (all-gather: in place). Each work is waited once: a
+        for work in works:  # second wait on a gloo send/recv waits for another message
+            work.wait()
     return sent
 
 

@@ -165,3 +165,48 @@ def test_rank_death_under_torchrun_leaves_finished_params_of_a_resumed_run_exact
         a, b = final_params(tmp_path / "straight", rank), final_params(tmp_path / "failed", rank)
         for key in a:
             assert torch.equal(a[key], b[key]), f"{key} differs on rank {rank}"
+
+
+@pytest.mark.parametrize("frozen", [1, 0])
+def test_a_rank_that_hangs_is_named_by_the_watchdog_before_any_timeout(frozen: int, tmp_path: Path,
+                                                                        digits_root: Path) -> None:
+    """Under NCCL a lost peer is a hang, not an error (collectives return before they finish, and
+    NCCL's own watchdog aborts without a word). A frozen rank (SIGSTOP: its connections stay open, it
+    answers nothing) is that hang here. Launched as ``srun`` does (one process per rank, the
+    rendezvous store inside rank 0), the survivors name the frozen rank (or, when it is rank 0 and
+    the store froze with it, say so) within ``watchdog_s``, long before ``dist_timeout_s``."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO, free_port
+
+    world, port = 3, free_port()
+    overrides = [o for o in COMMON if not o.startswith("dist_timeout_s")]
+    overrides += [f"data.root={digits_root}", f"run_dir={tmp_path}", "dist_timeout_s=120", "watchdog_s=6"]
+    processes = []
+    started = time.monotonic()
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1", "GFR_INJECT_FAULT": f"freeze@comm:rank={frozen}:step=5"}
+        processes.append(subprocess.Popen([sys.executable, "-m", "gradientflow_repro.train", *overrides],
+                                          cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+    try:
+        survivors = [r for r in range(world) if r != frozen]
+        outputs = {r: processes[r].communicate(timeout=100)[0] for r in survivors}
+        seconds = time.monotonic() - started
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGKILL)
+                process.wait()
+    for rank in survivors:
+        assert processes[rank].returncode == 1, outputs[rank][-3000:]
+        expected = (f"lost rank(s) [{frozen}]" if frozen else
+                    "rendezvous store is unreachable: rank 0 (which hosts it) is probably lost")
+        assert expected in outputs[rank] and "no progress for" in outputs[rank], outputs[rank][-3000:]
+        assert "in step 5" in outputs[rank], outputs[rank][-2000:]
+    assert seconds < 90, f"took {seconds:.0f}s: the watchdog (6 s) must speak long before the 120 s timeout"

@@ -1,0 +1,1229 @@
+"""The GPU check: one prepared script that says whether this project's CUDA path works on a machine.
+
+The test suite runs on CPUs with gloo; what only a GPU machine can show is collected here, to run
+in one go (under 8 minutes on one GPU) as ``make gpu-check`` or ``python3 scripts/gpu_check.py``:
+
+    environment     torch, CUDA, NCCL and driver versions, GPUs and their compute capability (each
+                    must be in torch's arch list), DALI and the optional packages
+    nccl_1rank      every collective helper the trainer uses, on NCCL at world size 1: us per call
+    comm_gloo_cuda  every communicator (allreduce, ddp, lazy, csc, gradientflow) on CUDA tensors in
+                    two gloo ranks sharing GPU 0, against the mean of the ranks' own gradients; an
+                    inf on one rank must reach both
+    trainer_fp16    the trainer end to end through torchrun on CUDA with fp16 (allreduce, lazy,
+                    gradientflow), then resumed from its checkpoint
+    throughput      images/s of AlexNet-BN and ResNet-50 in fp16; host synchronisations per step of
+                    the project's own training step (target: at most one)
+    dali            DALI's GPU (nvJPEG, ``mixed``) and CPU pipelines over one epoch of the digits
+    nccl_2gpu       ring and hierarchical allreduce across two GPUs against NCCL's allreduce; a rank
+                    on GPU 1 must hold no CUDA context on GPU 0
+
+Each item prints lines ``PASS|FAIL|SKIP  <item>: <figures or reason>``; all lines and a header
+(date, host, GPUs, versions, commit, command) go to ``results/gpu_check.md`` (``--out``), rewritten
+after every item so that a check cut short still leaves its file, and every child's full output
+goes to the ``.log`` beside it. The exit status is 1 if any line is FAIL, else 0.
+
+How it stays robust where parts are missing or broken. The environment item runs in this process;
+every other item runs in a fresh Python process with its own time limit, so a CUDA context, an
+NCCL communicator or a hang in one item cannot touch the next: a process still running at its
+limit is killed with its whole process group and the item gets a FAIL "hung > N s". An exception
+inside an item is a FAIL line for that item (or the part of it that raised), never a crash of the
+script. Without a CUDA device every GPU item is SKIP "no CUDA device"; without DALI, hydra-core /
+omegaconf, torchvision, timm or matplotlib the items that need them are SKIP, naming the package.
+Only the standard library and torch are imported at module level; the project's modules and
+optional packages are imported inside the items that use them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import copy
+import datetime
+import functools
+import importlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / "results" / "gpu_check.md"
+MARK = "@@gpu_check "  # prefix of a result line on a child process's output
+REPORTED_EXIT = 3  # a spawned rank that reported its own failure exits with this
+NO_CUDA = "no CUDA device"
+PACKAGES = {"hydra": "hydra-core", "omegaconf": "omegaconf", "nvidia.dali": "DALI (nvidia-dali-cuda*)",
+            "nvidia": "DALI (nvidia-dali-cuda*)", "torchvision": "torchvision", "timm": "timm",
+            "matplotlib": "matplotlib", "sklearn": "scikit-learn", "PIL": "pillow", "pynvml": "nvidia-ml-py"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Results, items and how they run
+
+
+@dataclass(frozen=True)
+class Result:
+    status: str  # PASS | FAIL | SKIP
+    item: str  # "item" or "item/part"
+    detail: str  # figures or the reason
+
+    def line(self) -> str:
+        return f"{self.status}  {self.item}: {self.detail}"
+
+
+class Skip(Exception):
+    """Raised inside an item (or a part of one) that cannot run here; the message says why."""
+
+
+def describe(error: BaseException) -> str:
+    """One line for an exception (the last line of a traceback carried in its message)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and any(line.startswith("Traceback") for line in lines):
+        return lines[-1][:400]
+    return f"{type(error).__name__}: {' '.join(lines)[:400]}"
+
+
+class Reporter:
+    """An item's result lines, each handed to ``emit`` as soon as it is made."""
+
+    def __init__(self, item: str, emit: Callable[[Result], None]) -> None:
+        self.item, self.emit = item, emit
+        self.results: list[Result] = []
+
+    def add(self, status: str, detail: str, part: Optional[str] = None) -> None:
+        result = Result(status, f"{self.item}/{part}" if part else self.item, detail)
+        self.results.append(result)
+        self.emit(result)
+
+    @contextlib.contextmanager
+    def part(self, name: Optional[str] = None) -> Iterator[None]:
+        """Run a block as one (sub-)item: Skip becomes a SKIP line, any other exception a FAIL."""
+        try:
+            yield
+        except Skip as skip:
+            self.add("SKIP", str(skip), name)
+        except Exception as error:  # noqa: BLE001 - one item's failure must not stop the check
+            traceback.print_exc()
+            self.add("FAIL", describe(error), name)
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    check: Callable[[Reporter], None]
+    timeout_s: float
+    gpus: int  # CUDA devices it needs (0: runs anywhere, in this process)
+    doc: str
+
+
+def gpu_gate(gpus: int) -> Optional[str]:
+    """Why an item needing ``gpus`` devices cannot run here, or None."""
+    if gpus and not torch.cuda.is_available():
+        return NO_CUDA
+    if gpus > 1 and torch.cuda.device_count() < gpus:
+        return f"needs >= {gpus} GPUs (one NCCL rank per GPU); this machine has {torch.cuda.device_count()}"
+    return None
+
+
+def run_here(item: Item, emit: Callable[[Result], None] = lambda result: None) -> list[Result]:
+    """Run an item in this process: its lines, with any exception turned into a FAIL line."""
+    report = Reporter(item.name, emit)
+    with report.part():
+        item.check(report)
+    if not report.results:
+        report.add("FAIL", "the check reported nothing")
+    return report.results
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """SIGTERM to the process group of ``proc`` (started with a session of its own), then SIGKILL."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+
+
+def _child_env(extra_paths: list[str]) -> dict[str, str]:
+    paths = [*extra_paths, os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "PYTHONUNBUFFERED": "1"}
+
+
+CHILD_MAIN = "import sys; from gradientflow_repro.gpu_check import child_main; child_main(sys.argv[1:])"
+
+
+def run_in_child(item: Item, emit: Callable[[Result], None] = lambda result: None,
+                 log: Optional[Callable[[str], None]] = None) -> list[Result]:
+    """Run an item in a fresh Python process with its own time limit; lines stream as they come.
+    The child imports the item's function by module and name, so any importable function works."""
+    module = sys.modules[item.check.__module__]
+    name = module.__spec__.name if module.__name__ == "__main__" and module.__spec__ else module.__name__
+    module_file = getattr(module, "__file__", None)
+    extra = [str(REPO)] + ([str(Path(module_file).resolve().parents[name.count(".")])] if module_file else [])
+    command = [sys.executable, "-c", CHILD_MAIN, f"{name}:{item.check.__qualname__}", item.name,
+               str(item.timeout_s)]
+    report = Reporter(item.name, emit)
+    tail: collections.deque[str] = collections.deque(maxlen=30)
+    proc = subprocess.Popen(command, cwd=REPO, env=_child_env(extra), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
+
+    def read() -> None:
+        for line in proc.stdout:
+            if line.startswith(MARK):
+                result = Result(**json.loads(line[len(MARK):]))
+                report.results.append(result)
+                emit(result)
+            else:
+                tail.append(line.rstrip())
+                if log:
+                    log(f"[{item.name}] {line.rstrip()}")
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        status: Optional[int] = proc.wait(timeout=item.timeout_s)
+    except subprocess.TimeoutExpired:
+        stop_group(proc)
+        status = None
+    except KeyboardInterrupt:  # the child has a session of its own: Ctrl-C does not reach it
+        stop_group(proc)
+        raise
+    reader.join(timeout=10)
+    last = next((line for line in reversed(tail) if line.strip()), "")
+    if status is None:
+        after = f" after its line {report.results[-1].item}" if report.results else ""
+        report.add("FAIL", f"hung > {item.timeout_s:.0f} s{after}; killed")
+    elif status != 0 and not any(r.status == "FAIL" for r in report.results):
+        report.add("FAIL", f"its process exited with status {status}: {last[:300]}")
+    elif not report.results:
+        report.add("FAIL", f"its process reported nothing: {last[:300]}")
+    return report.results
+
+
+_DEADLINE: Optional[float] = None  # in a child: when its parent will kill it (minus a margin)
+_GROUPS: set[int] = set()  # process groups a child started (killed with it)
+
+
+def time_left(default: float = 3600.0) -> float:
+    return default if _DEADLINE is None else max(1.0, _DEADLINE - time.monotonic())
+
+
+def _emit_marked(result: Result) -> None:
+    print(MARK + json.dumps(asdict(result)), flush=True)
+
+
+def child_main(argv: list[str]) -> None:
+    """Entry of an item's child process: ``module:function item_name timeout_s``."""
+    global _DEADLINE
+    target, name, timeout_s = argv
+    _DEADLINE = time.monotonic() + float(timeout_s) - 10.0
+
+    def on_term(signum: int, frame: Any) -> None:
+        for group in list(_GROUPS):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    module, qualname = target.split(":")
+    check = importlib.import_module(module)
+    for attribute in qualname.split("."):
+        check = getattr(check, attribute)
+    run_here(Item(name, check, float(timeout_s), 0, ""), _emit_marked)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # results are out: no interpreter finalisation racing NCCL or gloo threads
+
+
+def run_command(command: list[str], timeout_s: float, **popen: Any) -> tuple[Optional[int], str, float]:
+    """Run a command in a process group of its own: (exit status or None if it hung, output, s)."""
+    started = time.monotonic()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", start_new_session=True, **popen)
+    _GROUPS.add(proc.pid)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+        return proc.returncode, output, time.monotonic() - started
+    except subprocess.TimeoutExpired:
+        stop_group(proc)
+        try:
+            output, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            output = ""
+        return None, output or "", time.monotonic() - started
+    finally:
+        _GROUPS.discard(proc.pid)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers shared by the items
+
+
+def need(*modules: str) -> None:
+    """Import each module, or Skip naming the package that provides it. (A package that is there
+    but fails to import for another reason is a FAIL: that is a broken installation.)"""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            raise Skip(f"needs {PACKAGES.get(module, module)}: import {module} failed ({error})") from None
+
+
+@contextlib.contextmanager
+def project_imports() -> Iterator[None]:
+    """Around imports of the project's modules: a third-party module they need that is missing here
+    makes the item SKIP, naming it (a missing project module stays an error)."""
+    try:
+        yield
+    except ModuleNotFoundError as error:
+        name = error.name or ""
+        if not name or name.split(".")[0] == "gradientflow_repro":
+            raise
+        package = PACKAGES.get(name, PACKAGES.get(name.split(".")[0], name))
+        raise Skip(f"needs {package}: the project's modules import {name}, which is missing") from None
+
+
+def cuda_device(index: int = 0) -> torch.device:
+    reason = gpu_gate(index + 1)
+    if reason:
+        raise Skip(reason)
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def median_us(call: Callable[[], Any], device: torch.device, warmup: int = 5, repeats: int = 50) -> float:
+    """Median wall time of ``call`` in microseconds, each call followed by a device synchronisation."""
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e6
+
+
+def nvidia_smi(*query: str) -> Optional[list[list[str]]]:
+    """Rows of an ``nvidia-smi --query-...=... --format=csv,noheader`` call, or None."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    status, output, _ = run_command(["nvidia-smi", *query, "--format=csv,noheader"], 30)
+    if status != 0:
+        return None
+    return [[cell.strip() for cell in line.split(",")] for line in output.splitlines() if line.strip()]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def gpu_processes() -> Optional[dict[str, set[int]]]:
+    """PIDs holding a context on each GPU, by normalised UUID in NVML's order (pynvml, else
+    nvidia-smi); None when neither can tell."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            found = {}
+            for index in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                found[_uuid(_text(pynvml.nvmlDeviceGetUUID(handle)))] = {
+                    p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+            return found
+        finally:
+            pynvml.nvmlShutdown()
+    except ImportError:
+        pass
+    gpus, apps = nvidia_smi("--query-gpu=uuid"), nvidia_smi("--query-compute-apps=gpu_uuid,pid")
+    if gpus is None or apps is None:
+        return None
+    found = {_uuid(row[0]): set() for row in gpus}
+    for gpu, pid in (row[:2] for row in apps if len(row) >= 2 and row[1].isdigit()):
+        found.setdefault(_uuid(gpu), set()).add(int(pid))
+    return found
+
+
+def _uuid(text: str) -> str:
+    text = text.strip().lower()
+    return text.removeprefix("gpu-")
+
+
+def cuda_uuid(index: int) -> Optional[str]:
+    with contextlib.suppress(Exception):
+        return _uuid(str(torch.cuda.get_device_properties(index).uuid))
+    return None
+
+
+def git_commit() -> Optional[str]:
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                                  cwd=REPO).stdout.strip()
+        commit = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (f"{commit} (with uncommitted changes)" if dirty else commit) or None
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. environment
+
+
+def _nccl_version() -> Optional[str]:
+    with contextlib.suppress(Exception):
+        version = torch.cuda.nccl.version()
+        return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def environment_facts() -> dict[str, Any]:
+    """Versions and GPUs as torch, NVML (pynvml) or nvidia-smi see them."""
+    facts: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": _nccl_version(),
+                             "driver": None, "driver_from": None, "gpus": [], "smi_gpus": None,
+                             "python": platform.python_version(), "arch_list": []}
+    if torch.cuda.is_available():
+        facts["arch_list"] = torch.cuda.get_arch_list()
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            facts["gpus"].append({"name": props.name, "sm": f"sm_{props.major}{props.minor}"})
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            facts["driver"], facts["driver_from"] = _text(pynvml.nvmlSystemGetDriverVersion()), "pynvml"
+            facts["smi_gpus"] = pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - not installed, or no driver: nvidia-smi next
+        rows = nvidia_smi("--query-gpu=driver_version,name,compute_cap")
+        if rows:
+            facts["driver"], facts["driver_from"], facts["smi_gpus"] = rows[0][0], "nvidia-smi", len(rows)
+    return facts
+
+
+def gpu_summary(facts: dict[str, Any]) -> str:
+    if not facts["gpus"]:
+        return f"none ({NO_CUDA})"
+    return f"{len(facts['gpus'])}: " + ", ".join(f"{g['name']} ({g['sm']})" for g in facts["gpus"])
+
+
+def versions_summary(facts: dict[str, Any]) -> str:
+    driver = f"{facts['driver']} ({facts['driver_from']})" if facts["driver"] else "unknown (no pynvml, no nvidia-smi)"
+    return (f"torch {facts['torch']}, CUDA {facts['cuda'] or 'none (CPU-only build)'}, "
+            f"NCCL {facts['nccl'] or 'none'}, driver {driver}")
+
+
+def _distribution_version(*names: str) -> Optional[str]:
+    for name in names:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(name)
+    return None
+
+
+def check_environment(report: Reporter) -> None:
+    facts = environment_facts()
+    with report.part():
+        problems = [f"{g['name']}: {g['sm']} is not in torch's arch list {facts['arch_list']}"
+                    for g in facts["gpus"] if g["sm"] not in facts["arch_list"]]
+        if not facts["gpus"] and facts["smi_gpus"]:
+            problems.append(f"the driver sees {facts['smi_gpus']} GPU(s) but torch.cuda.is_available() is "
+                            f"False (a CPU-only torch build, or a driver too old for CUDA {facts['cuda']}?)")
+        gpus = ", ".join(f"{g['name']} ({g['sm']}, {'in' if g['sm'] in facts['arch_list'] else 'NOT in'} "
+                         f"torch's arch list)" for g in facts["gpus"]) or NO_CUDA
+        report.add("FAIL" if problems else "PASS",
+                   f"{versions_summary(facts)}, Python {facts['python']}, {len(facts['gpus'])} GPU(s): {gpus}"
+                   + ("; " + "; ".join(problems) if problems else ""))
+    with report.part("dali"):
+        need("nvidia.dali")
+        import nvidia.dali
+
+        report.add("PASS", f"DALI {nvidia.dali.__version__}", "dali")
+    with report.part("packages"):
+        found = {name: _distribution_version(*dists) for name, dists in (
+            ("torchvision", ["torchvision"]), ("timm", ["timm"]), ("hydra-core", ["hydra-core"]),
+            ("omegaconf", ["omegaconf"]), ("wandb", ["wandb"]), ("matplotlib", ["matplotlib"]),
+            ("scikit-learn", ["scikit-learn"]), ("pynvml", ["nvidia-ml-py", "pynvml"]))}
+        report.add("PASS", ", ".join(f"{name} {version or 'absent'}" for name, version in found.items()),
+                   "packages")
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. NCCL at world size 1: every collective helper the trainer uses
+
+
+def check_nccl_single_rank(report: Reporter) -> None:
+    import torch.distributed as dist
+
+    from gradientflow_repro.distributed import agree_max, all_reduce_scalars, barrier, ranks_that_differ
+
+    device = cuda_device(0)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=device,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        small = torch.ones(1, device=device)
+        big = torch.ones(1 << 20, device=device)  # 4 MiB of fp32
+        gathered = [torch.zeros_like(small)]
+        objects: list[Any] = [{"checkpoint": "step_000000020"}]
+        calls: dict[str, Callable[[], Any]] = {
+            "all_reduce SUM 4 B": lambda: dist.all_reduce(small),
+            "all_reduce SUM 4 MiB": lambda: dist.all_reduce(big),
+            "all_reduce MAX 4 B": lambda: dist.all_reduce(small, op=dist.ReduceOp.MAX),
+            "all_reduce MAX 4 MiB": lambda: dist.all_reduce(big, op=dist.ReduceOp.MAX),
+            "broadcast 4 MiB": lambda: dist.broadcast(big, src=0),
+            "all_gather 4 B": lambda: dist.all_gather(gathered, small),
+            "broadcast_object_list": lambda: dist.broadcast_object_list(objects, src=0),
+            "reduce 4 MiB": lambda: dist.reduce(big, dst=0),
+            "distributed.agree_max (the step's agreement)": lambda: agree_max([small[0] * 0, 15.0], device),
+            "distributed.all_reduce_scalars": lambda: all_reduce_scalars([1.5, -2.0], device),
+            "distributed.ranks_that_differ": lambda: ranks_that_differ([big], device),
+            "distributed.barrier": lambda: barrier(device),
+        }
+        returns = {"all_gather 4 B": lambda result: gathered[0].item() == 1,  # beyond inputs left as they were
+                   "distributed.agree_max (the step's agreement)": lambda result: result == [0.0, 15.0],
+                   "distributed.all_reduce_scalars": lambda result: result == [1.5, -2.0],
+                   "distributed.ranks_that_differ": lambda result: result == []}
+        for name, call in calls.items():
+            with report.part(name):
+                micros = median_us(call, device)
+                result = call()
+                ok = (returns.get(name, lambda result: True)(result) and bool((small == 1).all())
+                      and bool((big == 1).all()) and objects == [{"checkpoint": "step_000000020"}])
+                report.add("PASS" if ok else "FAIL", f"{micros:.1f} us/call (median of 50)"
+                           + ("" if ok else f": wrong result at world size 1 ({result!r:.80})"), name)
+        with report.part("send/recv to self"):
+            received = torch.zeros_like(big)
+
+            def self_send_recv() -> None:
+                ops = [dist.P2POp(dist.isend, big, 0), dist.P2POp(dist.irecv, received, 0)]
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+
+            try:
+                self_send_recv()
+            except Exception as error:  # noqa: BLE001 - torch or NCCL refusing is not a failure here
+                raise Skip(f"refused by torch/NCCL: {describe(error)}") from None
+            micros = median_us(self_send_recv, device, repeats=20)
+            ok = bool(torch.equal(received, big))
+            report.add("PASS" if ok else "FAIL", f"{micros:.1f} us per 4 MiB send+recv pair (median of 20)"
+                       + ("" if ok else ": received data differ"), "send/recv to self")
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. communicators on CUDA tensors: two gloo ranks sharing GPU 0
+
+# (label, comm options). Presets whose algorithm is the ring run with algorithm=builtin (gloo has no
+# send/recv of CUDA tensors), with pool parts of about 1 KiB so that the small model fills several.
+POOL = {"algorithm": "builtin", "bucket_mb": 0.001}
+CSC_KNOBS = {**POOL, "density": 0.1, "csc_warmup_epochs": 0.0, "chunk_size": 64}
+COMM_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("allreduce", {"strategy": "allreduce"}),
+    ("ddp", {"strategy": "ddp"}),
+    ("lazy", {"strategy": "lazy", **POOL}),
+    ("lazy+fp16 wire", {"strategy": "lazy", "wire": "fp16", **POOL}),
+    ("csc", {"strategy": "csc", **CSC_KNOBS}),
+    ("gradientflow", {"strategy": "gradientflow", **CSC_KNOBS}),
+]
+COMM_STEPS = 4
+
+
+class SmallNet(torch.nn.Module):
+    """Two weight matrices (sparsified by CSC) and 1-D tensors (always dense)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(37, 53)
+        self.b = torch.nn.Linear(53, 11)
+        self.norm = torch.nn.BatchNorm1d(11)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.b(torch.relu(self.a(x))))
+
+
+def _gather_cpu(tensors: list[torch.Tensor], world: int) -> list[list[torch.Tensor]]:
+    """Every rank's copy of ``tensors`` (one all_gather of their CPU copies): [rank][i]."""
+    import torch.distributed as dist
+
+    flat = torch.cat([t.detach().float().cpu().reshape(-1) for t in tensors])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    out = []
+    for copy_ in gathered:
+        pieces, offset = [], 0
+        for tensor in tensors:
+            pieces.append(copy_[offset:offset + tensor.numel()].view(tensor.shape))
+            offset += tensor.numel()
+        out.append(pieces)
+    return out
+
+
+def _residuals(comm: Any, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """CSC's per-rank residual of each parameter (zeros for dense strategies and dense parts).
+    ``comm.residual`` is per pool part; ``comm.buckets`` says where each parameter lies in it."""
+    by_param = {id(p): torch.zeros(p.shape) for p in params}
+    for index, bucket in enumerate(getattr(comm, "buckets", [])):
+        residual = getattr(comm, "residual", {}).get(index)
+        if residual is None:
+            continue
+        flat = residual.detach().reshape(-1).cpu()
+        for param, offset in zip(bucket.params, bucket.offsets):
+            by_param[id(param)] = flat[offset:offset + param.numel()].view(param.shape).clone()
+    return [by_param[id(p)] for p in params]
+
+
+def _same_message(comm: Any, params: list[torch.nn.Parameter]) -> list[list[int]]:
+    """For each parameter, the parameters sent in the same message: its pool part, or itself."""
+    index = {id(p): i for i, p in enumerate(params)}
+    together = [[i] for i in range(len(params))]
+    for bucket in getattr(comm, "buckets", []):
+        members = [index[id(p)] for p in bucket.params]
+        for i in members:
+            together[i] = members
+    return together
+
+
+def _check_communicator(options: dict[str, Any], rank: int, world: int, device: torch.device) -> dict[str, Any]:
+    """One communicator through COMM_STEPS steps and an overflow step; this rank's findings.
+
+    Per step, with this rank's gradient g_r (from a plain copy of the model) and CSC residuals
+    before (old_r) and after (new_r) the step: p.grad + mean_r(new_r) must equal mean_r(old_r + g_r)
+    (dense strategies have no residual, so p.grad must be the mean gradient)."""
+    import torch.distributed as dist
+
+    from gradientflow_repro.comm.factory import build_communicator, resolve
+
+    fp16 = resolve(options)["wire"] == "fp16"
+    torch.manual_seed(0)
+    model = SmallNet().to(device)
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # momentum 0: CSC's velocity is the gradient
+    comm = build_communicator(options, device)
+    module = comm.attach(model, optimizer)
+    params = list(model.parameters())
+    message = _same_message(comm, params)
+    worst, step_ms, problems = 0.0, [], []
+    for step in range(COMM_STEPS):
+        x = torch.randn(16, 37, generator=torch.Generator().manual_seed(100 * rank + step)).to(device)
+        reference.zero_grad(set_to_none=True)
+        reference(x).pow(2).mean().backward()
+        local = [p.grad for p in reference.parameters()]
+        old = _residuals(comm, params)
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        comm.begin_step(float(step), 1.0)
+        module(x).pow(2).mean().backward()
+        comm.synchronize()
+        torch.cuda.synchronize(device)
+        step_ms.append((time.perf_counter() - started) * 1e3)
+        synced = [p.grad.detach().float().cpu() for p in params]
+        comm.end_step(applied=True)
+        model.zero_grad(set_to_none=True)
+        ranks = _gather_cpu([*local, *old, *_residuals(comm, params)], world)
+        n = len(params)
+        accumulated = [torch.stack([r[n + i] + r[i] for r in ranks]) for i in range(n)]  # old_r + g_r
+        # the fp16 wire scales each message by its largest value, and a pool part holds several
+        # parameters: rounding is bounded relative to the largest value of the message
+        largest = [max(accumulated[i].abs().max().item(), 1e-30) for i in range(n)]
+        for i in range(n):
+            expected = accumulated[i].mean(0)
+            got = synced[i] + torch.stack([r[2 * n + i] for r in ranks]).mean(0)
+            peak = max(largest[j] for j in message[i]) if fp16 else largest[i]
+            error = (got - expected).abs().max().item()
+            worst = max(worst, error / peak)
+            ok = (error <= 2e-3 * peak) if fp16 else torch.allclose(got, expected, rtol=1e-6, atol=1e-6 * peak)
+            if not ok:
+                problems.append(f"step {step} parameter {i}: |error| {error:.3g} ({error / peak:.2g} of peak)")
+    findings: dict[str, Any] = {"worst": worst, "ms": statistics.median(step_ms), "problems": problems[:3],
+                                "density": comm.density_now}
+    if hasattr(comm, "residual"):
+        findings["held_back"] = any(r.abs().sum().item() > 0 for r in comm.residual.values())
+        findings["selection"] = {int(k): v.tolist() for k, v in getattr(comm, "last_selection", {}).items()}
+    # an inf in rank world-1's gradient must reach every rank (so the agreed overflow check skips)
+    comm.begin_step(float(COMM_STEPS), 1.0)
+    hook = None
+    if rank == world - 1:
+        first_row = torch.tensor([0], device=device)
+        hook = model.a.weight.register_hook(lambda grad: grad.index_fill(0, first_row, float("inf")))
+    x = torch.randn(16, 37, generator=torch.Generator().manual_seed(100 * rank + 99)).to(device)
+    module(x).pow(2).mean().backward()
+    if hook is not None:
+        hook.remove()
+    comm.synchronize()
+    findings["inf_reached"] = not all(bool(torch.isfinite(p.grad).all()) for p in params)
+    comm.end_step(applied=False)
+    comm.close()
+    dist.barrier()
+    return findings
+
+
+def _comm_line(label: str, options: dict[str, Any], findings: list[dict[str, Any]]) -> tuple[str, str]:
+    from gradientflow_repro.comm.factory import STRATEGIES, resolve
+
+    knobs = resolve(options)
+    problems = [f"rank {r}: {p}" for r, f in enumerate(findings) for p in f["problems"]]
+    missed = [r for r, f in enumerate(findings) if not f["inf_reached"]]
+    if missed:
+        problems.append(f"the inf in rank {len(findings) - 1}'s gradient did not reach rank(s) {missed}")
+    notes = []
+    preset = STRATEGIES[options["strategy"]]["algorithm"]
+    if preset != knobs["algorithm"]:
+        notes.append(f"algorithm={knobs['algorithm']} instead of the preset's {preset} (gloo has no CUDA send/recv)")
+    if knobs["sparsity"] == "csc":
+        if len({json.dumps(f["selection"], sort_keys=True) for f in findings}) != 1:
+            problems.append("ranks chose different chunks")
+        if not all(f["held_back"] for f in findings):
+            problems.append("no residual held back at density < 1")
+        notes.append(f"density {findings[0]['density']:g}, p.grad + residuals = accumulated gradient mean")
+    else:
+        notes.append("p.grad = mean of the ranks' gradients")
+    tolerance = "2e-3 of its message's largest (fp16 wire)" if knobs["wire"] == "fp16" else "rtol 1e-6"
+    worst = max(f["worst"] for f in findings)
+    detail = (f"{'; '.join(notes)}: worst |error| {worst:.2g} of the largest value (tolerance "
+              f"{tolerance}), {max(f['ms'] for f in findings):.1f} ms/step (median of {COMM_STEPS}, "
+              f"gloo via host memory), an inf on one rank reached {'both' if not missed else 'NOT both'}")
+    if problems:
+        return "FAIL", f"{'; '.join(problems[:4])} ({detail})"
+    return "PASS", detail
+
+
+def _comm_rank(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    for label, options in COMM_CASES:
+        try:
+            mine = _check_communicator(options, rank, world, device)
+        except Exception as error:  # noqa: BLE001 - report, then leave: the ranks are out of step
+            traceback.print_exc()
+            _emit_marked(Result("FAIL", f"comm_gloo_cuda/{label}", f"rank {rank}: {describe(error)}"))
+            sys.stdout.flush()
+            os._exit(REPORTED_EXIT)
+        findings: list[Any] = [None] * world
+        dist.all_gather_object(findings, mine)
+        if rank == 0:
+            status, detail = _comm_line(label, options, findings)
+            _emit_marked(Result(status, f"comm_gloo_cuda/{label}", detail))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def spawn_ranks(report: Reporter, worker: Callable[..., None], world: int, limit_s: float) -> None:
+    """Run ``worker(rank, world, port)`` in ``world`` spawned processes; a rank that fails or is
+    still running after ``limit_s`` is a FAIL line (the others are killed)."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(worker, args=(world, free_port()), nprocs=world, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + limit_s
+    try:
+        while not context.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                running = [rank for rank, p in enumerate(context.processes) if p.is_alive()]
+                report.add("FAIL", f"hung > {limit_s:.0f} s (rank(s) {running} still running); killed")
+                break
+    except mp.ProcessExitedException as error:
+        if error.exit_code != REPORTED_EXIT:
+            report.add("FAIL", f"rank {error.error_index} died: {describe(error)}")
+    except mp.ProcessRaisedException as error:
+        report.add("FAIL", f"rank {error.error_index}: {describe(error)}")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=5)
+
+
+def check_communicators(report: Reporter) -> None:
+    cuda_device(0)
+    with project_imports():
+        import gradientflow_repro.comm.factory  # noqa: F401 - fail here, not in both ranks
+    spawn_ranks(report, _comm_rank, 2, min(150.0, time_left() - 5))
+    if not report.results:
+        report.add("FAIL", "the ranks reported nothing")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. the trainer end to end: torchrun, CUDA, fp16, then resumed
+
+TRAIN_OVERRIDES = ["+experiment=digits_cpu", "data=synthetic", "device=cuda", "precision=fp16",
+                   "logger=jsonl", "logger.log_every=10", "dist_timeout_s=60"]
+TRAIN_STRATEGIES = {"allreduce": [], "lazy": [], "gradientflow": ["comm.csc_warmup_epochs=0"]}
+
+
+def _train(run_dir: Path, overrides: list[str], limit_s: float) -> tuple[str, dict[str, Any], float]:
+    """One torchrun job; returns (its output, summary.json, seconds). Raises naming what went wrong."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+               "-m", "gradientflow_repro.train", *TRAIN_OVERRIDES, f"run_dir={run_dir}", *overrides]
+    env = _child_env([str(REPO)])
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    status, output, seconds = run_command(command, limit_s, cwd=REPO, env=env)
+    if status is None:
+        raise RuntimeError(f"hung > {limit_s:.0f} s: {shlex.join(command[2:])}")
+    if status != 0:
+        raise RuntimeError(f"exit status {status}: {_error_line(output)[:300]}")
+    return output, json.loads((run_dir / "summary.json").read_text()), seconds
+
+
+def _error_line(output: str) -> str:
+    """The line of a failed run that says what went wrong: the trainer's own "error: ..." line, else
+    the last exception line, else the last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("error:"):
+            return line
+    raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b", line)]
+    return (raised or lines or [""])[-1]
+
+
+def _final_loss(run_dir: Path) -> float:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in records if r.get("kind") == "train"][-1]["loss"]
+
+
+def check_trainer(report: Reporter) -> None:
+    need("hydra", "omegaconf", "timm", "torchvision", "matplotlib")
+    cuda_device(0)
+    root = Path(tempfile.mkdtemp(prefix="gpu_check_trainer_"))
+    try:
+        for strategy, extra in TRAIN_STRATEGIES.items():
+            with report.part(strategy):
+                run_dir = root / strategy
+                _, first, first_s = _train(run_dir, [f"comm={strategy}", "max_steps=20", *extra],
+                                           min(120.0, time_left() - 5))
+                loss = _final_loss(run_dir)
+                output, second, second_s = _train(run_dir, [f"comm={strategy}", "max_steps=30", "resume=auto",
+                                                            *extra], min(120.0, time_left() - 5))
+                problems = []
+                if first["steps"] != 20:
+                    problems.append(f"first run ended at step {first['steps']}, not 20")
+                if not ("resumed from" in output and "at step 20" in output):
+                    problems.append("the second run did not say 'resumed from ... at step 20'")
+                if second["steps"] != 30:
+                    problems.append(f"summary.json of the resumed run says steps = {second['steps']}, not 30")
+                final = _final_loss(run_dir)
+                if not math.isfinite(final):
+                    problems.append(f"final loss {final}")
+                detail = (f"20 steps in {first_s:.0f} s (loss {loss:.3f}, {first['skipped_steps']} skipped), "
+                          f"resumed at step 20 to 30 in {second_s:.0f} s (loss {final:.3f}), "
+                          f"{second['images_per_s']:.0f} img/s")
+                report.add("FAIL" if problems else "PASS",
+                           ("; ".join(problems) + f" ({detail})") if problems else detail, strategy)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. throughput, and host synchronisations per step of the project's training step
+
+
+def _images_per_s(name: str, device: torch.device, batch: int = 128, warmup: int = 5,
+                  timed: int = 20) -> tuple[float, float]:
+    from gradientflow_repro.models import build_model
+
+    model = build_model(name, 1000, 224, 1.0, 0.5).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = torch.amp.GradScaler("cuda")
+    images = torch.randn(batch, 3, 224, 224, device=device)
+    labels = torch.randint(1000, (batch,), device=device)
+    loss = torch.zeros(())
+
+    def step() -> None:
+        nonlocal loss
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(images), labels)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(timed):
+        step()
+    torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - started
+    if not torch.isfinite(loss):
+        raise RuntimeError(f"loss is {loss.item()} after {warmup + timed} steps")
+    return timed * batch / seconds, seconds / timed * 1e3
+
+
+def _trainer_for_sync_count(device: torch.device, run_dir: Path) -> Any:
+    """A Trainer from the composed configuration: gradientflow, fp16, synthetic 64 px images."""
+    from hydra import compose, initialize_config_dir
+
+    from gradientflow_repro.config import register_configs
+    from gradientflow_repro.distributed import discover_world
+    from gradientflow_repro.engine import Trainer
+
+    register_configs()
+    overrides = [*TRAIN_OVERRIDES, "comm=gradientflow", "comm.csc_warmup_epochs=0", f"run_dir={run_dir}",
+                 "resume=never", "logger.log_every=1000000", "data.image_size=64",
+                 "data.synthetic_train_size=1024", "data.synthetic_val_size=128"]
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    return Trainer(cfg, discover_world({}), device, time.perf_counter())
+
+
+def count_syncs(step: Callable[[], None], steps: int) -> list[warnings.WarningMessage]:
+    """The synchronising CUDA calls ``steps`` calls of ``step`` make (torch's sync debug mode)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [w for w in caught if "synchroniz" in str(w.message)]
+
+
+def check_throughput(report: Reporter) -> None:
+    device = cuda_device(0)
+    need("torchvision")
+    torch.backends.cudnn.benchmark = True
+    for name in ("alexnet_bn", "resnet50"):
+        with report.part(name):
+            rate, step_ms = _images_per_s(name, device)
+            torch.cuda.empty_cache()  # the model is gone: give its memory back before the next
+            report.add("PASS", f"{rate:.0f} images/s ({step_ms:.1f} ms/step; batch 128, 224 px, fp16 "
+                       f"autocast + GradScaler, SGD; 5 warm-up + 20 timed steps)", name)
+    with report.part("host syncs per step"):
+        steps = 5
+        per_step, where = trainer_step_syncs(device, steps)
+        report.add("PASS" if per_step <= 1 else "FAIL",
+                   f"{per_step:g} per step (target <= 1) over {steps} Trainer.train_step calls (gradientflow, "
+                   f"fp16, one NCCL rank, 64 px); from {where}", "host syncs per step")
+
+
+def trainer_step_syncs(device: torch.device, steps: int) -> tuple[float, str]:
+    """Synchronising calls per ``Trainer.train_step`` after three warm-up steps, and where they come
+    from (file:line x count). One rank in a process group of its own, as under torchrun."""
+    import torch.distributed as dist
+
+    need("hydra", "omegaconf", "timm", "torchvision")
+    run_dir = Path(tempfile.mkdtemp(prefix="gpu_check_syncs_"))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1, device_id=device if cuda else None,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        with project_imports():
+            trainer = _trainer_for_sync_count(device, run_dir)
+        images, labels = next(iter(trainer.data.train_batches(0)))
+        for _ in range(3):
+            trainer.train_step(images, labels)
+        if cuda:
+            torch.cuda.synchronize(device)
+        syncs = count_syncs(lambda: trainer.train_step(images, labels), steps)
+        trainer.comm.close()
+    finally:
+        dist.destroy_process_group()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    sources = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+    return len(syncs) / steps, ", ".join(f"{source} x{count}" for source, count in sources.most_common(8)) or "none"
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. DALI: GPU (mixed) and CPU pipelines over one epoch of the digits
+
+
+def digits_root() -> Path:
+    root = REPO / "data" / "digits"
+    if (root / "train").is_dir() and (root / "val").is_dir():
+        return root
+    need("sklearn", "PIL")
+    status, output, _ = run_command([sys.executable, "-m", "gradientflow_repro.data.digits", str(root)],
+                                    min(180.0, time_left() - 5), cwd=REPO, env=_child_env([str(REPO)]))
+    if status != 0:
+        last = [line for line in output.splitlines() if line.strip()][-1:] or [""]
+        raise RuntimeError(f"building {root} failed (status {status}): {last[0][:300]}")
+    return root
+
+
+def check_dali(report: Reporter) -> None:
+    need("nvidia.dali")
+    cuda_device(0)
+    with project_imports():
+        from gradientflow_repro.data.dali import DaliSource
+        from gradientflow_repro.data.listing import ImageOptions, epoch_permutation, list_image_folder
+    root = digits_root()
+    train = list_image_folder(root / "train")
+    val = list_image_folder(root / "val", train.classes)
+    options = ImageOptions(image_size=32, val_resize=32, min_crop_scale=0.6, flip=False,
+                           mean=(0.0,) * 3, std=(255.0,) * 3, num_threads=4, prefetch=2)
+    batch = 64
+    steps = len(train) // batch
+    expected = [train.labels[i] for i in epoch_permutation(len(train), 0, 0)][:steps * batch]
+    for label, device in (("mixed on cuda:0", torch.device("cuda", 0)), ("cpu", torch.device("cpu"))):
+        with report.part(label):
+            source = DaliSource(train, val, options, device=device, local_batch=batch, global_batch=batch,
+                                rank=0, world_size=1, seed=0)
+            labels, problems = [], []
+            started = time.perf_counter()
+            for images, targets in source.train_batches(0):
+                if tuple(images.shape) != (batch, 3, 32, 32) or images.device.type != device.type:
+                    problems.append(f"a batch of shape {tuple(images.shape)} on {images.device}")
+                labels += targets.cpu().tolist()
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - started
+            if labels != expected:
+                problems.append(f"labels differ from the epoch's order ({len(labels)} read, "
+                                f"{sum(a != b for a, b in zip(labels, expected))} differ)")
+            detail = (f"{len(labels) / seconds:.0f} images/s over one epoch ({steps} batches of {batch}, "
+                      f"32 px, pipeline build included), labels in the epoch's order")
+            report.add("FAIL" if problems else "PASS",
+                       ("; ".join(problems[:3]) + f" ({detail})") if problems else detail, label)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. two GPUs: ring and hierarchical allreduce against NCCL's, and no stray context on GPU 0
+
+TWO_GPU_SIZES = (1, 7, 1000003)
+
+
+def _two_gpu_rank(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)  # as the trainer does
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=device, timeout=datetime.timedelta(seconds=45))
+    report = Reporter("nccl_2gpu", _emit_marked if rank == 0 else (lambda result: None))
+    try:
+        compare_with_builtin_allreduce(report, rank, world, device)
+        lazy_without_stray_context(report, rank, world, device)
+    except Exception as error:  # noqa: BLE001 - report, then leave: the ranks are out of step
+        traceback.print_exc()
+        _emit_marked(Result("FAIL", "nccl_2gpu", f"rank {rank}: {describe(error)}"))
+        sys.stdout.flush()
+        os._exit(REPORTED_EXIT)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def compare_with_builtin_allreduce(report: Reporter, rank: int, world: int, device: torch.device) -> None:
+    """Ring and hierarchical (one rank per node) sums against the backend's allreduce, on odd sizes
+    in fp32 and fp16; one line per algorithm and type (rank 0 reports the worst rank)."""
+    import torch.distributed as dist
+
+    from gradientflow_repro.comm.base import CommStats
+    from gradientflow_repro.comm.hierarchical import HierarchicalSum
+    from gradientflow_repro.comm.ring import ring_allreduce_
+
+    hierarchical = HierarchicalSum(ranks_per_node=1)
+    algorithms: dict[str, Callable[[torch.Tensor], Any]] = {
+        "ring": lambda t: ring_allreduce_(t), "hierarchical": lambda t: hierarchical(t, CommStats())}
+    for dtype in (torch.float32, torch.float16):
+        errors: dict[str, list[float]] = {name: [] for name in algorithms}
+        for numel in TWO_GPU_SIZES:
+            x = torch.randn(numel, generator=torch.Generator().manual_seed(1000 * rank + numel)).to(device, dtype)
+            expected = x.clone()
+            dist.all_reduce(expected)
+            peak = max(expected.float().abs().max().item(), 1e-30)
+            for name, algorithm in algorithms.items():
+                got = x.clone()
+                algorithm(got)
+                errors[name].append((got.float() - expected.float()).abs().max().item() / peak)
+        big = torch.randn(TWO_GPU_SIZES[-1], device=device).to(dtype)
+        builtin_us = median_us(lambda: dist.all_reduce(big.clone()), device, 1, 5)
+        tolerance = 1e-6 if dtype == torch.float32 else 1e-3  # fp16: one rounding of the sum
+        for name, algorithm in algorithms.items():
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, errors[name])
+            worst = [max(r[i] for r in gathered) for i in range(len(TWO_GPU_SIZES))]
+            micros = median_us(lambda: algorithm(big.clone()), device, 1, 5)
+            report.add("PASS" if max(worst) <= tolerance else "FAIL",
+                       f"sizes {', '.join(map(str, TWO_GPU_SIZES))}: |error| "
+                       f"{', '.join(f'{w:.1g}' for w in worst)} of the largest value vs dist.all_reduce "
+                       f"(tolerance {tolerance:g}); {TWO_GPU_SIZES[-1]} elements: {micros / 1e3:.2f} ms, "
+                       f"the backend's own {builtin_us / 1e3:.2f} ms", f"{name} {str(dtype).split('.')[-1]}")
+
+
+def lazy_without_stray_context(report: Reporter, rank: int, world: int, device: torch.device) -> None:
+    """A few steps of the lazy communicator (ring, overlap on its thread and stream); the ranks must
+    agree, and rank 1's process must hold no CUDA context on GPU 0."""
+    from gradientflow_repro.comm.factory import build_communicator
+    from gradientflow_repro.distributed import barrier, ranks_that_differ
+
+    torch.manual_seed(0)
+    model = SmallNet().to(device)
+    comm = build_communicator({"strategy": "lazy"}, device)
+    module = comm.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(3):
+        comm.begin_step(float(step), 1.0)
+        x = torch.randn(16, 37, generator=torch.Generator().manual_seed(100 * rank + step)).to(device)
+        module(x).pow(2).mean().backward()
+        comm.synchronize()
+        comm.end_step(applied=True)
+    differ = ranks_that_differ([p.grad for p in model.parameters()], device)
+    comm.close()
+    who: list[Any] = [None] * world
+    import torch.distributed as dist
+
+    dist.all_gather_object(who, (os.getpid(), cuda_uuid(rank) if device.type == "cuda" else None))
+    if rank == 0:  # rank 0 alone looks while rank 1 waits, alive, at the barrier
+        part = "lazy on cuda:1, no context on GPU 0"
+        with report.part(part):
+            report.add(*_stray_context_verdict(who, differ), part)
+    barrier(device)
+
+
+def _stray_context_verdict(who: list[tuple[int, Optional[str]]], differ: list[int]) -> tuple[str, str]:
+    """Whether rank 1's process holds a context on GPU 0, from NVML's process lists."""
+    if differ:
+        return "FAIL", f"after 3 lazy steps the gradients of rank(s) {differ} differ from rank 0's"
+    processes = gpu_processes()
+    if processes is None:
+        raise Skip("neither pynvml nor nvidia-smi can list GPU processes")
+    (_, gpu0), (pid1, gpu1) = who[0], who[1]
+    order = list(processes)
+    gpu0, gpu1 = gpu0 or (order[0] if order else None), gpu1 or (order[1] if len(order) > 1 else None)
+    if pid1 not in processes.get(gpu1, set()):
+        raise Skip(f"NVML does not list rank 1 (pid {pid1}) on its own GPU either: it cannot see this "
+                   f"container's PIDs, so GPU 0 cannot be checked")
+    if pid1 in processes.get(gpu0, set()):
+        return "FAIL", f"rank 1 (pid {pid1}, cuda:1) holds a CUDA context on GPU 0"
+    return "PASS", f"3 lazy steps (ring over NCCL, overlap), ranks agree; rank 1 (pid {pid1}) is on GPU 1 only"
+
+
+def check_two_gpus(report: Reporter) -> None:
+    cuda_device(1)
+    with project_imports():
+        import gradientflow_repro.comm.factory  # noqa: F401
+    spawn_ranks(report, _two_gpu_rank, 2, min(60.0, time_left() - 5))
+    if not report.results:
+        report.add("FAIL", "the ranks reported nothing")
+
+
+# ---------------------------------------------------------------------------------------------
+# The list, the report file and the command line
+
+ITEMS = [
+    Item("environment", check_environment, 60, 0, "versions, GPUs and their arch, DALI, optional packages"),
+    Item("nccl_1rank", check_nccl_single_rank, 90, 1, "every collective helper on NCCL at world size 1 (us/call)"),
+    Item("comm_gloo_cuda", check_communicators, 180, 1,
+         "every communicator on CUDA tensors, 2 gloo ranks on GPU 0, against the mean gradient"),
+    Item("trainer_fp16", check_trainer, 360, 1, "torchrun + fp16 on CUDA (allreduce, lazy, gradientflow), resumed"),
+    Item("throughput", check_throughput, 180, 1, "AlexNet-BN and ResNet-50 images/s in fp16; host syncs per step"),
+    Item("dali", check_dali, 150, 1, "DALI mixed (GPU) and CPU pipelines over one epoch of the digits"),
+    Item("nccl_2gpu", check_two_gpus, 90, 2, "ring and hierarchical vs NCCL on 2 GPUs; no stray context on GPU 0"),
+]
+ITEM_BY_NAME = {item.name: item for item in ITEMS}
+
+
+def header_lines(command: str) -> list[str]:
+    facts = environment_facts()
+    return [f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+            f"- host: {socket.gethostname()}",
+            f"- GPUs: {gpu_summary(facts)}",
+            f"- versions: {versions_summary(facts)}, Python {facts['python']}",
+            f"- git commit: {git_commit() or 'unknown'}",
+            f"- command: `{command}`"]
+
+
+def write_report(path: Path, header: list[str], results: list[Result], state: str) -> None:
+    lines = ["# GPU check", "", *header, f"- result: {state}", "", "```text",
+             *(result.line() for result in results), "```", "", "Items (each with its own time limit):", "",
+             *(f"- `{item.name}` ({f'{item.timeout_s:.0f} s' if item.gpus else 'in the main process'}): "
+               f"{item.doc}" for item in ITEMS), ""]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("\n".join(lines))
+    partial.replace(path)
+
+
+def tally(results: list[Result]) -> str:
+    counts = collections.Counter(result.status for result in results)
+    return ", ".join(f"{counts[s]} {s}" for s in ("PASS", "FAIL", "SKIP"))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"report file (default {DEFAULT_OUT})")
+    parser.add_argument("--only", nargs="+", choices=list(ITEM_BY_NAME), help="run only these items")
+    args = parser.parse_args(argv)
+    command = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(
+        [sys.executable, "-m", "gradientflow_repro.gpu_check", *argv])
+    started = time.monotonic()
+    header = header_lines(command)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    results: list[Result] = []
+
+    def emit(result: Result) -> None:
+        print(result.line(), flush=True)
+
+    with open(args.out.with_suffix(".log"), "w") as log_file:
+        def log(line: str) -> None:
+            log_file.write(line + "\n")
+            log_file.flush()
+
+        for item in (ITEM_BY_NAME[name] for name in (args.only or ITEM_BY_NAME)):
+            write_report(args.out, header, results, f"running {item.name} ({tally(results)} so far)")
+            reason = gpu_gate(item.gpus)
+            try:
+                if reason:
+                    emit(Result("SKIP", item.name, reason))
+                    results.append(Result("SKIP", item.name, reason))
+                elif item.gpus == 0:
+                    results += run_here(item, emit)
+                else:
+                    results += run_in_child(item, emit, log)
+            except KeyboardInterrupt:
+                write_report(args.out, header, results, f"interrupted during {item.name} ({tally(results)})")
+                print(f"interrupted during {item.name}; partial report: {args.out}", flush=True)
+                return 130
+    failed = any(result.status == "FAIL" for result in results)
+    state = f"{tally(results)} in {time.monotonic() - started:.0f} s; exit status {int(failed)}"
+    write_report(args.out, header, results, state)
+    print(f"{state}; report: {args.out}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

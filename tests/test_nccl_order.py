@@ -1,0 +1,94 @@
+"""Every strategy built on point-to-point ops completes under NCCL's ordering rules (one stream per
+process group, ops in issue order, a send waits for its receiver; see ``nccl_order.py``) and still
+matches ``dist.all_reduce``: the ring, hierarchical, fp16 wire, lazy pool, CSC and both DDP hooks,
+at world sizes 2, 3 and 4. And the double itself catches the deadlock it exists for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import spawn
+from nccl_order import StreamHang, nccl_order
+from gradientflow_repro.comm.base import CommStats
+from gradientflow_repro.comm.compression import Fp16Wire
+from gradientflow_repro.comm.hierarchical import HierarchicalSum
+from gradientflow_repro.comm.ring import ring_allreduce_, ring_sum
+from test_comm_collectives import _ddp_ring_hook, _lazy_pool
+from test_comm_csc import _ddp_csc_hook, _same_selection_and_no_loss
+
+SIZES = [1, 7, 4099, 65_537]
+
+
+def _algorithms(rank: int, world: int, out: str) -> None:
+    per_node = 2 if world % 2 == 0 else 1
+    hierarchical = HierarchicalSum(per_node, segment_bytes=4096)
+    failures = []
+    for size in SIZES:
+        for dtype in (torch.float32, torch.float16):
+            generator = torch.Generator().manual_seed(1000 * rank + size)
+            local = torch.randn(size, generator=generator).to(dtype)
+            reference = local.clone()
+            dist.all_reduce(reference)
+            for name, run in (("ring", lambda t: ring_allreduce_(t, segment_bytes=4096)),
+                              ("hierarchical", lambda t: hierarchical(t, CommStats())),
+                              ("fp16 wire", lambda t: Fp16Wire(ring_sum(segment_bytes=4096), world)(t, CommStats()))):
+                mine = local.clone()
+                run(mine)
+                tolerance = 1e-5 if dtype == torch.float32 and name != "fp16 wire" else 5e-3 * world
+                if not torch.allclose(mine.float(), reference.float(), rtol=tolerance, atol=tolerance):
+                    failures.append(f"{name} size {size} {dtype}: max error "
+                                    f"{(mine.float() - reference.float()).abs().max():.3g}")
+    torch.save(failures, Path(out) / f"rank{rank}.pt")
+
+
+WORKERS = {"ring, hierarchical, fp16 wire": _algorithms, "lazy pool": _lazy_pool,
+           "csc": _same_selection_and_no_loss, "ddp sum_hook (ring)": _ddp_ring_hook,
+           "ddp csc_hook (ring)": _ddp_csc_hook}
+
+
+def _every_strategy_under_nccl_order(rank: int, world: int, out: str) -> None:
+    for index, (name, worker) in enumerate(WORKERS.items()):
+        folder = Path(out) / str(index)
+        folder.mkdir(exist_ok=True)
+        with nccl_order(timeout_s=20):
+            if worker is _lazy_pool:
+                worker(rank, world, str(folder), True)  # overlap: the communication thread issues
+            else:
+                worker(rank, world, str(folder))
+        dist.barrier()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_point_to_point_strategy_completes_under_nccl_ordering(world: int, tmp_path: Path) -> None:
+    spawn(_every_strategy_under_nccl_order, world, str(tmp_path))
+    for index, name in enumerate(WORKERS):
+        folder = tmp_path / str(index)
+        for rank in range(world):
+            outcome = torch.load(folder / f"rank{rank}.pt")
+            assert outcome in ([], True), f"{name}, rank {rank}: {outcome}"
+
+
+def _receive_before_send(rank: int, world: int, out: str) -> None:
+    """What the ring did before: the next receive queued ahead of the send it depends on."""
+    left, right = (rank - 1) % world, (rank + 1) % world
+    caught = ""
+    with pytest.raises(StreamHang) as hang:
+        with nccl_order(timeout_s=2):
+            inbox = torch.zeros(1000)
+            receive = dist.irecv(inbox, src=left, tag=1)
+            dist.isend(torch.ones(1000), dst=right, tag=1)
+            receive.wait()
+    caught = str(hang.value)
+    torch.save(caught, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_double_catches_a_receive_queued_before_its_send(world: int, tmp_path: Path) -> None:
+    spawn(_receive_before_send, world, str(tmp_path))
+    for rank in range(world):
+        message = torch.load(tmp_path / f"rank{rank}.pt")
+        assert "recv from rank" in message and "did not complete" in message or "never met" in message, message
