@@ -4,6 +4,7 @@
 #   make reproduce DATA=/imagenet [EXPERIMENT=alexnet_512gpu NPROC=8]
 #   make train                one training run (EXPERIMENT, NPROC, ARGS as Hydra overrides)
 #   make test                 the test suite
+#   make lint                 ruff (configured in pyproject.toml), as CI runs it before the tests
 #   make bench / reliability  benchmark tables / fault-injection table under results/
 #   make gpu-check            on a GPU machine: the CUDA path item by item -> results/gpu_check.md
 PYTHON ?= python3
@@ -17,7 +18,7 @@ ARGS ?=
 REPRO_ARGS ?=
 DIGITS := data/digits
 
-.PHONY: venv data reproduce train test bench reliability gpu-check clean
+.PHONY: venv data reproduce train test lint bench reliability gpu-check clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +47,9 @@ train: venv $(if $(DATA),,data)
 test: venv data
 	$(PY) -m pytest -ra $(ARGS)
 
+lint: venv
+	$(PY) -m ruff check .
+
 bench: venv data
 	$(PY) scripts/bench_loader.py
 	$(PY) scripts/bench_allreduce.py
@@ -55,7 +59,8 @@ bench: venv data
 reliability: venv data
 	$(PY) scripts/fault_report.py
 
-# Also runs without the venv: python3 scripts/gpu_check.py (needs only torch; the rest is SKIP).
+# On a bare machine (no venv, package not installed): python3 -m gradientflow_repro.gpu_check from
+# this directory (needs only torch; the rest is SKIP).
 gpu-check: venv
 	$(PY) scripts/gpu_check.py $(ARGS)
 

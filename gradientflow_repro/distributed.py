@@ -218,16 +218,19 @@ def init_process_group(world: World, device: torch.device, timeout_s: float,
                             world_size=world.world_size, timeout=timeout,
                             device_id=device if nccl else None)
     _STORE = store
-    # gloo raises on its own after timeout_s (and describe_failure names the lost ranks): there the
-    # watchdog is only a backstop for a rank stuck outside a collective
-    limit = watchdog_s if watchdog_s else timeout_s if nccl else timeout_s + LOST_RANK_WAIT_S + 30
+    # Under NCCL the watchdog must have spoken (limit, beat, diagnosis) within timeout_s. gloo raises
+    # on its own after timeout_s (and describe_failure names the lost ranks): there the watchdog is
+    # only a backstop for a rank stuck outside a collective.
+    limit = watchdog_s or (max(timeout_s / 2, timeout_s - 3 * Liveness.beat_for(timeout_s) - 1) if nccl
+                           else timeout_s + LOST_RANK_WAIT_S + 30)
     _LIVENESS = Liveness(store, world, limit)
     _LIVENESS.start()
 
 
-def mark_progress(where: str) -> None:
+def mark_progress(where: Optional[str]) -> None:
     """This rank is alive and at ``where`` (a step, evaluation, checkpoint): the watchdog's clock
-    starts again. A plain assignment: cheap enough for every step."""
+    starts again; the first mark arms it. ``None`` disarms it (after the last collective, while
+    rank 0 alone writes the summary and uploads). A plain assignment: cheap enough for every step."""
     if _LIVENESS is not None:
         _LIVENESS.where, _LIVENESS.since = where, time.monotonic()
 
@@ -235,73 +238,90 @@ def mark_progress(where: str) -> None:
 class Liveness:
     """A rank's heartbeat in the rendezvous store, and its watchdog.
 
-    One thread adds 1 to this rank's counter every ``beat_s`` seconds; a rank whose process is dead
-    or frozen stops counting. Another watches this rank: when it has made no progress
-    (``mark_progress``) for ``limit_s`` seconds, it is stuck in a collective with a rank that is
-    gone. The watchdog then compares everyone's counters over a few beats, prints one line naming
-    the ranks that stopped counting, where this rank is stuck and for how long, and ends the process
-    (exit status 1), so the launcher ends the others. Under ``srun`` the store lives in rank 0: if it
-    does not answer in time, the line says rank 0 is the likely loss. Store calls can block when
-    the store's host is frozen, so none of them is made by the watching thread itself."""
+    One thread writes an increasing count under this rank's key every ``beat_s`` seconds; a rank
+    whose process is dead or frozen stops counting. Another watches this rank: armed by its first
+    ``mark_progress`` (the first training step: start-up work such as listing and checking the files
+    can take long and is not judged), when it has made no progress for ``limit_s`` seconds it is
+    stuck in a collective with a rank that is gone. The watchdog then reads everyone's counts twice,
+    a few beats apart (one ``multi_get`` each: cheap for the store even when hundreds of ranks are
+    stuck at once), prints one line naming the ranks whose count did not move, where this rank is
+    stuck and for how long, and ends the process (exit status 1), so the launcher ends the others.
+    Under ``srun`` the store lives in rank 0: if it does not answer in time, the line says rank 0
+    is the likely loss. Store calls can block when the store's host is frozen, so none of them is
+    made by the watching thread itself."""
 
     def __init__(self, store: dist.Store, world: World, limit_s: float,
                  beat_s: Optional[float] = None) -> None:
         self.world, self.limit_s = world, limit_s
-        self.beat_s = beat_s or min(5.0, max(0.5, limit_s / 10))
+        self.beat_s = beat_s or self.beat_for(limit_s)
         self.store = store.clone() if hasattr(store, "clone") else store  # its own connection
-        self.store.set_timeout(datetime.timedelta(seconds=max(5.0, 2 * self.beat_s)))
-        self.prefix = f"gradientflow/alive/{_generation()}/"
-        self.where, self.since = "start-up", time.monotonic()
+        self.store.set_timeout(datetime.timedelta(seconds=self.store_timeout_s))
+        self.keys = [f"gradientflow/alive/{_generation()}/{rank}" for rank in range(world.world_size)]
+        self.where: Optional[str] = None  # unarmed until the first mark_progress
+        self.since = time.monotonic()
+        self._count = 0
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=target, name=f"gradientflow-{name}", daemon=True)
                          for name, target in (("heartbeat", self._beat_forever), ("watchdog", self._watch))]
 
+    @staticmethod
+    def beat_for(limit_s: float) -> float:
+        return min(5.0, max(0.5, limit_s / 10))
+
+    @property
+    def store_timeout_s(self) -> float:
+        return max(5.0, 2 * self.beat_s)
+
+    @property
+    def window_s(self) -> float:
+        return 2 * self.beat_s + 0.5
+
     def start(self) -> None:
+        self._beat()  # every rank's key exists before anyone can be judged (multi_get waits for keys)
         for thread in self._threads:
             thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        self._threads[1].join(timeout=2 * self.beat_s)  # the heartbeat may sit in a store call
+        for thread in self._threads:  # the heartbeat may sit in a store call: wait a little only
+            thread.join(timeout=self.store_timeout_s if thread.name.endswith("heartbeat") else 2 * self.beat_s)
 
     def _beat(self) -> bool:
         try:
-            self.store.add(self.prefix + str(self.world.rank), 1)
+            self._count += 1
+            self.store.set(self.keys[self.world.rank], str(self._count))
             return True
         except Exception:  # noqa: BLE001 - the store is gone; judged only when we are stuck
             return False
 
     def _beat_forever(self) -> None:
-        while True:
+        while not self._stop.wait(self.beat_s):
             self._beat()
-            if self._stop.wait(self.beat_s):
-                return
 
     def _watch(self) -> None:
         while not self._stop.wait(self.beat_s):
             stalled = time.monotonic() - self.since
-            if stalled > self.limit_s and not self._stop.is_set():
+            if self.where is not None and stalled > self.limit_s and not self._stop.is_set():
                 print(f"error: {self.diagnose(stalled)}", file=sys.stderr, flush=True)
                 os._exit(1)
 
-    def counters(self) -> list[int]:
-        return [self.store.add(self.prefix + str(rank), 0) for rank in range(self.world.world_size)]
-
     def silent_ranks(self) -> Optional[list[int]]:
-        """Ranks whose counter did not move over a few beats (None: the store does not answer)."""
-        window = 2 * self.beat_s + 0.5
+        """Ranks whose count did not move over a few beats (None: the store does not answer)."""
         result: list = []
 
         def compare() -> None:
-            before = self.counters()
-            time.sleep(window)
-            after = self.counters()
+            if not self.store.check(self.keys):  # a rank that never came up has no key: lost too
+                result.append([r for r, key in enumerate(self.keys) if not self.store.check([key])])
+                return
+            before = self.store.multi_get(self.keys)
+            time.sleep(self.window_s)
+            after = self.store.multi_get(self.keys)
             result.append([r for r, (a, b) in enumerate(zip(before, after))
                            if a == b and r != self.world.rank])
 
         reader = threading.Thread(target=compare, daemon=True)
         reader.start()
-        reader.join(timeout=window + 2 * max(5.0, 2 * self.beat_s))
+        reader.join(timeout=self.window_s + 2 * self.store_timeout_s)
         return result[0] if result else None
 
     def diagnose(self, stalled_s: float) -> str:
@@ -309,7 +329,7 @@ class Liveness:
         if silent is None:
             who = "the rendezvous store is unreachable: rank 0 (which hosts it) is probably lost"
         elif silent:
-            who = f"lost rank(s) {silent} (no heartbeat for {2 * self.beat_s + 0.5:.0f} s)"
+            who = f"lost rank(s) {silent} (no heartbeat for {self.window_s:.0f} s)"
         else:
             who = "every rank is still alive (a rank is stuck, not lost)"
         return (f"rank {self.world.rank}: {who}; no progress for {stalled_s:.0f} s in {self.where} "
@@ -347,21 +367,25 @@ def destroy_process_group_and_exit() -> NoReturn:
     os._exit(0)
 
 
-def all_reduce_scalars(values: list[float], device: torch.device, op: str = "sum") -> list[float]:
-    """Reduce a few Python numbers across ranks in one collective (identity without a group)."""
-    if not dist.is_initialized():
-        return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-    dist.all_reduce(tensor, op=reduce_op)
+def all_reduce_scalars(values: Sequence[torch.Tensor | float], device: torch.device,
+                       op: str = "sum") -> list[float]:
+    """Reduce a few numbers across ranks in one collective, read back once. A value may be a
+    one-element tensor on the device (a count summed there without reading it back)."""
+    tensor = torch.stack([value.reshape(()).double() if isinstance(value, torch.Tensor)
+                          else torch.full((), float(value), dtype=torch.float64, device=device)
+                          for value in values])
+    if dist.is_initialized():
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        dist.all_reduce(tensor, op=reduce_op)
     return tensor.tolist()
 
 
 def agree_max(flags: Sequence[torch.Tensor | float], device: torch.device) -> list[float]:
     """Collective: the largest value of each flag over all ranks, in one MAX-allreduce, read back
-    to the host once. Every rank gets the same answer, so every rank takes the same decision."""
-    values = torch.stack([torch.as_tensor(flag, dtype=torch.float32, device=device).reshape(())
-                          for flag in flags])
+    to the host once. Every rank gets the same answer, so every rank takes the same decision.
+    Python numbers become device tensors by a fill, not a copy from the host (which would wait)."""
+    values = torch.stack([flag.reshape(()).float() if isinstance(flag, torch.Tensor)
+                          else torch.full((), float(flag), device=device) for flag in flags])
     if dist.is_initialized():
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return values.tolist()

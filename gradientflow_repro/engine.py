@@ -1,54 +1,41 @@
 """The Trainer: one loop over composable parts (data, model, optimizer, precision, communicator).
 
-Two clocks run: the MLPerf clock starts before any data is touched, never pauses and includes
-evaluation; the training clock counts training steps only. Both continue across resumes. Every
-decision that could differ between ranks (stop, skip a step) is taken from all-reduced values.
+Two clocks run (``state.Progress``): the MLPerf clock starts before any data is touched, never
+pauses and includes evaluation; the training clock counts training steps only. Both continue across
+resumes. Every decision that could differ between ranks (stop, skip a step) is taken from
+all-reduced values. What a checkpoint holds is the ``TrainState`` (state.py); what a run reports at
+its end, ``tracking.run_summary``.
 """
 
 from __future__ import annotations
 
-import math
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from gradientflow_repro import checkpoint, faults
+from gradientflow_repro import faults
 from gradientflow_repro.comm import build_communicator
 from gradientflow_repro.data import build_data
-from gradientflow_repro.distributed import (World, agree_max, all_reduce_scalars, barrier, mark_progress,
-                                            ranks_that_differ)
+from gradientflow_repro.distributed import World, agree_max, all_reduce_scalars, mark_progress, ranks_that_differ
 from gradientflow_repro.models import build_model
 from gradientflow_repro.optim import build_optimizer, build_schedule, set_lr
 from gradientflow_repro.precision import Precision
 from gradientflow_repro.preemption import StopRequests
-from gradientflow_repro.tracking import Tracker, allowed_environment, environment_facts
+from gradientflow_repro.state import LocalBuffers, ModelName, ModelWeights, Progress, TrainState, rng_parts
+from gradientflow_repro.tracking import Tracker, duration, run_summary
 
 
 class TrainingError(RuntimeError):
     """Training cannot go on safely (the message says why, at which step, and what was saved)."""
 
 
-@dataclass
-class Progress:
-    step: int = 0
-    mlperf_s: float = 0.0  # clock time accumulated by earlier (pre-resume) runs
-    train_s: float = 0.0
-    last_top1: Optional[float] = None
-    best_top1: Optional[float] = None
-    reached_at: Optional[dict] = None  # clocks when the target was first reached
-    comm_totals: dict = field(default_factory=lambda: {"bytes": 0, "collectives": 0, "wait_s": 0.0})
-
-
 class Trainer:
     def __init__(self, cfg: DictConfig, world: World, device: torch.device, clock_start: float) -> None:
-        self.cfg, self.world, self.device, self.clock_start = cfg, world, device, clock_start
+        self.cfg, self.world, self.device = cfg, world, device
         self.run_dir = Path(cfg.run_dir)
         self.run_name = cfg.logger.name or cfg.comm.strategy  # wandb run and progress-line prefix
         self.stop = StopRequests()  # before the slow start-up, so an early signal is not lost
@@ -66,19 +53,26 @@ class Trainer:
         self.precision = Precision(cfg.precision, device)
         self.criterion = nn.CrossEntropyLoss()
         self.model.train()
-        self.total_steps = cfg.epochs * self.data.steps_per_epoch
-        if cfg.max_steps:
-            self.total_steps = min(self.total_steps, cfg.max_steps)
-        self.progress = Progress()
-        self._step_time = 0.0  # training-clock seconds of this process (added to progress.train_s)
-        self._saved_step = -1
+        self.total_steps = min(cfg.epochs * self.data.steps_per_epoch, cfg.max_steps or float("inf"))
+        self.progress = Progress(clock_start)
+        self.buffers = LocalBuffers(self.model, world.world_size)
+        self.tracker = Tracker(self.run_dir, cfg.logger, enabled=world.is_main, name=self.run_name,
+                               group=cfg.logger.group or cfg.experiment,
+                               config=OmegaConf.to_container(cfg, resolve=True))
+        described = f"{cfg.model.name}, width {cfg.model.width}, {cfg.data.num_classes} classes"
+        self.state = TrainState(
+            shared={"model_name": ModelName(cfg.model.name), "model": ModelWeights(self.model, described),
+                    "optimizer": self.optimizer, "precision": self.precision, "wandb_id": self.tracker,
+                    "progress": self.progress},
+            per_rank={"buffers": self.buffers, "comm": self.comm, **rng_parts(device)},
+            rank=world.rank, world_size=world.world_size, device=device)
         self._nonfinite_streak = 0
         torch.manual_seed(cfg.seed + 1 + world.rank)  # dropout differs between ranks, as on a cluster
-        wandb_id = self._resume()
-        self.tracker = Tracker(self.run_dir, cfg.logger, enabled=world.is_main,
-                               name=self.run_name, group=cfg.logger.group or cfg.experiment,
-                               config=OmegaConf.to_container(cfg, resolve=True), run_id=wandb_id)
-        self._last_log = (self.progress.step, self.train_s)  # for rates between progress lines
+        resumed = self.state.resume(self.run_dir, cfg.resume)
+        if resumed:
+            self._print(f"resumed from {resumed} at step {self.progress.step}")
+        self.tracker.start()  # after the resume: a resumed run continues its wandb run
+        self._last_log = (self.progress.step, self.progress.train_s)  # for rates between progress lines
         if world.is_main:  # the composed configuration, as this run used it
             OmegaConf.save(cfg, self.run_dir / "config.yaml", resolve=True)
 
@@ -99,6 +93,7 @@ class Trainer:
                 if done_epochs % self.cfg.checkpoint.every_epochs == 0:
                     self.save()
         self.save()
+        mark_progress(None)  # the last collective is behind us: what follows is rank 0's own work
         self.stop.ignore_from_now()
         self.comm.close()
         if self.stop.agreed_signal:
@@ -126,8 +121,7 @@ class Trainer:
         self.comm.end_step(applied=applied)
         self.optimizer.zero_grad(set_to_none=True)
         faults.inject("params", step, next(self.model.parameters()))
-        self.progress.step += 1
-        self._step_time += time.perf_counter() - started
+        self.progress.stepped(time.perf_counter() - started)
         self._guard(applied, loss)
         if self.progress.step % self.cfg.logger.log_every == 0 or self.progress.step == self.total_steps:
             self._log_step(loss, lr)
@@ -158,112 +152,40 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        mark_progress(f"evaluation after step {self.progress.step}")
-        local_buffers = [b.clone() for b in self.model.buffers()]
-        self._average_buffers()  # evaluate the consensus model; keep local stats for training
-        self.model.eval()
-        correct = total = 0
-        for images, labels in self.data.val_batches():
-            with self.precision.autocast():
-                logits = self.model(images)
-            correct += (logits.argmax(1) == labels).sum().item()
-            total += labels.numel()
-        for buffer, saved in zip(self.model.buffers(), local_buffers):
-            buffer.copy_(saved)
+        p = self.progress
+        mark_progress(f"evaluation after step {p.step}")
+        correct, total = torch.zeros((), dtype=torch.int64, device=self.device), 0
+        with self.buffers.averaged():  # evaluate the consensus model; keep local stats for training
+            self.model.eval()
+            for images, labels in self.data.val_batches():
+                with self.precision.autocast():
+                    logits = self.model(images)
+                correct += (logits.argmax(1) == labels).sum()  # counted on the device, read once
+                total += labels.numel()
         self.model.train()
         correct, total = all_reduce_scalars([correct, total], self.device)
         if int(total) != self.data.num_val:
             raise RuntimeError(f"evaluation saw {int(total)} images, the validation set has "
                                f"{self.data.num_val}: sharding is broken")
-        top1 = 100.0 * correct / total
-        p = self.progress
+        top1, target = 100.0 * correct / total, self.cfg.target_top1
         p.last_top1, p.best_top1 = top1, max(top1, p.best_top1 or 0.0)
-        target = self.cfg.target_top1
         if target is not None and top1 >= target and not p.reached_at:
-            p.reached_at = {"step": p.step, "mlperf_s": self.mlperf_s, "train_s": self.train_s}
+            p.reached_at = {"step": p.step, "mlperf_s": p.mlperf_s, "train_s": p.train_s}
         self._log({"kind": "eval", "top1": top1, "target_top1": target,
                    "epoch": p.step / self.data.steps_per_epoch})
         self._print(f"eval  step {p.step} epoch {p.step / self.data.steps_per_epoch:.1f}: "
-                    f"top-1 {top1:.2f}% (target {target}) at {self.mlperf_s:.1f}s")
+                    f"top-1 {top1:.2f}% (target {target}) at {p.mlperf_s:.1f}s")
         return top1
 
-    # ---------------------------------------------------------------- state
-    @property
-    def mlperf_s(self) -> float:
-        return self.progress.mlperf_s + time.perf_counter() - self.clock_start
-
-    @property
-    def train_s(self) -> float:
-        return self.progress.train_s + self._step_time
-
     def save(self) -> None:
-        p = self.progress
-        if p.step == self._saved_step:
-            return
-        mark_progress(f"checkpoint of step {p.step}")
-        self._saved_step = p.step
-        shared = None
-        if self.world.is_main:
-            shared = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                      "precision": self.precision.state_dict(), "wandb_id": self.tracker.run_id,
-                      "progress": {**p.__dict__, "mlperf_s": self.mlperf_s, "train_s": self.train_s},
-                      "model_name": self.cfg.model.name}
-        per_rank = {"torch_rng": torch.get_rng_state(),
-                    "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
-                    "buffers": [b.clone() for b in self.model.buffers()],
-                    "comm": self.comm.state_dict()}
-        checkpoint.save_checkpoint(self.run_dir, p.step, shared, per_rank, rank=self.world.rank,
-                                   world_size=self.world.world_size,
-                                   barrier=lambda: barrier(self.device), keep=self.cfg.checkpoint.keep)
-
-    def _resume(self) -> Optional[str]:
-        mode = self.cfg.resume
-        if mode == "never":
-            return None
-        path = [checkpoint.find_resumable(self.run_dir) if mode == "auto" else Path(mode)]
-        if dist.is_initialized():  # rank 0 decides, so every rank resumes from the same one
-            dist.broadcast_object_list(path, src=0)
-        if path[0] is None:
-            return None
-        shared, mine = checkpoint.load_checkpoint(path[0], self.world.rank, self.world.world_size)
-        if shared["model_name"] != self.cfg.model.name:
-            raise checkpoint.CheckpointError(f"{path[0]} holds a {shared['model_name']} model, the "
-                                             f"config asks for {self.cfg.model.name}")
-        try:
-            self.model.load_state_dict(shared["model"])
-        except RuntimeError as error:  # same architecture name, other shapes (width, classes)
-            raise checkpoint.CheckpointError(
-                f"{path[0]} does not fit this model ({self.cfg.model.name}, width {self.cfg.model.width}, "
-                f"{self.cfg.data.num_classes} classes): {(str(error).splitlines() + [''])[1].strip()}; use "
-                f"resume=never or another run_dir to start afresh") from None
-        for buffer, saved in zip(self.model.buffers(), mine["buffers"]):
-            buffer.copy_(saved)
-        self.optimizer.load_state_dict(shared["optimizer"])
-        self.precision.load_state_dict(shared["precision"])
-        self.progress = Progress(**shared["progress"])
-        self.comm.load_state_dict(mine["comm"])
-        torch.set_rng_state(mine["torch_rng"])
-        if mine["cuda_rng"] is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(mine["cuda_rng"])
-        self._print(f"resumed from {path[0]} at step {self.progress.step}")
-        return shared["wandb_id"]
-
-    def _average_buffers(self) -> None:
-        if self.world.world_size == 1:
-            return
-        for buffer in self.model.buffers():
-            if buffer.is_floating_point():
-                dist.all_reduce(buffer)
-                buffer.div_(self.world.world_size)
+        self.state.save(self.run_dir, self.progress.step, keep=self.cfg.checkpoint.keep)
 
     # ---------------------------------------------------------------- reporting
     def _log_step(self, loss: torch.Tensor, lr: float) -> None:
-        p = self.progress
-        comm = self.comm.stats.take()
+        p, comm = self.progress, self.comm.stats.take()
         last_step, last_train_s = self._last_log
-        steps = max(1, p.step - last_step)
-        interval = max(1e-9, self.train_s - last_train_s)
-        self._last_log = (p.step, self.train_s)
+        steps, interval = max(1, p.step - last_step), max(1e-9, p.train_s - last_train_s)
+        self._last_log = (p.step, p.train_s)
         for key in p.comm_totals:
             p.comm_totals[key] += comm[key]
         images_per_s = steps * self.cfg.global_batch_size / interval
@@ -278,60 +200,26 @@ class Trainer:
         top1 = f"{p.last_top1:.2f}%" if p.last_top1 is not None else "-"
         self._print(f"step {p.step}/{self.total_steps} epoch {record['epoch']:.2f}/{self.cfg.epochs} "
                     f"loss {record['loss']:.4f} top-1 {top1} {images_per_s:.0f} img/s lr {lr:.4g} "
-                    f"eta {_duration(eta)}")
+                    f"eta {duration(eta)}")
 
     def _log(self, record: dict) -> None:
-        self.tracker.log({**record, "step": self.progress.step, "mlperf_s": self.mlperf_s,
-                          "train_s": self.train_s})
+        p = self.progress
+        self.tracker.log({**record, "step": p.step, "mlperf_s": p.mlperf_s, "train_s": p.train_s})
 
     def _print(self, line: str) -> None:
         if self.world.is_main:
             print(f"[{self.cfg.experiment}/{self.run_name}] {line}", flush=True)
 
     def _finish(self) -> dict[str, Any]:
-        p, steps = self.progress, max(1, self.progress.step)
-        reached = p.reached_at or {}
-        summary = {
-            "name": f"{self.cfg.experiment}/{self.cfg.comm.strategy}", "experiment": self.cfg.experiment,
-            "strategy": self.cfg.comm.strategy, "world_size": self.world.world_size,
-            "device": str(self.device), "precision": self.cfg.precision.dtype,
-            "global_batch_size": self.cfg.global_batch_size, "steps": p.step,
-            "epochs": p.step / self.data.steps_per_epoch, "target_top1": self.cfg.target_top1,
-            "reached_target": bool(p.reached_at),
-            "time_to_target_mlperf_s": reached.get("mlperf_s"),
-            "time_to_target_train_s": reached.get("train_s"),
-            "final_top1": p.last_top1, "best_top1": p.best_top1,
-            "mlperf_s": self.mlperf_s, "train_s": self.train_s,
-            "images_per_s": p.step * self.cfg.global_batch_size / max(1e-9, self.train_s),
-            "bytes_per_step": p.comm_totals["bytes"] / steps,
-            "collectives_per_step": p.comm_totals["collectives"] / steps,
-            "sync_wait_s_per_step": p.comm_totals["wait_s"] / steps,
-            "skipped_steps": self.precision.skipped_steps,
-            "stopped_by": self.stop.name or None, "exit_code": self.stop.exit_code,
-            "wandb_run_id": self.tracker.run_id,
-            "clock_policy": "mlperf_s: from before data loading, never paused, evaluation included; "
-                            "train_s: training steps only",
-            "command": f"{_launcher_line(self.world)} -m gradientflow_repro.train " + " ".join(sys.argv[1:]),
-            "environment": allowed_environment(), **environment_facts()}
+        summary = run_summary(self.cfg, self.progress, world=self.world, device=self.device,
+                              steps_per_epoch=self.data.steps_per_epoch,
+                              skipped_steps=self.precision.skipped_steps, stopped_by=self.stop.name,
+                              exit_code=self.stop.exit_code, run_id=self.tracker.run_id)
         if self.cfg.save_final_params:
             torch.save({n: t.detach().cpu() for n, t in self.model.state_dict().items()},
                        self.run_dir / f"final_params_rank{self.world.rank}.pt")
         self.tracker.finish(summary)
-        if p.reached_at:
+        if reached := self.progress.reached_at:
             self._print(f"target {self.cfg.target_top1}% reached at step {reached['step']}: "
                         f"{reached['mlperf_s']:.1f}s (MLPerf clock), {reached['train_s']:.1f}s (training)")
         return summary
-
-
-def _launcher_line(world: World) -> str:
-    if world.source == "torchrun":
-        return (f"torchrun --nnodes={world.world_size // world.local_world_size} "
-                f"--nproc-per-node={world.local_world_size}")
-    return {"slurm": f"srun --ntasks={world.world_size} python"}.get(world.source, "python")
-
-
-def _duration(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    minutes, secs = divmod(int(seconds), 60)
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"

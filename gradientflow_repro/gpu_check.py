@@ -1,7 +1,9 @@
 """The GPU check: one prepared script that says whether this project's CUDA path works on a machine.
 
 The test suite runs on CPUs with gloo; what only a GPU machine can show is collected here, to run
-in one go (under 8 minutes on one GPU) as ``make gpu-check`` or ``python3 scripts/gpu_check.py``:
+in one go (under 8 minutes on one GPU) as ``make gpu-check`` (``python scripts/gpu_check.py`` in the
+project's venv) or, on a bare machine with nothing but torch, from the repository root without
+installing anything, as ``python3 -m gradientflow_repro.gpu_check [--out FILE] [--only ITEM ...]``:
 
     environment     torch, CUDA, NCCL and driver versions, GPUs and their compute capability (each
                     must be in torch's arch list), DALI and the optional packages
@@ -29,8 +31,9 @@ limit is killed with its whole process group and the item gets a FAIL "hung > N 
 inside an item is a FAIL line for that item (or the part of it that raised), never a crash of the
 script. Without a CUDA device every GPU item is SKIP "no CUDA device"; without DALI, hydra-core /
 omegaconf, torchvision, timm or matplotlib the items that need them are SKIP, naming the package.
-Only the standard library and torch are imported at module level; the project's modules and
-optional packages are imported inside the items that use them.
+Only the standard library, torch and ``harness.world.free_port`` (standard library only) are imported
+at module level; the project's other modules and optional packages are imported inside the items
+that use them.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import argparse
 import collections
 import contextlib
 import copy
+import dataclasses
 import datetime
 import functools
 import importlib
@@ -65,6 +69,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+
+from gradientflow_repro.harness.world import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "results" / "gpu_check.md"
@@ -222,6 +228,7 @@ def run_in_child(item: Item, emit: Callable[[Result], None] = lambda result: Non
     return report.results
 
 
+BUDGET_S = 450.0  # the whole check: under 8 minutes even when items hang
 _DEADLINE: Optional[float] = None  # in a child: when its parent will kill it (minus a margin)
 _GROUPS: set[int] = set()  # process groups a child started (killed with it)
 
@@ -312,12 +319,6 @@ def cuda_device(index: int = 0) -> torch.device:
     device = torch.device("cuda", index)
     torch.cuda.set_device(device)
     return device
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def median_us(call: Callable[[], Any], device: torch.device, warmup: int = 5, repeats: int = 50) -> float:
@@ -627,9 +628,10 @@ def _check_communicator(options: dict[str, Any], rank: int, world: int, device: 
     (dense strategies have no residual, so p.grad must be the mean gradient)."""
     import torch.distributed as dist
 
-    from gradientflow_repro.comm.factory import build_communicator, resolve
+    from gradientflow_repro.comm.factory import build_communicator
+    from gradientflow_repro.comm.knobs import resolve
 
-    fp16 = resolve(options)["wire"] == "fp16"
+    fp16 = resolve(options).wire == "fp16"
     torch.manual_seed(0)
     model = SmallNet().to(device)
     reference = copy.deepcopy(model)
@@ -694,7 +696,7 @@ def _check_communicator(options: dict[str, Any], rank: int, world: int, device: 
 
 
 def _comm_line(label: str, options: dict[str, Any], findings: list[dict[str, Any]]) -> tuple[str, str]:
-    from gradientflow_repro.comm.factory import STRATEGIES, resolve
+    from gradientflow_repro.comm.knobs import presets, resolve
 
     knobs = resolve(options)
     problems = [f"rank {r}: {p}" for r, f in enumerate(findings) for p in f["problems"]]
@@ -702,10 +704,10 @@ def _comm_line(label: str, options: dict[str, Any], findings: list[dict[str, Any
     if missed:
         problems.append(f"the inf in rank {len(findings) - 1}'s gradient did not reach rank(s) {missed}")
     notes = []
-    preset = STRATEGIES[options["strategy"]]["algorithm"]
-    if preset != knobs["algorithm"]:
-        notes.append(f"algorithm={knobs['algorithm']} instead of the preset's {preset} (gloo has no CUDA send/recv)")
-    if knobs["sparsity"] == "csc":
+    preset = presets()[options["strategy"]]["algorithm"]
+    if preset != knobs.algorithm:
+        notes.append(f"algorithm={knobs.algorithm} instead of the preset's {preset} (gloo has no CUDA send/recv)")
+    if knobs.sparsity == "csc":
         if len({json.dumps(f["selection"], sort_keys=True) for f in findings}) != 1:
             problems.append("ranks chose different chunks")
         if not all(f["held_back"] for f in findings):
@@ -713,7 +715,7 @@ def _comm_line(label: str, options: dict[str, Any], findings: list[dict[str, Any
         notes.append(f"density {findings[0]['density']:g}, p.grad + residuals = accumulated gradient mean")
     else:
         notes.append("p.grad = mean of the ranks' gradients")
-    tolerance = "2e-3 of its message's largest (fp16 wire)" if knobs["wire"] == "fp16" else "rtol 1e-6"
+    tolerance = "2e-3 of its message's largest (fp16 wire)" if knobs.wire == "fp16" else "rtol 1e-6"
     worst = max(f["worst"] for f in findings)
     detail = (f"{'; '.join(notes)}: worst |error| {worst:.2g} of the largest value (tolerance "
               f"{tolerance}), {max(f['ms'] for f in findings):.1f} ms/step (median of {COMM_STEPS}, "
@@ -1047,7 +1049,7 @@ def _two_gpu_rank(rank: int, world: int, port: int) -> None:
 
 
 def compare_with_builtin_allreduce(report: Reporter, rank: int, world: int, device: torch.device) -> None:
-    """Ring and hierarchical (one rank per node) sums against the backend's allreduce, on odd sizes
+    """Ring and hierarchical (one rank per node, and all in one node) sums against the backend's allreduce, on odd sizes
     in fp32 and fp16; one line per algorithm and type (rank 0 reports the worst rank)."""
     import torch.distributed as dist
 
@@ -1055,9 +1057,13 @@ def compare_with_builtin_allreduce(report: Reporter, rank: int, world: int, devi
     from gradientflow_repro.comm.hierarchical import HierarchicalSum
     from gradientflow_repro.comm.ring import ring_allreduce_
 
-    hierarchical = HierarchicalSum(ranks_per_node=1)
+    # one rank per node: the ring among leaders; all ranks in one node: reduce and broadcast on the
+    # node's group (the ops that share NCCL's streams with the leaders' ring on a real cluster)
+    across_nodes, inside_node = HierarchicalSum(ranks_per_node=1), HierarchicalSum(ranks_per_node=world)
     algorithms: dict[str, Callable[[torch.Tensor], Any]] = {
-        "ring": lambda t: ring_allreduce_(t), "hierarchical": lambda t: hierarchical(t, CommStats())}
+        "ring": lambda t: ring_allreduce_(t),
+        "hierarchical (1 rank per node)": lambda t: across_nodes(t, CommStats()),
+        f"hierarchical ({world} ranks per node)": lambda t: inside_node(t, CommStats())}
     for dtype in (torch.float32, torch.float16):
         errors: dict[str, list[float]] = {name: [] for name in algorithms}
         for numel in TWO_GPU_SIZES:
@@ -1187,6 +1193,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"report file (default {DEFAULT_OUT})")
     parser.add_argument("--only", nargs="+", choices=list(ITEM_BY_NAME), help="run only these items")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S,
+                        help=f"the whole check's time limit (default {BUDGET_S:.0f} s): each item gets "
+                             "its own limit or what is left, whichever is less; items past it are SKIP")
     args = parser.parse_args(argv)
     command = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(
         [sys.executable, "-m", "gradientflow_repro.gpu_check", *argv])
@@ -1205,7 +1214,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         for item in (ITEM_BY_NAME[name] for name in (args.only or ITEM_BY_NAME)):
             write_report(args.out, header, results, f"running {item.name} ({tally(results)} so far)")
-            reason = gpu_gate(item.gpus)
+            left = args.budget_s - (time.monotonic() - started)
+            reason = gpu_gate(item.gpus) or (f"the check's {args.budget_s:.0f} s budget is spent"
+                                             if left < 15 else None)
+            item = dataclasses.replace(item, timeout_s=min(item.timeout_s, left))
             try:
                 if reason:
                     emit(Result("SKIP", item.name, reason))

@@ -5,9 +5,11 @@ compute times, and the network: link bandwidth B (bytes/s per direction per rank
 latency a, ranks per node and the intra-node bandwidth. A ring allreduce of S bytes over n ranks
 costs 2(n-1) (a + S / (n B)): 2(n-1)/n of the data crosses every link, in 2(n-1) messages.
 
-Strategies map onto the same knobs as ``comm/factory.py``:
+Strategies are the knobs of ``comm/knobs.py`` as the model sees them (``Strategy.from_knobs``; the
+ladder of `make reproduce` is derived from ``knobs.LADDER``, not retyped):
 - fusion ``per_tensor``: one allreduce per tensor; ``bucket``: tensors are packed in backward order
-  into buckets of ``bucket_bytes`` (DDP, lazy allreduce), one allreduce per bucket;
+  into buckets of ``bucket_bytes`` (DDP, lazy allreduce) by the pool's own rule (``comm/pool.py``),
+  one allreduce per bucket;
 - ``overlap``: a message may start as soon as its data is ready (backward continues meanwhile);
   without it every message starts after backward. Messages go one at a time, in order;
 - ``wire_bytes``: 4 for fp32, 2 for the fp16 wire (plus one tiny allreduce per message for the
@@ -27,6 +29,9 @@ Strategies map onto the same knobs as ``comm/factory.py``:
 
 Step time = forward + max(end of backward, end of the last message) + optimizer. Speedup for N GPUs
 is weak scaling (fixed per-GPU batch): N * step(1) / step(N).
+
+The analytic model only: no torch, nothing measured here (the measurements that feed it, a model's
+backward profile and the local work per element, are in ``gradientflow_repro/harness/profile.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from typing import Optional
+
+from gradientflow_repro.comm import knobs as comm_knobs
+from gradientflow_repro.comm.pool import pack_parts
 
 
 @dataclass(frozen=True)
@@ -89,17 +97,25 @@ class Strategy:
     hierarchical: bool = False
     builtin: bool = False
 
+    @classmethod
+    def from_knobs(cls, name: str, knobs: comm_knobs.CommConfig) -> "Strategy":
+        """The model's view of a resolved ``comm`` configuration (``comm.knobs.resolve``), as
+        ``comm/factory.py`` builds it: DDP and the lazy pool fuse into buckets (DDP of
+        ``ddp_bucket_mb``, always overlapped; the pool of ``bucket_mb``, overlapped if ``overlap``)."""
+        fusion = "bucket" if knobs.fusion in ("lazy", "ddp") else "per_tensor"
+        bucket_mb = knobs.ddp_bucket_mb if knobs.fusion == "ddp" else knobs.bucket_mb
+        return cls(name, fusion=fusion,
+                   bucket_bytes=int(bucket_mb * 2**20) if fusion == "bucket" else cls.bucket_bytes,
+                   overlap=knobs.fusion == "ddp" or (knobs.fusion == "lazy" and bool(knobs.overlap)),
+                   wire_bytes=2 if knobs.wire == "fp16" else 4,
+                   density=knobs.density if knobs.sparsity == "csc" else 1.0,
+                   chunk_elements=knobs.chunk_size, hierarchical=knobs.algorithm == "hierarchical",
+                   builtin=knobs.algorithm == "builtin")
 
-# The ablation ladder of `make reproduce`, as the model sees it.
-LADDER: tuple[Strategy, ...] = (
-    Strategy("allreduce", builtin=True),
-    Strategy("ddp", fusion="bucket", bucket_bytes=25 * 2**20, overlap=True, builtin=True),
-    Strategy("ring"),
-    Strategy("ring+fp16", wire_bytes=2),
-    Strategy("ring+fp16+lazy", fusion="bucket", bucket_bytes=32 * 2**20, overlap=True, wire_bytes=2),
-    Strategy("gradientflow", fusion="bucket", bucket_bytes=32 * 2**20, overlap=True, wire_bytes=2,
-             density=0.1),
-)
+
+# The ablation ladder of `make reproduce` (comm.knobs.LADDER), as the model sees it.
+LADDER: tuple[Strategy, ...] = tuple(Strategy.from_knobs(label, comm_knobs.resolve(options))
+                                     for label, options in comm_knobs.LADDER.items())
 
 
 @dataclass(frozen=True)
@@ -156,25 +172,30 @@ class Message:
     norm_bytes: float = 0.0  # CSC's chunk norms: summed first, by the backend's own allreduce
 
 
-def _buckets(tensors: list[TensorProfile], bucket_bytes: float) -> list[list[TensorProfile]]:
-    """Consecutive tensors into buckets of at least ``bucket_bytes`` (fp32), as the memory pool and
-    DDP (given ``bucket_cap_mb``) cut them; the last one may be smaller."""
-    buckets, bucket, filled = [], [], 0.0
-    for t in tensors:
-        bucket.append(t)
-        filled += t.elements * 4
-        if filled >= bucket_bytes:
-            buckets.append(bucket)
-            bucket, filled = [], 0.0
-    return buckets + ([bucket] if bucket else [])
+def pool_parts(profile: ModelProfile, strategy: Strategy) -> list[tuple[list[TensorProfile], int]]:
+    """The parts one step sends, in sending order, each with its length in elements after padding:
+    one per tensor, or the pool's parts (``comm/pool.py``). With CSC the pool holds the
+    multi-dimensional gradients first, padded to whole chunks, and the one-dimensional ones (always
+    dense) in parts of their own after them, as ``comm/csc.py`` lays it out."""
+    tensors = list(profile.tensors)
+    if strategy.fusion == "per_tensor":
+        return [([t], t.elements) for t in tensors]
+    if strategy.density < 1:
+        groups = [([t for t in tensors if not t.one_dimensional], strategy.chunk_elements),
+                  ([t for t in tensors if t.one_dimensional], 1)]
+    else:
+        groups = [(tensors, 1)]
+    return [([group[i] for i in part.indices], part.elements)
+            for group, multiple in groups
+            for part in pack_parts([t.elements for t in group], strategy.bucket_bytes, multiple)]
 
 
-def _message(tensors: list[TensorProfile], profile: ModelProfile, strategy: Strategy) -> Message:
+def _message(tensors: list[TensorProfile], padded: int, profile: ModelProfile, strategy: Strategy) -> Message:
     cast = profile.wire_cast_s_per_element if strategy.wire_bytes < 4 else 0.0
     sparse_elements = sum(t.elements for t in tensors if strategy.density < 1 and not t.one_dimensional)
     dense_elements = sum(t.elements for t in tensors) - sparse_elements
-    # as csc.py: a part is padded to whole chunks and ceil(density x chunks) of them are sent
-    chunks = math.ceil(sparse_elements / strategy.chunk_elements)
+    # as csc.py: a part padded to whole chunks (pool_parts), of which ceil(density x chunks) are sent
+    chunks = -(-padded // strategy.chunk_elements) if sparse_elements else 0
     sent_elements = dense_elements + math.ceil(strategy.density * chunks) * strategy.chunk_elements
     return Message(ready_s=max(t.ready_s for t in tensors),
                    payload_bytes=sent_elements * strategy.wire_bytes,
@@ -184,18 +205,8 @@ def _message(tensors: list[TensorProfile], profile: ModelProfile, strategy: Stra
 
 
 def messages(profile: ModelProfile, strategy: Strategy) -> list[Message]:
-    """The messages of one step, in sending order. With CSC the pool holds the multi-dimensional
-    gradients first and the one-dimensional ones (always dense) in parts of their own after them,
-    as ``comm/csc.py`` lays it out."""
-    tensors = list(profile.tensors)
-    if strategy.fusion == "per_tensor":
-        groups = [[t] for t in tensors]
-    elif strategy.density < 1:
-        groups = (_buckets([t for t in tensors if not t.one_dimensional], strategy.bucket_bytes)
-                  + _buckets([t for t in tensors if t.one_dimensional], strategy.bucket_bytes))
-    else:
-        groups = _buckets(tensors, strategy.bucket_bytes)
-    return [_message(group, profile, strategy) for group in groups]
+    """The messages of one step, in sending order (``pool_parts``)."""
+    return [_message(tensors, padded, profile, strategy) for tensors, padded in pool_parts(profile, strategy)]
 
 
 def predict_step(profile: ModelProfile, ranks: int, net: Network, strategy: Strategy) -> StepPrediction:
@@ -235,102 +246,6 @@ def uniform_profile(layer_elements: list[int], forward_s: float, backward_s: flo
         done += elements
         tensors.append(TensorProfile(elements, backward_s * done / total, flat))
     return ModelProfile(forward_s, backward_s, optimizer_s, tuple(tensors))
-
-
-def _median_seconds(work, repeats: int) -> float:
-    """Median wall-clock seconds of ``work()`` over ``repeats`` calls after one warm-up call."""
-    import statistics
-    import time
-
-    times = []
-    for _ in range(repeats + 1):
-        started = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
-
-
-def measure_sparsify_s_per_element(elements: int, chunk: int = 32768, density: float = 0.1,
-                                   repeats: int = 5) -> float:
-    """Seconds per gradient element of CSC's local work on this device, timed on the same operations
-    as ``comm/csc.py`` (velocity and residual sums, chunk norms, selection, packing, write-back)."""
-    import torch
-
-    from gradientflow_repro.comm.csc import chunk_l1_norms, select_chunks
-
-    chunks = max(1, elements // chunk)
-    gradient, residual, velocity, moved, accumulated, pool = (torch.randn(chunks, chunk) for _ in range(6))
-
-    def local_work() -> None:  # into preallocated buffers, as csc.py writes into its spare state
-        torch.add(gradient, velocity, alpha=0.9, out=moved)
-        torch.add(residual, moved, out=accumulated)
-        chosen = select_chunks(chunk_l1_norms(accumulated), density)
-        packed = accumulated.index_select(0, chosen)
-        pool.zero_()
-        pool.index_copy_(0, chosen, packed)
-        accumulated.index_fill_(0, chosen, 0.0)
-        moved.index_fill_(0, chosen, 0.0)
-
-    return _median_seconds(local_work, repeats) / (chunks * chunk)
-
-
-def measure_wire_cast_s_per_element(elements: int, repeats: int = 5) -> float:
-    """Seconds per element of the fp16 wire's local work on this device, timed on the same
-    operations as ``comm/compression.py`` (peak magnitude, scale and cast to fp16, cast back and
-    unscale)."""
-    import torch
-
-    from gradientflow_repro.comm.compression import compress, decompress
-
-    gradient = torch.randn(max(1, elements))
-
-    def local_work() -> None:
-        peak = gradient.abs().max().item()
-        scale = 2.0 ** -3 if peak else 1.0  # a power of two other than 1, as agreed_scale picks
-        decompress(compress(gradient, scale), gradient, scale)
-
-    return _median_seconds(local_work, repeats) / gradient.numel()
-
-
-def measure_profile(model, images, labels, repeats: int = 5) -> ModelProfile:
-    """Profile one training step of ``model`` on this device: forward, backward with the time each
-    parameter's gradient is complete (post-accumulate-grad hooks), and an SGD-like update. Medians
-    over ``repeats`` steps after one warm-up."""
-    import statistics
-    import time
-
-    import torch
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    ready: dict[int, float] = {}
-    clock = {"backward": 0.0}
-    handles = [p.register_post_accumulate_grad_hook(
-        lambda p, i=i: ready.__setitem__(i, time.perf_counter() - clock["backward"]))
-        for i, p in enumerate(params)]
-    criterion = torch.nn.CrossEntropyLoss()
-    samples: list[tuple[float, float, float, dict[int, float]]] = []
-    try:
-        for _ in range(repeats + 1):
-            model.zero_grad(set_to_none=True)
-            started = time.perf_counter()
-            loss = criterion(model(images), labels)
-            clock["backward"] = time.perf_counter()
-            loss.backward()
-            backward_end = time.perf_counter()
-            with torch.no_grad():
-                for p in params:
-                    p.add_(p.grad, alpha=-1e-6)
-            samples.append((clock["backward"] - started, backward_end - clock["backward"],
-                            time.perf_counter() - backward_end, dict(ready)))
-    finally:
-        for handle in handles:
-            handle.remove()
-    samples = samples[1:]
-    order = sorted(range(len(params)), key=lambda i: statistics.median(s[3][i] for s in samples))
-    tensors = tuple(TensorProfile(params[i].numel(), statistics.median(s[3][i] for s in samples),
-                                  params[i].dim() == 1) for i in order)
-    return ModelProfile(statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples),
-                        statistics.median(s[2] for s in samples), tensors)
 
 
 # ---------------------------------------------------------------- the paper's setting

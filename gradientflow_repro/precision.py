@@ -64,13 +64,27 @@ class Precision:
         if overflow:
             self.skipped_steps += 1
             if self.scaler:
-                self.scaler.update(self.scaler.get_scale() * self.scaler.get_backoff_factor())
+                self._back_off(optimizer)
             optimizer.zero_grad(set_to_none=True)
             return False
         optimizer.step()  # finite on every rank, so on this one too: nothing for GradScaler to skip
         if self.scaler:
             self.scaler.update()  # from the inf flags unscale_ left on the device
         return True
+
+    def _back_off(self, optimizer: torch.optim.Optimizer) -> None:
+        """Another rank's inf counts as this rank's: GradScaler does exactly what it does after an
+        overflow of its own (halve the scale, restart the count towards growing it), on the device.
+        Its per-optimizer inf flags are not public; where they are not as expected, the scale is
+        set directly (the growth count then goes on, and reading the scale waits for the device)."""
+        states = getattr(self.scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
+        flags = states.get("found_inf_per_device", {})
+        if flags:
+            for flag in flags.values():
+                flag.fill_(1.0)
+            self.scaler.update()
+        else:
+            self.scaler.update(self.scaler.get_scale() * self.scaler.get_backoff_factor())
 
     @property
     def loss_scale(self) -> float:

@@ -3,15 +3,19 @@
 Only rank 0 writes. Each record is flushed as it is written, so a killed run keeps everything up to
 its last log line. wandb runs offline by default (no login, no network) in ``<run_dir>/wandb``; any
 wandb failure turns it off with one warning and training goes on. The wandb run id is kept in the
-checkpoint so a resumed run continues the same wandb run.
+checkpoint so a resumed run continues the same wandb run: the Tracker is the train state's Stateful
+for it, so it starts (``start``) after a resume has set the id. ``run_summary`` builds the run's
+``summary.json`` from its progress and the facts of the run.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -20,6 +24,9 @@ from gradientflow_repro.config import LoggerConfig
 
 
 class Tracker:
+    """Writes nothing until ``start()``; before it, ``load_state_dict`` may set the wandb run id of
+    the run being resumed (``state_dict`` is that id, for the checkpoint)."""
+
     def __init__(self, run_dir: Path, cfg: LoggerConfig, *, enabled: bool, name: str, group: str,
                  config: dict, run_id: Optional[str] = None) -> None:
         self.enabled = enabled
@@ -27,12 +34,23 @@ class Tracker:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.wandb_run = None
         self.run_id = run_id
-        if not enabled:
-            return
+        self._wandb_args = (cfg, name, group, config)
+
+    def state_dict(self) -> Optional[str]:
+        return self.run_id
+
+    def load_state_dict(self, run_id: Optional[str]) -> None:
+        self.run_id = run_id
+
+    def start(self) -> "Tracker":
+        if not self.enabled:
+            return self
+        cfg, name, group, config = self._wandb_args
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.metrics_path, "a", buffering=1)
         if cfg.wandb and cfg.mode != "disabled":
-            self._start_wandb(cfg, name, group, config, run_id)
+            self._start_wandb(cfg, name, group, config, self.run_id)
+        return self
 
     def _start_wandb(self, cfg: LoggerConfig, name: str, group: str, config: dict,
                      run_id: Optional[str]) -> None:
@@ -92,6 +110,57 @@ def wandb_keys(record: dict[str, Any]) -> dict[str, float]:
         else:
             metrics[f"{prefix}/{key}"] = value
     return metrics
+
+
+CLOCK_POLICY = ("mlperf_s: from before data loading, never paused, evaluation included; "
+                "train_s: training steps only")
+
+
+def run_summary(cfg: Any, progress: Any, *, world: Any, device: Any, steps_per_epoch: int,
+                skipped_steps: int, stopped_by: str, exit_code: int, run_id: Optional[str]) -> dict[str, Any]:
+    """``summary.json``: time to target on both clocks, top-1, images/s, communication per step,
+    how the run ended, and what produced the numbers (command, environment, versions, hardware).
+    ``progress``: the train state's Progress (step, clocks, top-1, reached_at, comm_totals)."""
+    p, steps = progress, max(1, progress.step)
+    reached = p.reached_at or {}
+    train_s = p.train_s
+    return {
+        "name": f"{cfg.experiment}/{cfg.comm.strategy}", "experiment": cfg.experiment,
+        "strategy": cfg.comm.strategy, "world_size": world.world_size,
+        "device": str(device), "precision": cfg.precision.dtype,
+        "global_batch_size": cfg.global_batch_size, "steps": p.step,
+        "epochs": p.step / steps_per_epoch, "target_top1": cfg.target_top1,
+        "reached_target": bool(p.reached_at),
+        "time_to_target_mlperf_s": reached.get("mlperf_s"),
+        "time_to_target_train_s": reached.get("train_s"),
+        "final_top1": p.last_top1, "best_top1": p.best_top1,
+        "mlperf_s": p.mlperf_s, "train_s": train_s,
+        "images_per_s": p.step * cfg.global_batch_size / max(1e-9, train_s),
+        "bytes_per_step": p.comm_totals["bytes"] / steps,
+        "collectives_per_step": p.comm_totals["collectives"] / steps,
+        "sync_wait_s_per_step": p.comm_totals["wait_s"] / steps,
+        "skipped_steps": skipped_steps,
+        "stopped_by": stopped_by or None, "exit_code": exit_code,
+        "wandb_run_id": run_id,
+        "clock_policy": CLOCK_POLICY,
+        "command": f"{launcher_line(world)} -m gradientflow_repro.train " + " ".join(sys.argv[1:]),
+        "environment": allowed_environment(), **environment_facts()}
+
+
+def launcher_line(world: Any) -> str:
+    """How this run was launched, as a command prefix (torchrun, srun or plain python)."""
+    if world.source == "torchrun":
+        return (f"torchrun --nnodes={world.world_size // world.local_world_size} "
+                f"--nproc-per-node={world.local_world_size}")
+    return {"slurm": f"srun --ntasks={world.world_size} python"}.get(world.source, "python")
+
+
+def duration(seconds: float) -> str:
+    """``1m05s``, ``42s``; ``?`` when unknown (for progress lines)."""
+    if not math.isfinite(seconds):
+        return "?"
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def read_records(path: Path) -> list[dict]:

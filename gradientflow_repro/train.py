@@ -4,19 +4,25 @@
     srun python -m gradientflow_repro.train +experiment=alexnet_512gpu data.root=/imagenet
 
 Configuration errors are reported before any process group starts, naming the key at fault.
-Exit codes: 0 done; 2 bad configuration or launch; 75 stopped by SIGUSR1 after a checkpoint (the
-Slurm templates requeue the job); 143 stopped by SIGTERM after a checkpoint.
+Exit codes: 0 done; 1 training failed (an error every rank agrees on, such as bad images, a checkpoint
+that does not fit or non-finite gradients, ends with its one-line message and no traceback; a lost
+rank is named); 2 bad configuration or launch; 75 stopped by SIGUSR1 after a checkpoint (the Slurm
+templates requeue the job); 143 stopped by SIGTERM after a checkpoint.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig
 
 from gradientflow_repro.config import ConfigError, register_configs, validate
+
+if TYPE_CHECKING:
+    import torch
 
 register_configs()
 
@@ -48,19 +54,32 @@ def main(cfg: DictConfig) -> None:
     except distributed.WorldError as error:  # two ranks on one GPU, too few GPUs: every rank says it
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
-    if device.type == "cuda" and not cfg.deterministic:
-        torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest kernels once
+    configure_backends(device, cfg.deterministic)
     print(distributed.describe_rank(world, device), flush=True)
     try:
         summary = Trainer(cfg, world, device, clock_start).fit()
-    except Exception as error:  # noqa: BLE001 - one clear line, naming lost ranks
-        if world.is_main or not isinstance(error, agreed_errors):  # agreed ones: the same everywhere
-            print(f"error: {distributed.describe_failure(world, error)}", file=sys.stderr, flush=True)
+    except agreed_errors as error:  # the same on every rank, and its message says it all: no traceback
+        if world.is_main:  # the whole message: a dataset error lists every bad file after its first line
+            print(f"error: rank {world.rank}: {type(error).__name__}: {str(error).strip()}", file=sys.stderr,
+                  flush=True)
+        distributed.destroy_process_group()
+        sys.exit(1)
+    except Exception as error:  # noqa: BLE001 - one clear line, naming lost ranks; then the traceback
+        print(f"error: {distributed.describe_failure(world, error)}", file=sys.stderr, flush=True)
         raise
     finally:
         distributed.destroy_process_group()
     if summary["exit_code"]:  # stopped by a signal after a checkpoint; 75 asks for a requeue
         sys.exit(summary["exit_code"])
+
+
+def configure_backends(device: torch.device, deterministic: bool) -> None:
+    """cuDNN picks the fastest convolution kernels once for the run's fixed input shapes
+    (``cudnn.benchmark``); with ``deterministic=true`` it may not, since the pick can differ between
+    runs (and then a resumed GPU run would not be bit-identical to an uninterrupted one)."""
+    import torch
+
+    torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
 
 
 if __name__ == "__main__":

@@ -11,98 +11,17 @@ handle (PNG content behind a .JPEG name, CMYK or grayscale JPEGs); exit code 1 i
 was found. The label file for --arrange-val is either the Kaggle CSV
 (``ImageId,PredictionString`` with the wnid first) or lines of ``<file name> <wnid>``; images are
 moved (same filesystem) into ``val/<wnid>/``. Nothing is moved unless every listed file exists.
+The logic: gradientflow_repro/harness/imagenet.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
-from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-SUFFIXES = {".jpeg", ".jpg", ".png"}
-
-
-def inspect(path: str) -> tuple[str | None, str | None]:
-    """(problem, note) for one file: a problem stops training (the trainer's own start-up check,
-    ``file_problem``, or a failed decode); a note is something odd that the loaders handle (PNG
-    content behind a JPEG name, CMYK or grayscale JPEGs: decoded to RGB)."""
-    from PIL import Image
-
-    from gradientflow_repro.data.listing import file_problem
-
-    problem = file_problem(path)
-    if problem:
-        return problem, None
-    try:
-        with Image.open(path) as image:
-            image.load()
-            kind, mode = image.format, image.mode
-    except Exception as error:  # noqa: BLE001 - every failure is reported by path
-        return f"{type(error).__name__}: {error}", None
-    notes = []
-    if Path(path).suffix.lower() in (".jpeg", ".jpg") and kind != "JPEG":
-        notes.append(f"{kind} content behind a JPEG name")
-    if mode not in ("RGB",):
-        notes.append(f"{mode} pixels")
-    return None, (", ".join(notes) + " (decoded as RGB)") if notes else None
-
-
-def check_split(split_dir: Path, workers: int) -> tuple[Counter, list[tuple[str, str]], list[tuple[str, str]]]:
-    counts: Counter = Counter()
-    files: list[str] = []
-    for class_dir in sorted(p for p in split_dir.iterdir() if p.is_dir()):
-        images = [str(p) for p in class_dir.iterdir() if p.suffix.lower() in SUFFIXES]
-        counts[class_dir.name] = len(images)
-        files += images
-    problems: list[tuple[str, str]] = []
-    notes: list[tuple[str, str]] = []
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        for done, (path, (problem, note)) in enumerate(zip(files, pool.map(inspect, files, chunksize=256)), 1):
-            if problem:
-                problems.append((path, problem))
-            if note:
-                notes.append((path, note))
-            if done % 20000 == 0 or done == len(files):
-                print(f"  {split_dir.name}: checked {done}/{len(files)} files", file=sys.stderr, flush=True)
-    return counts, problems, notes
-
-
-def read_val_labels(label_file: Path) -> dict[str, str]:
-    labels: dict[str, str] = {}
-    text = label_file.read_text()
-    if text.startswith("ImageId"):
-        for row in csv.DictReader(text.splitlines()):
-            labels[row["ImageId"]] = row["PredictionString"].split()[0]
-    else:
-        for number, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                parts = line.split()
-                if len(parts) < 2:
-                    raise SystemExit(f"{label_file}:{number}: expected '<file name> <wnid>'")
-                labels[Path(parts[0]).stem] = parts[1]
-    return labels
-
-
-def arrange_val(val_dir: Path, label_file: Path) -> int:
-    labels = read_val_labels(label_file)
-    flat = {p.stem: p for p in val_dir.iterdir() if p.is_file() and p.suffix.lower() in SUFFIXES}
-    missing = sorted(set(labels) - set(flat))
-    unlabelled = sorted(set(flat) - set(labels))
-    if missing:
-        raise SystemExit(f"{len(missing)} labelled images are not in {val_dir}, e.g. {missing[:3]}")
-    for stem, wnid in labels.items():
-        (val_dir / wnid).mkdir(exist_ok=True)
-        os.replace(flat[stem], val_dir / wnid / flat[stem].name)
-    print(f"moved {len(labels)} images into {len(set(labels.values()))} class folders under {val_dir}")
-    if unlabelled:
-        print(f"warning: {len(unlabelled)} images have no label and stay in place, e.g. {unlabelled[:3]}")
-    return 0
+from gradientflow_repro.harness.imagenet import arrange_val, check
 
 
 def main() -> int:
@@ -111,36 +30,7 @@ def main() -> int:
     parser.add_argument("--arrange-val", type=Path, metavar="LABELS")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
-    if args.arrange_val:
-        return arrange_val(args.root / "val", args.arrange_val)
-    failed = False
-    classes = {}
-    for split in ("train", "val"):
-        split_dir = args.root / split
-        if not split_dir.is_dir():
-            print(f"{split_dir}: missing")
-            failed = True
-            continue
-        counts, problems, notes = check_split(split_dir, args.workers)
-        classes[split] = set(counts)
-        empty = sorted(c for c, n in counts.items() if n == 0)
-        print(f"{split}: {len(counts)} classes, {sum(counts.values())} images")
-        if counts:
-            (small, n_small), (large, n_large) = min(counts.items(), key=lambda kv: kv[1]), max(counts.items(), key=lambda kv: kv[1])
-            print(f"  smallest class {small} ({n_small}), largest {large} ({n_large})")
-        for name in empty:
-            print(f"  empty class folder: {split_dir / name}")
-        for path, problem in problems:
-            print(f"  unreadable: {path}: {problem}")
-        for path, note in notes:
-            print(f"  note: {path}: {note}")
-        failed |= bool(empty or problems or not counts)
-    if len(classes) == 2 and classes["train"] != classes["val"]:
-        print(f"classes differ between train and val: only in train {sorted(classes['train'] - classes['val'])[:5]}, "
-              f"only in val {sorted(classes['val'] - classes['train'])[:5]}")
-        failed = True
-    print("problems found" if failed else "ok")
-    return 1 if failed else 0
+    return arrange_val(args.root / "val", args.arrange_val) if args.arrange_val else check(args.root, args.workers)
 
 
 if __name__ == "__main__":

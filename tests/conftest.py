@@ -1,15 +1,18 @@
-"""Shared helpers: the embedded dataset, and launching real multi-process training with torchrun."""
+"""Shared helpers: the embedded dataset, launching real multi-process training with torchrun, and
+(from ``gradientflow_repro.harness.world``) ``spawn`` and ``free_port`` for gloo processes."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# a port, and a function in N gloo processes: the package's helpers, re-exported for the tests
+from gradientflow_repro.harness.world import free_port, spawn  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -23,12 +26,6 @@ def digits_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if (built / "train").is_dir():
         return built
     return build_digits(tmp_path_factory.mktemp("data") / "digits")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # Small and quick: 1/8-width AlexNet-BN on the digits, no wandb.
@@ -52,7 +49,9 @@ def torchrun(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 2
 def wandb_history_keys(wandb_file: Path) -> set[str]:
     """Metric names in the history of an offline wandb run file (``run-<id>.wandb``): what the
     dashboards can plot. The file is a LevelDB-style log (32 KiB blocks of records with a 7-byte
-    header: crc, length, type) after a 7-byte ':W&B' header, each record one protobuf ``Record``."""
+    header: crc, length, type) after a 7-byte ':W&B' header, each record one protobuf ``Record``.
+    Parsed by hand: wandb 0.31 has no Python reader for these files any more (its
+    ``sdk.internal.datastore`` moved into the Go ``wandb-core``), only the protobuf classes."""
     import struct
 
     from wandb.proto import wandb_internal_pb2
@@ -83,33 +82,6 @@ def final_params(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:
 
 def requires_cuda(reason: str = "needs a CUDA GPU") -> pytest.MarkDecorator:
     return pytest.mark.skipif(not torch.cuda.is_available(), reason=reason)
-
-
-def _worker(rank: int, world: int, port: int, fn, args: tuple) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    from gradientflow_repro.distributed import destroy_process_group_and_exit
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
-        fn(rank, world, *args)
-        dist.barrier()  # nobody tears its connections down while a peer may still be reading
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    destroy_process_group_and_exit()
-
-
-def spawn(fn, world: int, *args) -> None:
-    """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; a failure in any rank fails."""
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True,
-                       start_method="spawn")
 
 
 def assert_no_failures(out: Path, world: int) -> None:

@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+DATA_TAG = 0  # NCCL ignores tags: messages between two ranks of a group match in issue order only
+
 
 class StreamHang(RuntimeError):
     """An op did not complete within the double's timeout: under NCCL the job would hang here."""
@@ -129,7 +131,8 @@ def nccl_order(timeout_s: float = 10.0) -> Iterator[None]:
 
     def run_p2p_group(group: dist.ProcessGroup, ops: list[tuple[str, torch.Tensor, int, int]]) -> None:
         """One NCCL group: every receive first tells its sender it is ready, then every send waits
-        for that word from its receiver; only then does data move."""
+        for that word from its receiver; only then does data move. The caller's tags are ignored,
+        as NCCL ignores them."""
         tag = control_tag(group)
         works, tokens = [], []
         for kind, tensor, peer, data_tag in ops:
@@ -137,12 +140,12 @@ def nccl_order(timeout_s: float = 10.0) -> Iterator[None]:
                 token = torch.ones(1)
                 tokens.append(token)
                 works.append(original["isend"](token, dst=peer, group=control, tag=tag))
-                works.append(original["irecv"](tensor, src=peer, group=group, tag=data_tag))
+                works.append(original["irecv"](tensor, src=peer, group=group, tag=DATA_TAG))
         for kind, tensor, peer, data_tag in ops:
             if kind == "send":
                 token = torch.zeros(1)
                 original["irecv"](token, src=peer, group=control, tag=tag).wait(timeout)
-                works.append(original["isend"](tensor, dst=peer, group=group, tag=data_tag))
+                works.append(original["isend"](tensor, dst=peer, group=group, tag=DATA_TAG))
         for work in works:
             work.wait(timeout)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import sys
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -26,16 +25,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conftest import REPO, assert_no_failures, free_port, spawn
 from gradientflow_repro.comm.base import CommStats, communication_thread
 from gradientflow_repro.comm.compression import Fp16Wire
 from gradientflow_repro.comm.csc import CSCCommunicator, select_chunks
-from gradientflow_repro.comm.ddp import CSCHookState, _one_dimensional_chunks, csc_hook
 from gradientflow_repro.comm.factory import build_communicator
 from gradientflow_repro.comm.hierarchical import HierarchicalSum
+from gradientflow_repro.comm.hooks import CSCHookState, _one_dimensional_chunks, csc_hook
 from gradientflow_repro.comm.ring import ring_sum
-from gradientflow_repro.distributed import (World, WorldError, check_one_rank_per_gpu, discover_world,
-                                            gpu_index, slurm_tasks_per_node)
+from gradientflow_repro.distributed import (
+    World,
+    WorldError,
+    check_one_rank_per_gpu,
+    discover_world,
+    gpu_index,
+    slurm_tasks_per_node,
+)
+
+from conftest import REPO, assert_no_failures, free_port, spawn
 
 
 # ---------------------------------------------------------------- ranks per node from Slurm
@@ -134,12 +140,11 @@ def test_the_communication_thread_adopts_the_rank_s_gpu(monkeypatch: pytest.Monk
 
 
 def test_reproduce_gives_each_rank_its_local_rank(tmp_path: Path) -> None:
-    sys.path.insert(0, str(REPO / "scripts"))
-    import reproduce
+    from gradientflow_repro.harness import launch
 
     probe = ("import os; print('[probe]', os.environ['LOCAL_RANK'], os.environ['LOCAL_WORLD_SIZE'], "
              "flush=True)")
-    reproduce.run_ranks(3, [], tmp_path, "probe", None, timeout_s=60, show=False, module=("-c", probe))
+    launch.run_ranks(3, [], tmp_path, "probe", None, timeout_s=60, show=False, module=("-c", probe))
     seen = sorted(line.split()[1:] for rank in range(3)
                   for line in (tmp_path / f"rank{rank}.log").read_text().splitlines()
                   if line.startswith("[probe]"))
@@ -262,3 +267,40 @@ def _hot_path(rank: int, world: int, out: str) -> None:
 def test_the_wire_csc_and_the_csc_hook_never_wait_for_the_device(tmp_path: Path) -> None:
     spawn(_hot_path, 2, str(tmp_path))
     assert_no_failures(tmp_path, 2)
+
+
+# ---------------------------------------------------------------- one CUDA stack
+def test_one_cuda_stack_everywhere() -> None:
+    """torch's CUDA major (13 for the pinned 2.14.1) and DALI's build agree in every file that
+    installs or documents the environment: two CUDA majors in one process is what this prevents."""
+    import re
+
+    if torch.version.cuda is None:
+        pytest.skip("this torch build has no CUDA: nothing to agree with")
+    expected = f"nvidia-dali-cuda{torch.version.cuda.split('.')[0]}0"
+    files = ["requirements.txt", "pyproject.toml", "environment.yml", "README.md",
+             *(f"slurm/{p.name}" for p in (REPO / "slurm").glob("*.sh"))]
+    for name in files:
+        text = (REPO / name).read_text()
+        for found in re.findall(r"nvidia-dali-cuda\d+", text):
+            if name == "README.md" and found == "nvidia-dali-cuda120":
+                continue  # the README names the CUDA 12 build only as the untested way for V100s
+            assert found == expected, f"{name} names {found}, torch is CUDA {torch.version.cuda}"
+    assert expected in (REPO / "requirements.txt").read_text()
+    assert expected in (REPO / "pyproject.toml").read_text()
+    assert "-r requirements.txt" in (REPO / "environment.yml").read_text()
+
+
+def test_cudnn_picks_its_kernels_on_gpus_unless_deterministic() -> None:
+    from gradientflow_repro.train import configure_backends
+
+    saved = torch.backends.cudnn.benchmark
+    try:
+        configure_backends(torch.device("cuda", 0), deterministic=False)
+        assert torch.backends.cudnn.benchmark
+        configure_backends(torch.device("cuda", 0), deterministic=True)
+        assert not torch.backends.cudnn.benchmark
+        configure_backends(torch.device("cpu"), deterministic=False)
+        assert not torch.backends.cudnn.benchmark
+    finally:
+        torch.backends.cudnn.benchmark = saved

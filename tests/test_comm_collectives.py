@@ -10,12 +10,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conftest import assert_no_failures, spawn
 from gradientflow_repro.comm.base import CommStats, builtin_sum
 from gradientflow_repro.comm.compression import Fp16Wire
 from gradientflow_repro.comm.hierarchical import HierarchicalSum
 from gradientflow_repro.comm.lazy import LazyAllreduce
 from gradientflow_repro.comm.ring import ring_allreduce_, ring_sum
+
+from conftest import assert_no_failures, spawn
 
 SIZES = [1, 7, 4099, 1_000_003]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -154,7 +155,7 @@ def test_lazy_pool_gradient_accumulation(tmp_path: Path) -> None:
 def _ddp_ring_hook(rank: int, world: int, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
-    from gradientflow_repro.comm.ddp import SumHookState, sum_hook
+    from gradientflow_repro.comm.hooks import SumHookState, sum_hook
 
     torch.manual_seed(0)
     model = nn.Linear(33, 7)

@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conftest import assert_no_failures, spawn
 from gradientflow_repro.comm.base import builtin_sum
 from gradientflow_repro.comm.csc import CSCCommunicator, chunk_l1_norms, select_chunks
 from gradientflow_repro.comm.lazy import LazyAllreduce
 from gradientflow_repro.comm.ring import ring_sum
+
+from conftest import assert_no_failures, spawn
 
 CPU = torch.device("cpu")
 
@@ -215,7 +216,7 @@ def test_checkpoint_restores_state_and_skipped_step_changes_nothing(tmp_path: Pa
 def _ddp_csc_hook(rank: int, world: int, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
-    from gradientflow_repro.comm.ddp import CSCHookState, csc_hook
+    from gradientflow_repro.comm.hooks import CSCHookState, csc_hook
 
     model, reference = Net(), Net()
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.004)

@@ -10,8 +10,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import CONFIGS, REPO
 from gradientflow_repro.config import ConfigError, register_configs, validate
+
+from conftest import CONFIGS, REPO
 
 register_configs()
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
@@ -97,3 +98,67 @@ def test_cli_fails_before_any_process_group(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr
     assert "global_batch_size" in result.stderr and "divisible by the world size 4" in result.stderr
+
+
+# ---------------------------------------------------------------- declared next to each field
+MORE_BAD = [
+    ("optim.momentum=1.5", "optim.momentum", "must be in [0, 1)"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay", "must be zero or positive"),
+    ("comm.csc_warmup_epochs=-1", "comm.csc_warmup_epochs", "must be zero or positive"),
+    ("comm.density=1.5", "comm.density", "must be in (0, 1]"),
+    ("model.dropout=1", "model.dropout", "must be in [0, 1)"),
+    ("data.std=[1,0,1]", "data.std", "must be 3 numbers"),
+    ("precision.init_scale=0", "precision.init_scale", "must be positive"),
+    ("seed=-3", "seed", "must be zero or positive"),
+    ("comm.wire=fp8", "comm.wire", "allowed values are fp32, fp16"),
+]
+
+
+@pytest.mark.parametrize("override,key,allowed", MORE_BAD, ids=[b[1] for b in MORE_BAD])
+def test_every_field_checks_its_own_range(override: str, key: str, allowed: str, digits_root: Path) -> None:
+    cfg = make(["+experiment=digits_cpu", f"data.root={digits_root}", override])
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, world_size=4)
+    assert f"'{key}'" in str(error.value) and allowed in str(error.value), str(error.value)
+
+
+def test_every_field_declares_what_it_allows() -> None:
+    import dataclasses
+
+    from gradientflow_repro.config import Config
+
+    def undeclared(schema: type, prefix: str = "") -> list[str]:
+        missing = []
+        for spec in dataclasses.fields(schema):
+            if dataclasses.is_dataclass(spec.default_factory):
+                missing += undeclared(spec.default_factory, prefix + spec.name + ".")
+            elif "check" not in spec.metadata:
+                missing.append(prefix + spec.name)
+        return missing
+
+    assert undeclared(Config) == []
+
+
+# ---------------------------------------------------------------- one definition of a strategy
+def test_presets_are_the_yaml_and_show_every_knob() -> None:
+    from gradientflow_repro.comm.knobs import KNOB_VALUES, LADDER, presets, resolve
+
+    assert set(presets()) == set(GROUPS["comm"])
+    for name, knobs in presets().items():
+        assert set(KNOB_VALUES) <= set(knobs), name  # a reader of the YAML sees every knob
+        resolved = resolve({"strategy": name})
+        assert all(getattr(resolved, knob) == knobs[knob] for knob in KNOB_VALUES)
+    full = resolve({"strategy": "gradientflow"})
+    knobs = (full.algorithm, full.wire, full.fusion, full.overlap, full.sparsity)
+    assert knobs == ("ring", "fp16", "lazy", True, "csc")
+    for label, options in LADDER.items():  # every rung composes through Hydra to the same knobs
+        from gradientflow_repro.comm.knobs import hydra_overrides
+
+        cfg = make(hydra_overrides(options))
+        assert resolve(cfg.comm) == resolve(options), label
+
+
+def test_the_strategy_definitions_and_the_config_check_need_no_torch() -> None:
+    code = ("import sys; import gradientflow_repro.config, gradientflow_repro.comm.knobs; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
-from conftest import free_port, requires_cuda
 from gradientflow_repro.data.dali import DaliSource
 from gradientflow_repro.data.listing import ImageOptions, list_image_folder
+
+from conftest import free_port, requires_cuda
 
 pytestmark = requires_cuda("CUDA path: needs a GPU (DALI mixed decoding, NCCL)")
 

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO
 from gradientflow_repro import gpu_check
+
+from conftest import REPO
 
 
 def result_lines(text: str) -> dict[str, tuple[str, str]]:

@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import spawn
-from nccl_order import StreamHang, nccl_order
 from gradientflow_repro.comm.base import CommStats
 from gradientflow_repro.comm.compression import Fp16Wire
 from gradientflow_repro.comm.hierarchical import HierarchicalSum
 from gradientflow_repro.comm.ring import ring_allreduce_, ring_sum
+
+from conftest import spawn
+from nccl_order import StreamHang, nccl_order
 from test_comm_collectives import _ddp_ring_hook, _lazy_pool
 from test_comm_csc import _ddp_csc_hook, _same_selection_and_no_loss
 

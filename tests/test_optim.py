@@ -11,8 +11,7 @@ from torch import nn
 
 from gradientflow_repro.config import OptimConfig
 from gradientflow_repro.models import AlexNetBN
-from gradientflow_repro.optim import (WarmupPolySchedule, build_optimizer, build_schedule,
-                                      parameter_groups, peak_lr)
+from gradientflow_repro.optim import WarmupPolySchedule, build_optimizer, build_schedule, parameter_groups, peak_lr
 
 
 def test_bn_and_bias_are_excluded_from_decay_and_adaptation() -> None:

@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import requires_cuda, spawn
 from gradientflow_repro.config import PrecisionConfig
 from gradientflow_repro.precision import Precision
+
+from conftest import requires_cuda, spawn
 
 
 def _overflow_on_one_rank(rank: int, world: int, out: str) -> None:
@@ -75,3 +76,29 @@ def test_fp16_with_grad_scaler_on_cuda() -> None:
     assert out.dtype == torch.float16
     precision.backward(nn.functional.cross_entropy(out.float(), torch.randint(10, (8,), device=device)))
     assert precision.step(optimizer) is True and model.weight.dtype == torch.float32
+
+
+def _growth_restarts_after_an_overflow_anywhere(rank: int, world: int, out: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    precision = Precision(PrecisionConfig(dtype="fp16", init_scale=1024.0, growth_interval=2),
+                          torch.device("cpu"))
+    scales = []
+    for step in range(4):  # clean, overflow on the last rank only, clean, clean
+        with precision.autocast():
+            loss = model(torch.randn(4, 6)).float().sum()
+        precision.backward(loss)
+        if step == 1 and rank == world - 1:
+            model.weight.grad[0, 0] = float("inf")
+        precision.step(optimizer)
+        scales.append(precision.loss_scale)
+    torch.save(scales, Path(out) / f"rank{rank}.pt")
+
+
+def test_an_overflow_on_any_rank_restarts_the_scale_s_growth_count_everywhere(tmp_path: Path) -> None:
+    """As GradScaler does after an overflow of its own: back off, and count clean steps afresh
+    before growing (growth_interval 2: the scale grows after steps 3 and 4, not after step 3)."""
+    spawn(_growth_restarts_after_an_overflow_anywhere, 2, str(tmp_path))
+    for rank in range(2):
+        assert torch.load(tmp_path / f"rank{rank}.pt") == [1024.0, 512.0, 512.0, 1024.0], rank

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 
-from conftest import FAST, REPO, final_params, free_port, torchrun
 from gradientflow_repro.checkpoint import complete_checkpoints
 from gradientflow_repro.preemption import EXIT_REQUEUE, StopRequests
 from gradientflow_repro.tracking import read_records
+
+from conftest import FAST, REPO, final_params, free_port, torchrun
 
 
 def _children(pid: int) -> list[int]:

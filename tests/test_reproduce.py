@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
-from gradientflow_repro import netemu
 from gradientflow_repro import perfmodel as pm
+from gradientflow_repro.harness import netemu
+from gradientflow_repro.harness.launch import run_ranks
+from gradientflow_repro.harness.profile import measure_wire_cast_s_per_element
 
-sys.path.insert(0, str(REPO / "scripts"))
+from conftest import REPO
 
 
 def _needs_netemu() -> None:
@@ -105,7 +106,7 @@ def test_fp16_wire_and_csc_shrink_the_bytes() -> None:
     assert (pm.predict_step(casting, 2, net, sparse_half).step_s - pm.predict_step(PROFILE, 2, net, sparse_half).step_s
             == pytest.approx((4_000_000 * 0.1 + 1000) * 1e-9))
     assert pm.predict_step(casting, 2, net, pm.Strategy("ring")).step_s == dense.step_s
-    assert 0 < pm.measure_wire_cast_s_per_element(100_000, repeats=2) < 1e-6  # measured, not assumed
+    assert 0 < measure_wire_cast_s_per_element(100_000, repeats=2) < 1e-6  # measured, not assumed
 
 
 def test_csc_pool_parts_and_norms_as_the_communicator_sends_them() -> None:
@@ -141,8 +142,6 @@ def test_paper_arithmetic_is_stated() -> None:
 # ---------------------------------------------------------------- network emulation
 def test_emulated_network_leaves_nothing_behind_when_a_rank_fails(tmp_path: Path) -> None:
     _needs_netemu()
-    from reproduce import run_ranks
-
     before = set(netemu.namespaces())
     with netemu.EmulatedNetwork(2, rate_mbit=100) as net:
         names = set(netemu.namespaces(net.prefix))

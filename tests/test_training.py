@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import FAST, REPO, final_params, torchrun, wandb_history_keys
+from gradientflow_repro.harness.wandb_report import PANELS, X_AXIS
 from gradientflow_repro.tracking import read_records
 
-sys.path.insert(0, str(REPO / "scripts"))
+from conftest import FAST, final_params, torchrun, wandb_history_keys
 
 
 def params_only(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -46,7 +45,6 @@ def test_ranks_end_with_identical_parameters_and_full_results(world: int, tmp_pa
     wandb_files = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(wandb_files) == 1, "no offline wandb run was written"
     # every panel of scripts/wandb_report.py plots a metric this run really logged
-    from wandb_report import PANELS, X_AXIS
     logged = wandb_history_keys(wandb_files[0])
     assert {X_AXIS, *PANELS} <= logged, f"not logged: {sorted({X_AXIS, *PANELS} - logged)}"
 

@@ -30,12 +30,17 @@ into and that ``end_step`` swaps in, so no step allocates: a fresh allocation of
 faults every time on the CPU, which made CSC's own work cost up to five times more. Residuals are
 kept in unscaled units (the fp16 loss scale is divided out on the way in and multiplied back on the
 way out), so a changing loss scale never corrupts them.
+
+One object, ``BucketState``, holds a bucket's state and does steps 2-5 on it; ``CSCCommunicator``
+keeps one per pool part, and the DDP communication hook ``csc_hook`` (``comm/hooks.py``) one per DDP
+bucket. The hook cannot wait for the host to learn whether a step will be applied, so it commits on
+the device: after an overflow the residual is kept and the bucket arrives as inf everywhere.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -61,17 +66,146 @@ def select_chunks(global_norms: torch.Tensor, density: float,
     return order.sort().values
 
 
-def send_chosen_chunks_(accumulated: torch.Tensor, global_norms: torch.Tensor, density: float,
-                        sum_fn: SumFn, stats: CommStats,
-                        always: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps 3-5 on a [chunks, chunk_size] matrix of residual + gradient, once the chunk norms are
-    summed over ranks: choose, pack, sum the packed chunks over ranks, and clear the sent chunks in
-    ``accumulated``, which is left holding the new residual. Returns (chosen indices, their sums)."""
-    chosen = select_chunks(global_norms, density, always)
-    packed = accumulated.index_select(0, chosen)
-    sum_fn(packed.view(-1), stats)
-    accumulated.index_fill_(0, chosen, 0.0)
-    return chosen, packed
+class Sent(NamedTuple):
+    """What ``BucketState.sparsify`` sent."""
+
+    chosen: torch.Tensor  # indices of the chunks sent, ascending, on the state's device
+    summed: torch.Tensor  # [len(chosen), chunk_size]: those chunks summed over ranks
+    finite: Optional[torch.Tensor]  # with guard_overflow: a 0-d bool on the device, False when
+    # some rank's chunk norms were not finite (its gradient overflowed)
+
+
+class BucketState:
+    """One bucket's CSC state on one rank: the residual (error feedback) and, under momentum
+    correction, the velocity, each with a spare of the same size that the step's update is written
+    into. ``sparsify`` (steps 2-5) and ``add_momentum`` only *stage* their updates; ``commit`` makes
+    them the state (the spares are swapped in: no allocation per step) and ``discard`` drops them,
+    so a step skipped on every rank leaves the state as it was. ``commit(when=flag)`` decides on the
+    device instead, for callers that cannot wait for the host to know whether a step is applied (a
+    DDP hook). Used by ``CSCCommunicator`` (one per pool part) and ``csc_hook`` (one per DDP
+    bucket)."""
+
+    def __init__(self, residual: Optional[torch.Tensor] = None,
+                 velocity: Optional[torch.Tensor] = None) -> None:
+        self.residual = residual  # [chunks, chunk_size], fp32; None for a part always sent densely
+        self.velocity = velocity  # momentum correction's u; None without it
+        self._spare_residual = None if residual is None else torch.empty_like(residual)
+        self._spare_velocity = None if velocity is None else torch.empty_like(velocity)
+        self._staged_residual: Optional[torch.Tensor] = None  # a spare holding this step's update
+        self._staged_velocity: Optional[torch.Tensor] = None
+        self.last_selection: Optional[torch.Tensor] = None  # chunks sent by the last sparsify (tests)
+
+    @classmethod
+    def zeros(cls, shape: tuple[int, ...], device: torch.device, residual: bool = True,
+              velocity: bool = False) -> "BucketState":
+        """A fresh state: ``residual`` for a bucket that is sparsified, ``velocity`` for momentum
+        correction (a bucket always sent densely has a velocity but no residual)."""
+        def zeros() -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.float32, device=device)
+        return cls(zeros() if residual else None, zeros() if velocity else None)
+
+    def to(self, device: torch.device) -> None:
+        """Move the state to ``device`` (a hook's state restored on the CPU, then used on a GPU)."""
+        if self.residual is not None and self.residual.device != device:
+            self.residual = self.residual.to(device)
+            self._spare_residual = torch.empty_like(self.residual)
+        if self.velocity is not None and self.velocity.device != device:
+            self.velocity = self.velocity.to(device)
+            self._spare_velocity = torch.empty_like(self.velocity)
+
+    # ------------------------------------------------------------------ one step
+    def add_momentum(self, gradient: torch.Tensor, momentum: float) -> torch.Tensor:
+        """Stage u <- m u + g (momentum correction) and return it: what is then sent or sparsified."""
+        assert self.velocity is not None, "this bucket keeps no velocity"
+        self._staged_velocity = torch.add(gradient, self.velocity, alpha=momentum, out=self._spare_velocity)
+        return self._staged_velocity
+
+    def sparsify(self, gradient: torch.Tensor, density: float, sum_fn: SumFn, norm_sum: SumFn,
+                 stats: CommStats, always: Optional[torch.Tensor] = None, mask_velocity: bool = False,
+                 guard_overflow: bool = False) -> Sent:
+        """Steps 2-5 of CSC. ``gradient``: a [chunks, chunk_size] matrix like the residual, or a flat
+        tensor of at most chunks * chunk_size elements (a DDP bucket: the rest counts as zeros).
+        Residual + gradient is chunked; the chunk norms are summed over ranks by ``norm_sum`` (so
+        every rank ranks the chunks alike); the top ``density`` of them plus those in ``always`` are
+        packed and summed over ranks by ``sum_fn``; the sent chunks are cleared in the new residual,
+        which is staged. With ``mask_velocity``, the sent chunks of the staged velocity are cleared
+        too (DGC's momentum factor masking).
+
+        A non-finite gradient on any rank makes the summed norms non-finite on every rank. Without
+        ``guard_overflow`` its chunk has the largest norm, so it is sent and reaches every rank (the
+        caller then skips the step and discards). With it, the norms are made finite before choosing
+        and ``Sent.finite`` says, on the device, whether they were: for ``commit(when=...)``."""
+        assert self.residual is not None, "this bucket is always sent densely"
+        accumulated = self._spare_residual  # the next residual is built in the spare: no allocation
+        if gradient.shape == accumulated.shape:
+            torch.add(self.residual, gradient, out=accumulated)
+        else:
+            accumulated.copy_(self.residual)
+            accumulated.view(-1)[:gradient.numel()].add_(gradient.view(-1))
+        norms = chunk_l1_norms(accumulated)
+        norm_sum(norms, stats)  # every rank now ranks chunks by the same global norms
+        finite = None
+        if guard_overflow:  # decided on the device: reading it on the host would wait for the GPU
+            finite = torch.isfinite(norms.sum())
+            norms = torch.nan_to_num(norms)
+        chosen = select_chunks(norms, density, always)
+        packed = accumulated.index_select(0, chosen)
+        sum_fn(packed.view(-1), stats)
+        accumulated.index_fill_(0, chosen, 0.0)
+        if mask_velocity and self._staged_velocity is not None:
+            self._staged_velocity.index_fill_(0, chosen, 0.0)
+        self._staged_residual, self.last_selection = accumulated, chosen
+        return Sent(chosen, packed, finite)
+
+    def commit(self, when: Optional[torch.Tensor] = None) -> None:
+        """Make the staged updates the state. ``when`` (a 0-d bool tensor): only if it is true,
+        chosen on the device; the update is then copied into the state rather than swapped in,
+        and the spare is free again (``scratch``)."""
+        for name in ("residual", "velocity"):
+            staged = getattr(self, f"_staged_{name}")
+            if staged is None:
+                continue
+            current = getattr(self, name)
+            if when is None:  # the spare becomes the state, the old state the next spare
+                setattr(self, name, staged)
+                setattr(self, f"_spare_{name}", current)
+            else:
+                torch.where(when, staged, current, out=current)
+        self.discard()
+
+    def discard(self) -> None:
+        """Forget the staged updates (a step skipped on every rank)."""
+        self._staged_residual = self._staged_velocity = None
+
+    @property
+    def scratch(self) -> torch.Tensor:
+        """The residual's spare, a [chunks, chunk_size] buffer free to use between a commit or
+        discard and the next ``sparsify``."""
+        assert self._staged_residual is None, "the spare holds a staged residual"
+        return self._spare_residual
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """``residual`` and ``velocity`` (those this bucket keeps), on the CPU."""
+        return {name: tensor.cpu() for name, tensor in (("residual", self.residual),
+                                                        ("velocity", self.velocity)) if tensor is not None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Copy saved tensors into the state; a tensor this state lacks is adopted (a copy)."""
+        for name in ("residual", "velocity"):
+            saved = state.get(name)
+            if saved is None:
+                continue
+            current = getattr(self, name)
+            if current is None:
+                setattr(self, name, saved.clone())
+                setattr(self, f"_spare_{name}", torch.empty_like(saved))
+            elif current.shape != saved.shape:
+                raise ValueError(f"csc: saved {name} has shape {tuple(saved.shape)}, "
+                                 f"not {tuple(current.shape)}")
+            else:
+                current.copy_(saved)
+        self.discard()
 
 
 class CSCCommunicator(LazyAllreduce):
@@ -91,12 +225,7 @@ class CSCCommunicator(LazyAllreduce):
         self.norm_sum = builtin_sum()
         self.sparse_now = False
         self.grad_scale: GradScale = None
-        self.residual: dict[int, torch.Tensor] = {}
-        self.velocity: dict[int, torch.Tensor] = {}
-        self._spare_residual: dict[int, torch.Tensor] = {}  # this step's update is written here
-        self._spare_velocity: dict[int, torch.Tensor] = {}
-        self._staged: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
-        self.last_selection: dict[int, torch.Tensor] = {}  # part index -> chunks sent (for tests)
+        self.parts: list[BucketState] = []  # one per pool part, in layout order
         self._optimizer_momentum: Optional[list[float]] = None
 
     def layout(self, params: list[nn.Parameter]) -> list[Bucket]:
@@ -109,14 +238,25 @@ class CSCCommunicator(LazyAllreduce):
 
     def attach(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> nn.Module:
         super().attach(model, optimizer)
-        for index, bucket in enumerate(self.buckets):
-            state = bucket.flat if bucket.dense else self.chunks(bucket)
-            if not bucket.dense:
-                self.residual[index] = torch.zeros_like(state)
-                self._spare_residual[index] = torch.empty_like(state)
-            self.velocity[index] = torch.zeros_like(state)
-            self._spare_velocity[index] = torch.empty_like(state)
+        # dense parts (1-D tensors) keep no residual but share momentum correction's velocity
+        self.parts = [BucketState.zeros(tuple((bucket.flat if bucket.dense else self.chunks(bucket)).shape),
+                                        bucket.flat.device, residual=not bucket.dense, velocity=True)
+                      for bucket in self.buckets]
         return model
+
+    # per-part state by part index, as tests, gpu_check and checkpoints see it
+    @property
+    def residual(self) -> dict[int, torch.Tensor]:
+        return {i: part.residual for i, part in enumerate(self.parts) if part.residual is not None}
+
+    @property
+    def velocity(self) -> dict[int, torch.Tensor]:
+        return {i: part.velocity for i, part in enumerate(self.parts) if part.velocity is not None}
+
+    @property
+    def last_selection(self) -> dict[int, torch.Tensor]:
+        """Part index -> the chunks it last sent (for tests)."""
+        return {i: part.last_selection for i, part in enumerate(self.parts) if part.last_selection is not None}
 
     @property
     def uses_velocity(self) -> bool:
@@ -157,49 +297,41 @@ class CSCCommunicator(LazyAllreduce):
         return self.optimizer.param_groups[0].get("momentum", 0.0) if self.optimizer else 0.0
 
     def reduce_bucket(self, bucket: Bucket) -> None:
-        index = bucket.index
         if not self.sparse_now:
             super().reduce_bucket(bucket)
             return
+        part = self.parts[bucket.index]
         gradient = bucket.flat if bucket.dense else self.chunks(bucket)
         if self.grad_scale is not None:
             gradient.div_(self.grad_scale)  # in place: the pool part is overwritten below anyway
-        velocity = None
         if self.uses_velocity:
-            velocity = torch.add(gradient, self.velocity[index], alpha=self.momentum(),
-                                 out=self._spare_velocity[index])
-            gradient = velocity
+            gradient = part.add_momentum(gradient, self.momentum())
         if bucket.dense:
             if self.grad_scale is not None:
                 torch.mul(gradient, self.grad_scale, out=bucket.flat)
             elif gradient is not bucket.flat:
                 bucket.flat.copy_(gradient)
             super().reduce_bucket(bucket)
-            self._staged[index] = (None, velocity)
             return
-        accumulated = torch.add(self.residual[index], gradient, out=self._spare_residual[index])
-        norms = chunk_l1_norms(accumulated)
-        self.norm_sum(norms, self.stats)  # every rank now ranks chunks by the same global norms
-        chosen, packed = send_chosen_chunks_(accumulated, norms, self.density_now, self.sum_fn, self.stats)
+        # no overflow guard: a non-finite chunk has the largest norm, so it is sent and reaches
+        # every rank, which then skip the step; end_step(False) discards what it staged
+        sent = part.sparsify(gradient, self.density_now, self.sum_fn, self.norm_sum, self.stats,
+                             mask_velocity=self.momentum_masking)
         bucket.flat.zero_()
-        self.chunks(bucket).index_copy_(0, chosen, packed if self.grad_scale is None else packed.mul_(self.grad_scale))
-        if velocity is not None and self.momentum_masking:
-            velocity.index_fill_(0, chosen, 0.0)
-        self._staged[index] = (accumulated, velocity)
-        self.last_selection[index] = chosen
+        self.chunks(bucket).index_copy_(0, sent.chosen,
+                                        sent.summed if self.grad_scale is None else sent.summed.mul_(self.grad_scale))
 
     def end_step(self, applied: bool) -> None:
-        if applied:
-            for index, (residual, velocity) in self._staged.items():  # the spares become the state
-                if residual is not None:
-                    self.residual[index], self._spare_residual[index] = residual, self.residual[index]
-                if velocity is not None:
-                    self.velocity[index], self._spare_velocity[index] = velocity, self.velocity[index]
-        self._staged = {}
+        for part in self.parts:
+            if applied:
+                part.commit()
+            else:
+                part.discard()
 
     def state_dict(self) -> dict:
-        return {"residual": {i: t.cpu() for i, t in self.residual.items()},
-                "velocity": {i: t.cpu() for i, t in self.velocity.items()},
+        parts = [part.state_dict() for part in self.parts]
+        return {"residual": {i: s["residual"] for i, s in enumerate(parts) if "residual" in s},
+                "velocity": {i: s["velocity"] for i, s in enumerate(parts) if "velocity" in s},
                 "optimizer_momentum": self._optimizer_momentum,
                 "layout": [b.flat.numel() for b in self.buckets], "chunk_size": self.chunk_size}
 
@@ -209,8 +341,7 @@ class CSCCommunicator(LazyAllreduce):
         if (state["layout"], state["chunk_size"]) != ([b.flat.numel() for b in self.buckets], self.chunk_size):
             raise ValueError("csc state was saved with another pool layout (model, comm.bucket_mb or "
                              "comm.chunk_size changed); it cannot be restored")
-        for index, tensor in state["residual"].items():
-            self.residual[int(index)].copy_(tensor)
-        for index, tensor in state["velocity"].items():
-            self.velocity[int(index)].copy_(tensor)
+        for key in ("residual", "velocity"):
+            for index, tensor in state[key].items():
+                self.parts[int(index)].load_state_dict({key: tensor})
         self._optimizer_momentum = state["optimizer_momentum"]

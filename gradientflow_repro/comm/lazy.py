@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from gradientflow_repro.comm.base import Communicator, SumFn, communication_thread, trainable
+from gradientflow_repro.comm.pool import pack_parts
 
 
 @dataclass(eq=False)
@@ -76,25 +77,17 @@ class LazyAllreduce(Communicator):
 
     def pack(self, params: list[nn.Parameter], dense: bool, multiple: int = 1) -> list[Bucket]:
         """Consecutive parameters into parts of at least ``bucket_bytes`` (the last may be smaller),
-        each part's length padded with zeros to a multiple of ``multiple`` elements."""
-        buckets, current, size = [], [], 0
-        for param in params:
-            current.append(param)
-            size += param.numel() * 4
-            if size >= self.bucket_bytes:
-                buckets.append(self._bucket(current, dense, multiple))
-                current, size = [], 0
-        if current:
-            buckets.append(self._bucket(current, dense, multiple))
-        return buckets
+        each part's length padded with zeros to a multiple of ``multiple`` elements: the pool's
+        packing rule, ``comm/pool.py`` (which the scaling model prices too)."""
+        return [self._bucket([params[i] for i in part.indices], dense, part.elements)
+                for part in pack_parts([p.numel() for p in params], self.bucket_bytes, multiple)]
 
-    def _bucket(self, params: list[nn.Parameter], dense: bool, multiple: int) -> Bucket:
+    def _bucket(self, params: list[nn.Parameter], dense: bool, elements: int) -> Bucket:
         offsets, total = [], 0
         for param in params:
             offsets.append(total)
             total += param.numel()
-        total = -(-total // multiple) * multiple
-        return Bucket(params, offsets, torch.zeros(total, dtype=torch.float32, device=self.device),
+        return Bucket(params, offsets, torch.zeros(elements, dtype=torch.float32, device=self.device),
                       dense=dense, seen=[False] * len(params))
 
     # ------------------------------------------------------------------ during backward

@@ -99,11 +99,12 @@ class EpochBatches:
             index = self._order[1][position]
             data = np.fromfile(self.files[index], dtype=np.uint8)
             rng = np.random.default_rng([self.seed, epoch, position])
-            x, y, w, h = crop_window(*oriented_size(data), rng, self.min_scale)
+            width, height = oriented_size(data)
+            x, y, w, h = crop_window(width, height, rng, self.min_scale)
             encoded.append(data)
             labels.append(np.array([self.labels[index]], dtype=np.int32))
-            anchors.append(np.array([x, y], dtype=np.float32))
-            shapes.append(np.array([w, h], dtype=np.float32))
+            anchors.append(np.array([x / width, y / height], dtype=np.float32))
+            shapes.append(np.array([w / width, h / height], dtype=np.float32))
             mirrors.append(np.array(int(self.flip and rng.random() < 0.5), dtype=np.int32))
         return encoded, labels, anchors, shapes, mirrors
 
@@ -113,9 +114,10 @@ def train_pipeline(source: EpochBatches, image_size: int, mean: list[float], std
                    on_gpu: bool, parallel: bool):
     jpegs, label, anchor, shape, mirror = fn.external_source(
         source=source, num_outputs=5, batch=True, batch_info=True, parallel=parallel)
+    # the window in fractions of the image: inside it whatever size the decoder finds
     images = fn.decoders.image_slice(jpegs, anchor, shape, device="mixed" if on_gpu else "cpu",
-                                     output_type=types.RGB, normalized_anchor=False,
-                                     normalized_shape=False, axis_names="WH")
+                                     output_type=types.RGB, normalized_anchor=True,
+                                     normalized_shape=True, axis_names="WH")
     images = fn.resize(images, size=(image_size, image_size))
     images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
                                       mean=mean, std=std, mirror=mirror)

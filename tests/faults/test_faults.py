@@ -13,9 +13,10 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import FAST, final_params, torchrun
 from gradientflow_repro.checkpoint import complete_checkpoints, find_resumable
 from gradientflow_repro.tracking import read_records
+
+from conftest import FAST, final_params, torchrun
 
 COMMON = [*FAST, "global_batch_size=96", "epochs=3", "optim.warmup_epochs=1", "eval_every_epochs=1",
           "dist_timeout_s=30", "save_final_params=true"]
@@ -117,7 +118,8 @@ def test_unwritable_run_directory_is_a_clear_error_before_training(tmp_path: Pat
     result, _ = _run(2, [*COMMON, f"data.root={digits_root}"], blocker / "run")
     output = result.stdout + result.stderr
     assert result.returncode != 0  # each rank exits 2; torchrun reports the failure
-    assert "exitcode  : 2" in output and "config key 'run_dir'" in output and "cannot be created" in output, output[-2000:]
+    assert "exitcode  : 2" in output and "config key 'run_dir'" in output and "cannot be created" in output, \
+        output[-2000:]
 
 
 def test_checkpoint_of_another_model_is_refused_before_training(tmp_path: Path, digits_root: Path) -> None:
@@ -210,3 +212,17 @@ def test_a_rank_that_hangs_is_named_by_the_watchdog_before_any_timeout(frozen: i
         assert expected in outputs[rank] and "no progress for" in outputs[rank], outputs[rank][-3000:]
         assert "in step 5" in outputs[rank], outputs[rank][-2000:]
     assert seconds < 90, f"took {seconds:.0f}s: the watchdog (6 s) must speak long before the 120 s timeout"
+
+
+def test_an_error_every_rank_agrees_on_ends_with_one_line_and_no_traceback(tmp_path: Path,
+                                                                           digits_root: Path) -> None:
+    """A checkpoint that does not fit is the same error on every rank: the job ends with that one
+    line and exit status 1, not with a traceback through the trainer."""
+    first, _ = _run(2, [*COMMON, f"data.root={digits_root}", "max_steps=2"], tmp_path)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-2000:]
+    result, _ = _run(2, [*COMMON, f"data.root={digits_root}", "model.width=0.25"], tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "exitcode  : 1" in output, output[-3000:]
+    assert output.count("error: rank 0: CheckpointError") == 1, output[-3000:]
+    frames = [line for line in output.splitlines() if line.strip().startswith('File "')]
+    assert not any("gradientflow_repro" in frame for frame in frames), "\n".join(frames)

@@ -1,18 +1,16 @@
-"""results/REPORT.md from the runs of scripts/reproduce.py: the comparison table, figures, the
-scaling model against measurement and against the paper. Used by reproduce.py."""
+"""results/REPORT.md from the runs of a reproduction (``harness.reproduce``): the comparison table,
+figures, the scaling model against measurement and against the paper.
+"""
 
 from __future__ import annotations
 
 import statistics
-import sys
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gradientflow_repro import perfmodel as pm  # noqa: E402
+from gradientflow_repro import perfmodel as pm
+from gradientflow_repro.harness.profile import profile_from_json
+from gradientflow_repro.harness.scaling import paper_check, plot
 
 
 def _spread(values: list[Optional[float]], fmt: str, scale: float = 1.0) -> str:
@@ -98,12 +96,6 @@ def plot_step_split(checks: dict[str, dict], path: Path, world: int) -> None:
     plt.close(fig)
 
 
-def _profile(data: dict) -> pm.ModelProfile:
-    return pm.ModelProfile(data["forward_s"], data["backward_s"], data["optimizer_s"],
-                           tuple(pm.TensorProfile(e, r, flat) for e, r, flat in data["tensors"]),
-                           data.get("sparsify_s_per_element", 0.0), data.get("wire_cast_s_per_element", 0.0))
-
-
 def _network(measured: dict) -> pm.Network:
     table = measured.get("builtin_cost_by_size")
     return pm.Network(measured["bandwidth_Bps"], measured["latency_s"],
@@ -135,7 +127,8 @@ def _network_table(network_by_world: dict[int, dict]) -> list[str]:
                   "size, calls back to back as a training step issues them (the first row: one element per "
                   "rank); the model interpolates between these sizes:", "",
                   "| size | " + " | ".join(f"world {w}" for w in worlds) + " |", "|---|" + "---|" * len(worlds),
-                  "| 1 element per rank | " + " | ".join(f"{min(costs[w].items())[1] * 1e3:.2f}" for w in worlds) + " |"]
+                  "| 1 element per rank | "
+                  + " | ".join(f"{min(costs[w].items())[1] * 1e3:.2f}" for w in worlds) + " |"]
         lines += [f"| {_size(size)} | " + " | ".join(f"{costs[w][size] * 1e3:.2f}" if size in costs[w] else "-"
                                                    for w in worlds) + " |" for size in sizes]
     launches = min(m.get("launches", 1) for m in network_by_world.values())
@@ -150,7 +143,7 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
     size so that its compute equals the allreduce run's (step - synchronize wait): on a shared CPU
     the ranks slow each other; that one factor is the only thing taken from the runs. The network
     is the one measured at that world size."""
-    profile = _profile(calibration["profile"])
+    profile = profile_from_json(calibration["profile"])
     strategies = {s.name: s for s in pm.LADDER}
     lines = ["| world | strategy | measured step (ms) | predicted step (ms) | predicted comm exposed (ms) | error |",
              "|---|---|---|---|---|---|"]
@@ -207,8 +200,6 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
                  elapsed_s: float, experiment: str, group: str, overrides: list[str],
                  machine: dict, network_by_world: Optional[dict[int, dict]] = None, check_repeats: int = 1) -> None:
     """Writes ``path`` and its figures beside it. ``machine``: environment_facts() of the run."""
-    from simulate_scaling import paper_check, plot
-
     network_by_world = network_by_world or {world: network}  # reproductions before per-world measurement
 
     figures = path.parent

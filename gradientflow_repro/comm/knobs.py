@@ -1,0 +1,136 @@
+"""Communication strategies: the knobs, the presets, and how a configuration resolves to one.
+
+A strategy is a preset of five independent knobs; any knob can be overridden from the command
+line (``comm=ring comm.wire=fp16``) to build the paper's ablation one technique at a time:
+
+| knob      | values                        | technique                                          |
+|-----------|-------------------------------|----------------------------------------------------|
+| algorithm | builtin, ring, hierarchical   | how a message is summed (ring.py, hierarchical.py) |
+| wire      | fp32, fp16                    | mixed-precision communication (compression.py)     |
+| fusion    | per_tensor, lazy, ddp         | per-tensor messages, memory pool (lazy.py), or DDP |
+| overlap   | true, false                   | pool parts sent during backward (lazy only)        |
+| sparsity  | dense, csc                    | coarse-grained sparse communication (csc.py)       |
+
+The presets are the YAML files of ``configs/comm/`` (Hydra's pattern: the preset is the YAML): each
+names its strategy and sets all five knobs and its sizes, and this module reads them, so the
+trainer (through Hydra), the factory, the scaling model and ``make reproduce`` all see one
+definition. ``resolve`` lays a configuration over its preset and over ``CommConfig``'s defaults and
+returns a ``CommConfig`` with every knob set. ``LADDER`` is the paper's ablation as ``make
+reproduce`` runs it. Torch-free: imported by the config check and the analytic model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import yaml
+
+from gradientflow_repro.checks import (
+    boolean,
+    field_problems,
+    in_range,
+    non_negative,
+    one_of,
+    optional,
+    positive,
+    setting,
+    text,
+)
+
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "comm"
+KNOB_VALUES: dict[str, tuple[Any, ...]] = {
+    "algorithm": ("builtin", "ring", "hierarchical"), "wire": ("fp32", "fp16"),
+    "fusion": ("per_tensor", "lazy", "ddp"), "overlap": (True, False), "sparsity": ("dense", "csc")}
+
+
+@lru_cache(maxsize=1)
+def presets() -> dict[str, dict[str, Any]]:
+    """Every preset of ``configs/comm/``: strategy name -> the keys its YAML sets (strategy aside)."""
+    found = {}
+    for path in sorted(PRESET_DIR.glob("*.yaml")):
+        values = yaml.safe_load(path.read_text()) or {}
+        name = values.pop("strategy", None)
+        if name != path.stem:
+            raise ValueError(f"{path}: 'strategy' must be {path.stem!r}, the file's name")
+        missing = [knob for knob in KNOB_VALUES if knob not in values]
+        if missing:
+            raise ValueError(f"{path}: a preset sets every knob; missing {', '.join(missing)}")
+        found[name] = values
+    return found
+
+
+def _strategy_names() -> tuple[str, ...]:
+    return tuple(presets())
+
+
+@dataclass
+class CommConfig:
+    """``comm.*``. ``strategy`` names a preset; a knob left null takes the preset's value, a set one
+    overrides it, so each technique can be switched alone."""
+
+    strategy: str = setting("allreduce", text)  # checked against the presets in ``resolve``
+    algorithm: Optional[str] = setting(None, optional(one_of(*KNOB_VALUES["algorithm"])))
+    wire: Optional[str] = setting(None, optional(one_of(*KNOB_VALUES["wire"])))
+    fusion: Optional[str] = setting(None, optional(one_of(*KNOB_VALUES["fusion"])))
+    overlap: Optional[bool] = setting(None, optional(boolean))  # lazy: send pool parts during backward
+    sparsity: Optional[str] = setting(None, optional(one_of(*KNOB_VALUES["sparsity"])))
+    bucket_mb: float = setting(32.0, positive)  # lazy-allreduce pool part (fusion threshold)
+    ddp_bucket_mb: float = setting(25.0, positive)
+    segment_kb: int = setting(4096, positive)  # ring: pipelining segment
+    ranks_per_node: Optional[int] = setting(None, optional(positive))  # hierarchical: else the launcher's
+    chunk_size: int = setting(32768, positive)  # csc: elements per chunk
+    density: float = setting(0.1, in_range(0, 1, low_open=True))  # csc: fraction of chunks sent
+    csc_warmup_epochs: float = setting(1.0, non_negative)  # csc: dense training before sparsifying
+    density_ramp_epochs: int = setting(0, non_negative)  # csc: epochs over which density falls
+    momentum_correction: bool = setting(True, boolean)
+    momentum_masking: bool = setting(True, boolean)
+
+
+def resolve(options: Union[Mapping[str, Any], Any]) -> CommConfig:
+    """``options`` (a mapping or a config object with ``comm.*`` keys) over its preset over the
+    defaults: a ``CommConfig`` with every knob set, checked. Raises ValueError naming the
+    ``comm.*`` key at fault."""
+    given = dict(options) if isinstance(options, Mapping) else {
+        f.name: getattr(options, f.name) for f in dataclasses.fields(CommConfig) if hasattr(options, f.name)}
+    strategy = given.get("strategy", "allreduce")
+    if strategy not in presets():
+        raise ValueError(f"config key 'comm.strategy' = {strategy!r}: allowed values are "
+                         f"{', '.join(_strategy_names())}")
+    unknown = sorted(set(given) - {f.name for f in dataclasses.fields(CommConfig)})
+    if unknown:
+        raise ValueError(f"config key 'comm.{unknown[0]}': no such key")
+    merged = {**presets()[strategy], **{k: v for k, v in given.items() if v is not None}}
+    knobs = CommConfig(**merged)
+    for key, value, allowed in field_problems(CommConfig, knobs, "comm."):
+        raise ValueError(f"config key '{key}' = {value!r}: {allowed}")
+    if knobs.sparsity == "csc" and knobs.fusion != "lazy":
+        raise ValueError("config key 'comm.sparsity' = 'csc' works over our memory pool: it needs "
+                         "comm.fusion=lazy (not DDP's buckets or per-tensor messages)")
+    return knobs
+
+
+def dense_warmup_epochs(knobs: CommConfig) -> float:
+    """Epochs a strategy trains densely before its steps show its steady state (CSC's warm-up)."""
+    return knobs.csc_warmup_epochs if knobs.sparsity == "csc" and knobs.density < 1 else 0.0
+
+
+# The paper's ablation as `make reproduce` runs it: each rung adds one technique. Label -> comm keys.
+LADDER: dict[str, dict[str, Any]] = {
+    "allreduce": {"strategy": "allreduce"},
+    "ddp": {"strategy": "ddp"},
+    "ring": {"strategy": "ring"},
+    "ring+fp16": {"strategy": "ring", "wire": "fp16"},
+    "ring+fp16+lazy": {"strategy": "lazy", "wire": "fp16"},
+    "gradientflow": {"strategy": "gradientflow"},
+}
+
+
+def hydra_overrides(options: Mapping[str, Any]) -> list[str]:
+    """The command-line overrides that select ``options``: ``comm=NAME`` then ``comm.KEY=VALUE``."""
+    rest = [f"comm.{key}={str(value).lower() if isinstance(value, bool) else value}"
+            for key, value in options.items() if key != "strategy"]
+    return [f"comm={options.get('strategy', 'allreduce')}", *rest]

@@ -1,0 +1,105 @@
+"""Launching a job's ranks on this machine, each in its own network namespace or all on loopback.
+
+``run_ranks`` starts ``world`` processes with the environment torchrun would give them (rank, local
+rank, world size, master address), streams rank 0's progress lines with a prefix, keeps every
+rank's output in ``rank<r>.log``, and ends every rank when one fails or the deadline passes (then
+it raises with the failed ranks' last lines): nothing waits forever. ``network`` is the emulated
+network (``harness.netemu``) when it can be had, else nothing (loopback).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Optional, Sequence
+
+from gradientflow_repro.harness import REPO, netemu
+
+TRAIN = ("-m", "gradientflow_repro.train")
+
+
+def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
+              net: Optional[netemu.EmulatedNetwork], timeout_s: float, show: bool = True,
+              module: Sequence[str] = TRAIN) -> None:
+    """Start ``world`` ranks of ``python *module *overrides`` (in the emulated network or on
+    loopback), stream rank 0's output with a prefix, keep the others' in files, and fail with their
+    tails if any rank fails."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    port = 29400 + (os.getpid() + int(time.time())) % 2000
+    master = net.address(0) if net else "127.0.0.1"
+    logs: list[IO[str]] = []
+    processes: list[subprocess.Popen] = []
+    for rank in range(world):
+        # every rank runs on this machine: its local rank is its rank (with device=cuda, its GPU)
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": master, "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"),
+               "PYTHONUNBUFFERED": "1"}
+        argv = [sys.executable, *module, *overrides]
+        log = open(run_dir / f"rank{rank}.log", "w")
+        logs.append(log)
+        stdout = subprocess.PIPE if rank == 0 else log
+        if net:
+            processes.append(net.launch(rank, argv, env, stdout, cwd=REPO))
+        else:
+            processes.append(subprocess.Popen(argv, env=env, cwd=REPO, stdout=stdout, text=True,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.monotonic() + timeout_s
+    stop = threading.Event()
+
+    def watchdog() -> None:  # a failed rank or the deadline ends every rank: nothing waits forever
+        while not stop.wait(0.2):
+            failed = any(p.poll() not in (None, 0) for p in processes)
+            if failed or time.monotonic() > deadline:
+                for process in processes:
+                    netemu.kill_group(process, grace_s=2.0)
+                return
+
+    guard = threading.Thread(target=watchdog, daemon=True)
+    guard.start()
+    try:
+        for line in processes[0].stdout:  # rank 0's progress, as it comes
+            logs[0].write(line)
+            if show and (line.startswith("[") and not line.startswith("[W") or "error" in line.lower()):
+                print(f"  {label:>15} | {line.rstrip()}", flush=True)
+        codes = [process.wait() for process in processes]
+        stop.set()
+        if any(code != 0 for code in codes):
+            for log in logs:
+                log.flush()
+            tails = "\n".join(f"--- rank {r} (exit {c}) ---\n" + tail(run_dir / f"rank{r}.log")
+                              for r, c in enumerate(codes) if c != 0)
+            raise RuntimeError(f"{label}: ranks failed or timed out after {timeout_s:.0f}s "
+                               f"(exit codes {codes}):\n{tails}")
+    finally:
+        stop.set()
+        for process in processes:
+            netemu.kill_group(process)
+        for log in logs:
+            log.close()
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    """The last ``lines`` lines of a log file."""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class network:
+    """``with network(world, rate_mbit, reason) as net``: the emulated network when ``reason`` (why
+    it is unavailable) is None, else None (loopback)."""
+
+    def __init__(self, world: int, rate_mbit: Optional[float], reason: Optional[str]) -> None:
+        self.net = netemu.EmulatedNetwork(world, rate_mbit) if reason is None else None
+
+    def __enter__(self) -> Optional[netemu.EmulatedNetwork]:
+        return self.net.__enter__() if self.net else None
+
+    def __exit__(self, kind: Optional[type], error: Optional[BaseException],
+                 trace: Optional[TracebackType]) -> None:
+        if self.net:
+            self.net.close()

@@ -1,0 +1,123 @@
+"""The network as the ring and the backend see it: per-message latency, link bandwidth, the
+backend's own allreduce by message size, and one allreduce per gradient of a model.
+
+``measure_network`` launches the ranks (``harness.launch.run_ranks``, in the emulated network or on
+loopback) ``launches`` times and averages what rank 0 wrote. Each rank runs this module:
+
+    python -m gradientflow_repro.harness.netbench OUT.json TENSORS.json    # RANK, WORLD_SIZE, MASTER_* set
+
+and joins the group through ``harness.world.run_rank`` (``env://``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from gradientflow_repro.harness import netemu
+from gradientflow_repro.harness.launch import run_ranks
+
+MODULE = ("-m", "gradientflow_repro.harness.netbench")
+LARGE_BYTES = 8 << 20  # the ring's bandwidth is taken from an allreduce of this size
+
+
+def measure_network(world: int, net: Optional[netemu.EmulatedNetwork], run_dir: Path,
+                    timeout_s: float, tensor_elements: Sequence[int] = (), launches: int = 3) -> dict:
+    """Per-message latency and link bandwidth as the ring sees them, the same for the backend's
+    own allreduce, and (given the model's gradient sizes) how long one allreduce per gradient takes
+    in isolation, by either. Each figure is the mean over ``launches`` separate launches of the
+    ranks (rank 0 writes one JSON per launch): on a shared host the per-message costs differ more
+    between launches than between the calls of one."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "tensors.json").write_text(json.dumps(list(tensor_elements)))
+    measured = []
+    for launch in range(launches):
+        out = run_dir / f"network{launch + 1}.json"
+        run_ranks(world, [str(out), str(run_dir / "tensors.json")], run_dir, "netbench", net, timeout_s,
+                  show=False, module=MODULE)
+        measured.append(json.loads(out.read_text()))
+    mean = {key: (None if value is None else
+                  [[row[0], statistics.mean(m[key][i][1] for m in measured)] for i, row in enumerate(value)]
+                  if isinstance(value, list) else statistics.mean(m[key] for m in measured))
+            for key, value in measured[0].items()}
+    size = mean.pop("ring_large_bytes")
+    latency = mean["tiny_ring_s"] / (2 * (world - 1))
+    bandwidth = 2 * (world - 1) / world * size / max(1e-9, mean["ring_large_s"] - 2 * (world - 1) * latency)
+    return {**mean, "latency_s": latency, "bandwidth_Bps": bandwidth, "launches": launches}
+
+
+def trimmed_mean(values: Sequence[float]) -> float:
+    """The mean without the lowest and highest tenth (at least one each, from three values on)."""
+    ordered = sorted(values)
+    cut = max(1, len(ordered) // 10) if len(ordered) >= 3 else 0
+    kept = ordered[cut:len(ordered) - cut]
+    return sum(kept) / len(kept)
+
+
+def _measure(rank: int, world: int, out: Path, tensors_file: Path) -> None:
+    """One rank's share of the measurement; rank 0 writes the figures to ``out``."""
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow_repro.comm.base import CommStats
+    from gradientflow_repro.comm.compression import Fp16Wire
+    from gradientflow_repro.comm.ring import ring_allreduce_, ring_sum
+
+    def timed(tensor: object, calls: int, allreduce: Callable = ring_allreduce_, back_to_back: bool = False) -> float:
+        """Mean seconds per call, without the fastest and slowest tenth: a training step pays the
+        sum of many calls, and small ones are bimodal when ranks share cores (a rank that is not
+        running answers a scheduler slice later), so the median would miss what they cost. Each
+        call starts after a barrier, or ``back_to_back`` as a training step issues them (and as
+        nccl-tests times them): then a call also pays for the ranks it waits for."""
+        allreduce(tensor)
+        times = []
+        for _ in range(calls):
+            if not back_to_back:
+                dist.barrier()
+            started = time.perf_counter()
+            allreduce(tensor)
+            times.append(time.perf_counter() - started)
+        return trimmed_mean(times)
+
+    tiny = timed(torch.ones(world), 30)  # one element per rank: latency only
+    # a one-value MAX allreduce, as the fp16 wire's shared scale
+    builtin_tiny = timed(torch.ones(1), 30, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))
+    size = LARGE_BYTES
+    large = timed(torch.ones(size // 4), 15)  # per call bimodal on a shaped link (e.g. 54 or 80 ms at world 2)
+    # the backend's own allreduce (the `allreduce` and `ddp` strategies), which need not be a ring:
+    # its cost by message size, one element per rank up to past DDP's 25 MiB buckets, back to back
+    # as `allreduce` issues one per gradient. Small sizes are dense in the table: with two or more
+    # elements per rank gloo's small allreduce takes several times as long as with one.
+    builtin_sizes = [4 * world, 64, 256, 1024] + [4096 * 4 ** k for k in range(7)] + [32 << 20]
+    builtin_cost = [[nbytes, timed(torch.ones(nbytes // 4), 20 if nbytes < 1 << 20 else 10 if nbytes <= size else 5,
+                                   dist.all_reduce, back_to_back=True)] for nbytes in sorted(set(builtin_sizes))]
+    # one allreduce per gradient of the model, back to back: what `allreduce`, `ring` and
+    # `ring`+fp16 do after backward, without the training around it
+    gradients = [torch.randn(n) for n in json.loads(tensors_file.read_text())]
+    ring_fp16 = Fp16Wire(ring_sum(), world)
+    per_tensor = {name: timed(gradients, 5, lambda tensors, fn=fn: [fn(t) for t in tensors]) if gradients else None
+                  for name, fn in (("builtin", dist.all_reduce), ("ring", ring_allreduce_),
+                                   ("ring_fp16", lambda t: ring_fp16(t, CommStats())))}
+    if rank == 0:
+        out.write_text(json.dumps({
+            "tiny_allreduce_s": builtin_tiny, "tiny_ring_s": tiny, "ring_large_s": large, "ring_large_bytes": size,
+            "builtin_cost_by_size": builtin_cost, "per_tensor_builtin_s": per_tensor["builtin"],
+            "per_tensor_ring_s": per_tensor["ring"], "per_tensor_ring_fp16_s": per_tensor["ring_fp16"]}))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """A rank of the measurement, as ``run_ranks`` starts it: ``OUT.json TENSORS.json``."""
+    from gradientflow_repro.harness.world import run_rank
+
+    out, tensors_file = (Path(a) for a in (sys.argv[1:] if argv is None else argv))
+    run_rank(_measure, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", out, tensors_file,
+             timeout_s=120)
+
+
+if __name__ == "__main__":
+    main()

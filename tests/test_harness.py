@@ -1,0 +1,92 @@
+"""The harness as a library: the scaling model stays torch-free, its ladder and pool parts are the
+communicators' own (one definition each, so they cannot drift)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from gradientflow_repro import perfmodel as pm
+from gradientflow_repro.comm import knobs
+from gradientflow_repro.comm.csc import CSCCommunicator
+from gradientflow_repro.comm.lazy import LazyAllreduce
+from gradientflow_repro.comm.pool import Part, pack_parts
+from gradientflow_repro.harness.reproduce import ladder_overrides
+from gradientflow_repro.harness.runs import dense_warmup_epochs
+
+from conftest import REPO
+
+
+def test_the_analytic_model_imports_no_torch() -> None:
+    code = ("import sys; import gradientflow_repro.perfmodel as pm; pm.LADDER; "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_models_ladder_is_derived_from_the_knobs_with_the_values_it_always_had() -> None:
+    assert pm.LADDER == (
+        pm.Strategy("allreduce", builtin=True),
+        pm.Strategy("ddp", fusion="bucket", bucket_bytes=25 * 2**20, overlap=True, builtin=True),
+        pm.Strategy("ring"),
+        pm.Strategy("ring+fp16", wire_bytes=2),
+        pm.Strategy("ring+fp16+lazy", fusion="bucket", bucket_bytes=32 * 2**20, overlap=True, wire_bytes=2),
+        pm.Strategy("gradientflow", fusion="bucket", bucket_bytes=32 * 2**20, overlap=True, wire_bytes=2,
+                    density=0.1))
+    assert [s.name for s in pm.LADDER] == list(knobs.LADDER)
+    assert pm.Strategy.from_knobs("h", knobs.resolve({"strategy": "hierarchical"})).hierarchical
+
+
+def test_reproduce_runs_the_knobs_ladder_and_skips_csc_warmup_only() -> None:
+    assert {label: ladder_overrides(label) for label in knobs.LADDER} == {
+        "allreduce": ["comm=allreduce"], "ddp": ["comm=ddp"], "ring": ["comm=ring"],
+        "ring+fp16": ["comm=ring", "comm.wire=fp16"], "ring+fp16+lazy": ["comm=lazy", "comm.wire=fp16"],
+        "gradientflow": ["comm=gradientflow"]}
+    warmups = {label: dense_warmup_epochs({"summary": {}, "comm": options})
+               for label, options in knobs.LADDER.items()}
+    assert warmups == {"allreduce": 0.0, "ddp": 0.0, "ring": 0.0, "ring+fp16": 0.0, "ring+fp16+lazy": 0.0,
+                       "gradientflow": 1.0}
+    assert dense_warmup_epochs({"summary": {"strategy": "csc"}}) == 1.0  # a run without its options
+
+
+def test_pack_parts_closes_a_part_at_the_threshold_and_pads_it() -> None:
+    assert pack_parts([3, 2, 5, 1], threshold_bytes=20) == [Part((0, 1), 5), Part((2,), 5), Part((3,), 1)]
+    assert pack_parts([3, 2, 5, 1], threshold_bytes=20, multiple=4) == [
+        Part((0, 1), 8), Part((2,), 8), Part((3,), 4)]
+    assert pack_parts([], threshold_bytes=20) == []
+
+
+SIZE_LISTS = [  # (elements, multi-dimensional?) in backward order
+    [(1000, True), (10, False), (3000, True), (20, False), (500, True)],
+    [(5000, True), (5000, True), (7, False), (1, False), (4500, True), (2, False)],
+    [(12, False), (13, False), (100_000, True)],
+    [(1, True)],
+]
+
+
+def _params(sizes: list[tuple[int, bool]]) -> list[nn.Parameter]:
+    return [nn.Parameter(torch.zeros(n, 1) if weight else torch.zeros(n)) for n, weight in sizes]
+
+
+def _model_parts(sizes: list[tuple[int, bool]], strategy: pm.Strategy) -> list[tuple[list[int], int]]:
+    profile = pm.ModelProfile(0.0, 1.0, 0.0, tuple(pm.TensorProfile(n, 0.1 * i, not weight)
+                                                  for i, (n, weight) in enumerate(sizes)))
+    return [([t.elements for t in tensors], padded) for tensors, padded in pm.pool_parts(profile, strategy)]
+
+
+@pytest.mark.parametrize("sizes", SIZE_LISTS)
+@pytest.mark.parametrize("bucket_bytes", [1, 4000, 16_000, 10**9])
+def test_the_model_prices_the_parts_the_pools_lay_out(sizes: list[tuple[int, bool]], bucket_bytes: int) -> None:
+    params = _params(sizes)
+    lazy = LazyAllreduce(torch.device("cpu"), None, bucket_bytes, overlap=False)
+    laid = [([p.numel() for p in b.params], b.flat.numel()) for b in lazy.layout(params)]
+    assert laid == _model_parts(sizes, pm.Strategy("lazy", fusion="bucket", bucket_bytes=bucket_bytes))
+    csc = CSCCommunicator(torch.device("cpu"), None, bucket_bytes, False, chunk_size=1000, density=0.1,
+                          warmup_epochs=0.0)
+    laid = [([p.numel() for p in b.params], b.flat.numel()) for b in csc.layout(params)]
+    assert laid == _model_parts(sizes, pm.Strategy("csc", fusion="bucket", bucket_bytes=bucket_bytes,
+                                                   density=0.1, chunk_elements=1000))

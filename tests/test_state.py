@@ -1,0 +1,135 @@
+"""The train state: Stateful parts under their on-disk keys; checkpoints from before the format key
+still load, other formats and other models are refused with a message; the run summary's keys."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from gradientflow_repro import checkpoint
+from gradientflow_repro.checkpoint import CheckpointError
+from gradientflow_repro.state import (
+    FORMAT,
+    LocalBuffers,
+    ModelName,
+    ModelWeights,
+    Progress,
+    TrainState,
+    Value,
+    rng_parts,
+)
+
+
+def make_state(width: int = 4, name: str = "tiny") -> tuple[TrainState, nn.Module, Progress, dict]:
+    model = nn.Sequential(nn.Linear(3, width), nn.BatchNorm1d(width))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    progress = Progress(time.perf_counter())
+    run = {"wandb_id": None}
+    state = TrainState(
+        shared={"model_name": ModelName(name), "model": ModelWeights(model, f"{name}, width {width}"),
+                "optimizer": optimizer, "wandb_id": Value(lambda: run["wandb_id"], lambda v: run.update(wandb_id=v)),
+                "progress": progress},
+        per_rank={"buffers": LocalBuffers(model, 1), **rng_parts(torch.device("cpu"))},
+        rank=0, world_size=1, device=torch.device("cpu"))
+    return state, model, progress, run
+
+
+def train_a_little(model: nn.Module, state: TrainState, progress: Progress) -> None:
+    optimizer = state.shared["optimizer"]
+    for _ in range(3):
+        model(torch.randn(8, 3)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        progress.stepped(0.5)
+    progress.last_top1 = progress.best_top1 = 42.0
+
+
+def test_a_saved_state_restores_every_part(tmp_path: Path) -> None:
+    state, model, progress, run = make_state()
+    train_a_little(model, state, progress)
+    run["wandb_id"] = "abc123"
+    state.save(tmp_path, progress.step, keep=2)
+    expected_rng = torch.get_rng_state()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+
+    fresh, fresh_model, fresh_progress, fresh_run = make_state()
+    torch.manual_seed(1234)
+    assert fresh.resume(tmp_path, "auto") == tmp_path / "checkpoints" / "step_000000003"
+    assert all(torch.equal(fresh_model.state_dict()[k], v) for k, v in expected.items())
+    assert torch.equal(torch.get_rng_state(), expected_rng) and fresh_run["wandb_id"] == "abc123"
+    assert (fresh_progress.step, fresh_progress.best_top1) == (3, 42.0)
+    assert fresh_progress.train_s == pytest.approx(1.5)  # the training clock continues
+    momentum = [s["momentum_buffer"] for s in state.shared["optimizer"].state_dict()["state"].values()]
+    restored = [s["momentum_buffer"] for s in fresh.shared["optimizer"].state_dict()["state"].values()]
+    assert all(torch.equal(a, b) for a, b in zip(momentum, restored, strict=True))
+    assert fresh.resume(tmp_path, "never") is None
+
+
+def test_on_disk_keys_are_those_of_format_1(tmp_path: Path) -> None:
+    state, *_ = make_state()
+    path = state.save(tmp_path, 0, keep=1)
+    shared, mine = checkpoint.load_checkpoint(path, 0, 1)
+    assert FORMAT == 1 and shared["format"] == 1
+    assert set(shared) == {"format", "model_name", "model", "optimizer", "wandb_id", "progress"}
+    assert set(mine) == {"buffers", "torch_rng", "cuda_rng"}
+    assert set(shared["progress"]) == {"step", "mlperf_s", "train_s", "last_top1", "best_top1",
+                                       "reached_at", "comm_totals"}
+
+
+def test_a_checkpoint_written_before_the_format_key_still_loads(tmp_path: Path) -> None:
+    state, model, progress, _ = make_state()
+    train_a_little(model, state, progress)
+    shared = state.shared_state()
+    del shared["format"]  # as the trainer wrote them before
+    path = checkpoint.save_checkpoint(tmp_path, 3, shared, state.rank_state(), rank=0, world_size=1,
+                                      barrier=lambda: None, keep=1)
+    fresh, fresh_model, fresh_progress, _ = make_state()
+    fresh.load(path)
+    assert fresh_progress.step == 3
+    assert all(torch.equal(fresh_model.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_another_format_is_refused_naming_it(tmp_path: Path) -> None:
+    state, *_ = make_state()
+    path = checkpoint.save_checkpoint(tmp_path, 1, {**state.shared_state(), "format": 7}, state.rank_state(),
+                                      rank=0, world_size=1, barrier=lambda: None, keep=1)
+    with pytest.raises(CheckpointError, match="step_000000001 is in checkpoint format 7; this code reads format 1"):
+        make_state()[0].load(path)
+
+
+def test_another_model_is_refused_naming_it(tmp_path: Path) -> None:
+    state, *_ = make_state()
+    state.save(tmp_path, 1, keep=1)
+    with pytest.raises(CheckpointError, match="step_000000001 holds a tiny model, the config asks for other"):
+        make_state(name="other")[0].resume(tmp_path, "auto")
+    with pytest.raises(CheckpointError, match=r"step_000000001 does not fit this model \(tiny, width 8\): "
+                                              r"size mismatch .*; use resume=never or another run_dir"):
+        make_state(width=8)[0].resume(tmp_path, "auto")
+
+
+def test_the_run_summary_keeps_its_keys() -> None:
+    from gradientflow_repro.tracking import run_summary
+
+    cfg = SimpleNamespace(experiment="digits_cpu", comm=SimpleNamespace(strategy="ring"),
+                          precision=SimpleNamespace(dtype="fp32"), global_batch_size=64, target_top1=90.0)
+    progress = Progress(time.perf_counter())
+    progress.stepped(2.0)
+    progress.reached_at = {"step": 1, "mlperf_s": 3.0, "train_s": 2.0}
+    world = SimpleNamespace(world_size=2, local_world_size=2, source="torchrun")
+    summary = run_summary(cfg, progress, world=world, device="cpu", steps_per_epoch=4, skipped_steps=0,
+                          stopped_by="", exit_code=0, run_id=None)
+    assert list(summary)[:25] == [
+        "name", "experiment", "strategy", "world_size", "device", "precision", "global_batch_size", "steps",
+        "epochs", "target_top1", "reached_target", "time_to_target_mlperf_s", "time_to_target_train_s",
+        "final_top1", "best_top1", "mlperf_s", "train_s", "images_per_s", "bytes_per_step",
+        "collectives_per_step", "sync_wait_s_per_step", "skipped_steps", "stopped_by", "exit_code",
+        "wandb_run_id"]
+    assert {"clock_policy", "command", "environment", "git_commit", "torch", "cpu", "gpu"} <= set(summary)
+    assert summary["name"] == "digits_cpu/ring" and summary["images_per_s"] == 32.0
+    assert summary["time_to_target_train_s"] == 2.0 and summary["stopped_by"] is None
+    assert summary["command"].startswith("torchrun --nnodes=1 --nproc-per-node=2 -m gradientflow_repro.train")
