@@ -76,12 +76,14 @@ def test_every_point_to_point_strategy_completes_under_nccl_ordering(world: int,
 def _receive_before_send(rank: int, world: int, out: str) -> None:
     """What the ring did before: the next receive queued ahead of the send it depends on."""
     left, right = (rank - 1) % world, (rank + 1) % world
-    caught = ""
+    # a group of its own: gloo may drop a link whose op timed out, and the default group's links
+    # must stay whole for the closing barrier
+    group = dist.new_group()
     with pytest.raises(StreamHang) as hang:
         with nccl_order(timeout_s=2):
             inbox = torch.zeros(1000)
-            receive = dist.irecv(inbox, src=left, tag=1)
-            dist.isend(torch.ones(1000), dst=right, tag=1)
+            receive = dist.irecv(inbox, src=left, group=group, tag=1)
+            dist.isend(torch.ones(1000), dst=right, group=group, tag=1)
             receive.wait()
     caught = str(hang.value)
     torch.save(caught, Path(out) / f"rank{rank}.pt")
