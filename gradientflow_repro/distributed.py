@@ -303,6 +303,8 @@ class Liveness:
             stalled = time.monotonic() - self.since
             if self.where is not None and stalled > self.limit_s and not self._stop.is_set():
                 print(f"error: {self.diagnose(stalled)}", file=sys.stderr, flush=True)
+                if self.world.rank == 0:  # it may host the store the other ranks are still reading
+                    time.sleep(self.window_s + 2 * self.store_timeout_s)
                 os._exit(1)
 
     def silent_ranks(self) -> Optional[list[int]]:
