@@ -386,11 +386,7 @@ def agree_max(flags: Sequence[torch.Tensor | float], device: torch.device) -> li
     """Collective: the largest value of each flag over all ranks, in one MAX-allreduce, read back
     to the host once. Every rank gets the same answer, so every rank takes the same decision.
     Python numbers become device tensors by a fill, not a copy from the host (which would wait)."""
-    values = torch.stack([flag.reshape(()).float() if isinstance(flag, torch.Tensor)
-                          else torch.full((), float(flag), device=device) for flag in flags])
-    if dist.is_initialized():
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return values.tolist()
+    return all_reduce_scalars(flags, device, op="max")
 
 
 def ranks_that_differ(tensors: Iterable[torch.Tensor], device: torch.device) -> list[int]:
