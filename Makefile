@@ -54,6 +54,8 @@ bench: venv data
 	$(PY) scripts/bench_loader.py
 	$(PY) scripts/bench_allreduce.py
 	$(PY) scripts/bench_comm.py
+	$(PY) scripts/bench_small_allreduce.py
+	$(PY) scripts/bench_cluster.py
 	$(PY) scripts/simulate_scaling.py
 
 reliability: venv data

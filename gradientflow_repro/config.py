@@ -155,12 +155,10 @@ def validate(cfg: Config | DictConfig, world_size: int) -> None:
     for key, value, allowed in field_problems(Config, cfg):  # what each field declares
         _fail(key, value, allowed)
     try:
-        knobs = resolve(cfg.comm)
+        resolve(cfg.comm)  # raises naming the comm.* key at fault
     except ValueError as error:
         raise ConfigError(str(error)) from None
     # rules that involve several keys, or the machine
-    if knobs.algorithm == "hierarchical" and knobs.ranks_per_node and world_size % knobs.ranks_per_node:
-        _fail("comm.ranks_per_node", knobs.ranks_per_node, f"must divide the world size {world_size}")
     if cfg.optim.name == "apex_larc" and importlib.util.find_spec("apex") is None:
         _fail("optim.name", cfg.optim.name, "needs NVIDIA apex, which is not installed (README: apex)")
     if cfg.optim.warmup_epochs > cfg.epochs:

@@ -30,6 +30,9 @@ from typing import Iterable, Mapping, NoReturn, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from gradientflow_repro.comm.base import CommStats
+from gradientflow_repro.comm.recursive_doubling import small_sum
+
 
 @dataclass(frozen=True)
 class World:
@@ -372,13 +375,17 @@ def destroy_process_group_and_exit() -> NoReturn:
 def all_reduce_scalars(values: Sequence[torch.Tensor | float], device: torch.device,
                        op: str = "sum") -> list[float]:
     """Reduce a few numbers across ranks in one collective, read back once. A value may be a
-    one-element tensor on the device (a count summed there without reading it back)."""
+    one-element tensor on the device (a count summed there without reading it back). A small
+    message: recursive doubling on gloo (log2(N) latencies), NCCL's own allreduce (its trees), as
+    ``recursive_doubling.small_sum`` sends it."""
     tensor = torch.stack([value.reshape(()).double() if isinstance(value, torch.Tensor)
                           else torch.full((), float(value), dtype=torch.float64, device=device)
                           for value in values])
-    if dist.is_initialized():
-        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        dist.all_reduce(tensor, op=reduce_op)
+    if op == "min":  # (recursive doubling knows sum and max)
+        if dist.is_initialized():
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    else:
+        small_sum(op=op)(tensor, CommStats())
     return tensor.tolist()
 
 

@@ -48,6 +48,7 @@ class Trainer:
         self.comm = build_communicator(OmegaConf.to_container(cfg.comm), device,
                                        world.local_world_size, world.local_rank)
         self.train_model = self.comm.attach(self.model, self.optimizer)
+        self._print(f"communication: {cfg.comm.strategy}, {self.comm.summing}")
         self.schedule = build_schedule(cfg.optim, cfg.global_batch_size, self.data.steps_per_epoch,
                                        cfg.epochs)
         self.precision = Precision(cfg.precision, device)

@@ -596,8 +596,9 @@ def _gather_cpu(tensors: list[torch.Tensor], world: int) -> list[list[torch.Tens
 
 
 def _residuals(comm: Any, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
-    """CSC's per-rank residual of each parameter (zeros for dense strategies and dense parts).
-    ``comm.residual`` is per pool part; ``comm.buckets`` says where each parameter lies in it."""
+    """CSC's per-rank residual of each parameter (zeros for dense strategies and dense tails).
+    ``comm.residual`` is per pool part and covers its chunks; ``comm.buckets`` says where each
+    parameter lies in the part (a parameter past the chunks is in the dense tail: no residual)."""
     by_param = {id(p): torch.zeros(p.shape) for p in params}
     for index, bucket in enumerate(getattr(comm, "buckets", [])):
         residual = getattr(comm, "residual", {}).get(index)
@@ -605,7 +606,8 @@ def _residuals(comm: Any, params: list[torch.nn.Parameter]) -> list[torch.Tensor
             continue
         flat = residual.detach().reshape(-1).cpu()
         for param, offset in zip(bucket.params, bucket.offsets):
-            by_param[id(param)] = flat[offset:offset + param.numel()].view(param.shape).clone()
+            if offset + param.numel() <= flat.numel():
+                by_param[id(param)] = flat[offset:offset + param.numel()].view(param.shape).clone()
     return [by_param[id(p)] for p in params]
 
 

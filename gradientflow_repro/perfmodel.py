@@ -1,9 +1,20 @@
 """A scaling model: step time and speedup of data-parallel training for N GPUs, per strategy.
 
 Inputs: when each gradient tensor becomes ready during backward (from a profile), its size, the
-compute times, and the network: link bandwidth B (bytes/s per direction per rank), per-message
-latency a, ranks per node and the intra-node bandwidth. A ring allreduce of S bytes over n ranks
-costs 2(n-1) (a + S / (n B)): 2(n-1)/n of the data crosses every link, in 2(n-1) messages.
+compute times, and the network: link bandwidth B (bytes/s per direction per node uplink), per-
+message latency a, ranks per node and the intra-node bandwidth. Collectives, as the communicators
+send them:
+- large messages (more than ``small_message_bytes``): a ring allreduce of S bytes over n ranks
+  costs 2(n-1) (a + S / (n B)): 2(n-1)/n of the data crosses every link, in 2(n-1) messages.
+  Ranks are placed node by node (as torchrun and Slurm number them), so a flat ring crosses each
+  node's uplink once in each direction: one flow, the full B;
+- small messages (our recursive doubling; NCCL's trees): log2(p) exchange steps of the whole
+  message (plus two to fold in the ranks beyond the largest power of two p <= n). A step's pairs
+  at a distance of at least the node size cross the network, and then all ranks of a node send
+  through its one uplink at once: that step costs a + (crossing ranks of the busiest node) x S / B.
+  Nodes may be partly filled (world sizes that are not a multiple of the node size);
+- two-level (``hierarchical``, and ``auto`` on more than one node of more than one rank): reduce
+  inside each node, ring among the node leaders, broadcast inside the node.
 
 Strategies are the knobs of ``comm/knobs.py`` as the model sees them (``Strategy.from_knobs``; the
 ladder of `make reproduce` is derived from ``knobs.LADDER``, not retyped):
@@ -12,20 +23,19 @@ ladder of `make reproduce` is derived from ``knobs.LADDER``, not retyped):
   one allreduce per bucket;
 - ``overlap``: a message may start as soon as its data is ready (backward continues meanwhile);
   without it every message starts after backward. Messages go one at a time, in order;
-- ``wire_bytes``: 4 for fp32, 2 for the fp16 wire (plus one tiny allreduce per message for the
-  shared scale, and the local work of finding the peak, scaling, casting and casting back: a
-  measured cost per element sent, on the communication path);
-- ``density`` < 1 (CSC): multi-dimensional tensors send ceil(density x chunks) whole chunks of
-  ``chunk_elements``, after an allreduce of the chunk norms (one fp32 value per chunk, by the
-  backend's own allreduce, priced at its size) and after CSC's local work (norms, selection,
-  packing: a measured cost per element, on the communication path); one-dimensional tensors go
-  dense, in pool parts of their own after the others (as ``comm/csc.py`` lays out the pool);
-- ``hierarchical``: reduce inside each node, ring among node leaders, broadcast inside the node;
+- ``wire_bytes``: 4 for fp32, 2 for the fp16 wire (plus one small allreduce per message for the
+  shared scale, and the local work of finding the peak, scaling, casting, reducing in fp32 and
+  rounding once (as the ring adds fp16 segments), casting back: a cost per element sent, on the
+  communication path);
+- ``density`` < 1 (CSC): each pool part (``pool.csc_parts``) sends ceil(density x chunks) whole
+  chunks of ``chunk_elements`` of its multi-dimensional tensors plus its one-dimensional tensors
+  whole, in one payload, after one small allreduce of the chunk norms (one fp32 value per chunk,
+  plus one for the fp16 wire's scale), and after CSC's local work (a cost per element);
 - ``builtin``: the backend's own allreduce (``allreduce``, ``ddp``). On a cluster that is NCCL's
-  ring, priced like ours. Where the network description carries the builtin's own measured cost by
-  message size (as nccl-tests measures it), that table is used instead, interpolated linearly in
-  bytes: the builtin is a black box (gloo picks its algorithm by size, and small calls pay the
-  host's scheduling), so it is measured, not described by two numbers.
+  ring and trees, priced like ours. Where the network description carries the builtin's own
+  measured cost by message size (as nccl-tests measures it), that table is used instead,
+  interpolated linearly in bytes: the builtin is a black box (gloo picks its algorithm by size,
+  and small calls pay the host's scheduling), so it is measured, not described by two numbers.
 
 Step time = forward + max(end of backward, end of the last message) + optimizer. Speedup for N GPUs
 is weak scaling (fixed per-GPU batch): N * step(1) / step(N).
@@ -38,10 +48,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Optional
 
 from gradientflow_repro.comm import knobs as comm_knobs
-from gradientflow_repro.comm.pool import pack_parts
+from gradientflow_repro.comm.pool import csc_parts, pack_parts
 
 
 @dataclass(frozen=True)
@@ -75,14 +86,17 @@ class ModelProfile:
 
 @dataclass(frozen=True)
 class Network:
-    bandwidth_Bps: float  # per rank and direction, between nodes
+    bandwidth_Bps: float  # per node uplink and direction, between nodes
     latency_s: float  # per message
     ranks_per_node: int = 1
     intra_bandwidth_Bps: float = float("inf")
     intra_latency_s: float = 0.0
-    tiny_allreduce_s: Optional[float] = None  # measured cost of a one-value allreduce, if known
+    tiny_allreduce_s: Optional[float] = None  # measured cost of the one-value allreduce (fp16 scale), if known
     # the backend's allreduce, if measured: (payload bytes, seconds per call), by increasing size
     builtin_cost_by_size: Optional[tuple[tuple[float, float], ...]] = None
+    # NCCL: small messages go to NCCL's own allreduce (``recursive_doubling.small_sum``), whose tuner
+    # takes the faster of its tree and its ring for each size; gloo: our recursive doubling always
+    nccl: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,8 +108,8 @@ class Strategy:
     wire_bytes: int = 4
     density: float = 1.0
     chunk_elements: int = 32768
-    hierarchical: bool = False
-    builtin: bool = False
+    algorithm: str = "ring"  # builtin | ring | hierarchical | auto, as ``comm.algorithm``
+    small_message_bytes: float = comm_knobs.SMALL_MESSAGE_BYTES  # recursive doubling up to here
 
     @classmethod
     def from_knobs(cls, name: str, knobs: comm_knobs.CommConfig) -> "Strategy":
@@ -109,8 +123,12 @@ class Strategy:
                    overlap=knobs.fusion == "ddp" or (knobs.fusion == "lazy" and bool(knobs.overlap)),
                    wire_bytes=2 if knobs.wire == "fp16" else 4,
                    density=knobs.density if knobs.sparsity == "csc" else 1.0,
-                   chunk_elements=knobs.chunk_size, hierarchical=knobs.algorithm == "hierarchical",
-                   builtin=knobs.algorithm == "builtin")
+                   chunk_elements=knobs.chunk_size, algorithm=knobs.algorithm,
+                   small_message_bytes=comm_knobs.small_message_bytes(knobs))
+
+    @property
+    def builtin(self) -> bool:
+        return self.algorithm == "builtin"
 
 
 # The ablation ladder of `make reproduce` (comm.knobs.LADDER), as the model sees it.
@@ -146,14 +164,79 @@ def measured_cost_s(payload_bytes: float, cost_by_size: tuple[tuple[float, float
     return largest_s * payload_bytes / largest
 
 
-def allreduce_s(payload_bytes: float, ranks: int, net: Network, hierarchical: bool,
-                builtin: bool = False) -> float:
-    """One allreduce of ``payload_bytes`` among ``ranks`` ranks placed ``net.ranks_per_node`` per node."""
-    if builtin and net.builtin_cost_by_size and ranks > 1:
+def recursive_doubling_pairs(ranks: int) -> list[list[tuple[int, int]]]:
+    """The exchange steps of recursive doubling over ``ranks`` ranks, as ``comm/recursive_doubling.py``
+    runs them: with p the largest power of two <= n and r = n - p, ranks 2i and 2i+1 (i < r) first
+    fold (the even hands its data to the odd), the p remaining ranks exchange with the rank whose
+    index differs in bit k at step k, and the folded ranks get the result back."""
+    p = 1 << (ranks.bit_length() - 1)
+    extra = ranks - p
+    fold = [(2 * i, 2 * i + 1) for i in range(extra)]
+    members = [2 * i + 1 for i in range(extra)] + list(range(2 * extra, ranks))
+    steps = [fold] if fold else []
+    distance = 1
+    while distance < p:
+        steps.append([(members[i], members[i ^ distance]) for i in range(p) if i < i ^ distance])
+        distance *= 2
+    return steps + ([fold] if fold else [])
+
+
+@lru_cache(maxsize=4096)
+def small_allreduce_s(payload_bytes: float, ranks: int, net: Network) -> float:
+    """Recursive doubling of ``payload_bytes`` over ``ranks`` ranks placed ``net.ranks_per_node``
+    per node (the last node may be partly filled): a step whose pairs stay inside every node costs
+    an intra-node message; one that crosses costs a + (ranks of the busiest node whose partner is
+    elsewhere) x S / B, since a node's ranks share its uplink."""
+    if ranks <= 1 or payload_bytes <= 0:
+        return 0.0
+    per_node = max(1, net.ranks_per_node)
+    total = 0.0
+    for pairs in recursive_doubling_pairs(ranks):
+        crossing: dict[int, int] = {}
+        for a, b in pairs:
+            if a // per_node != b // per_node:
+                crossing[a // per_node] = crossing.get(a // per_node, 0) + 1
+                crossing[b // per_node] = crossing.get(b // per_node, 0) + 1
+        if crossing:
+            total += net.latency_s + max(crossing.values()) * payload_bytes / net.bandwidth_Bps
+        else:
+            total += net.intra_latency_s + payload_bytes / net.intra_bandwidth_Bps
+    return total
+
+
+def allreduce_s(payload_bytes: float, ranks: int, net: Network, algorithm: str = "ring",
+                small_message_bytes: float = comm_knobs.SMALL_MESSAGE_BYTES) -> float:
+    """One allreduce of ``payload_bytes`` among ``ranks`` ranks placed ``net.ranks_per_node`` per
+    node (node by node; the last node may be partly filled) by ``algorithm`` (``comm.algorithm``),
+    recursive doubling up to ``small_message_bytes``."""
+    if ranks <= 1 or payload_bytes <= 0:
+        return 0.0
+    if algorithm == "builtin" and net.builtin_cost_by_size:
         return measured_cost_s(payload_bytes, net.builtin_cost_by_size)
+    builtin_gloo = algorithm == "builtin" and not net.nccl  # gloo's own: a ring, unless measured
+    if payload_bytes <= small_message_bytes and not builtin_gloo:
+        small = small_allreduce_s(payload_bytes, ranks, net)
+        return min(small, _ring_s(payload_bytes, ranks, net, algorithm)) if net.nccl else small
+    return _ring_s(payload_bytes, ranks, net, algorithm)
+
+
+def switch_over_bytes(ranks: int, net: Network, algorithm: str = "ring") -> int:
+    """The largest power of two of bytes up to which recursive doubling beats the ring (or the
+    two-level ring) on ``net``: where ``comm.small_message_kb`` belongs for that network."""
+    if small_allreduce_s(4, ranks, net) >= _ring_s(4, ranks, net, algorithm):
+        return 0
+    size = 4
+    while size < 1 << 30 and small_allreduce_s(2 * size, ranks, net) < _ring_s(2 * size, ranks, net, algorithm):
+        size *= 2
+    return size
+
+
+def _ring_s(payload_bytes: float, ranks: int, net: Network, algorithm: str) -> float:
+    """A large message: the ring over every rank, or over the node leaders with the node's own
+    reduce and broadcast around it (two-level)."""
     per_node = min(net.ranks_per_node, ranks)
-    nodes = max(1, ranks // per_node)
-    if hierarchical and per_node > 1:
+    nodes = -(-ranks // per_node)
+    if comm_knobs.two_level(algorithm, ranks, per_node) and per_node > 1:
         # reduce to the leader and broadcast back: each a pipeline over the node's ranks
         inside = 2 * ((per_node - 1) * net.intra_latency_s + payload_bytes / net.intra_bandwidth_Bps)
         return inside + ring_allreduce_s(payload_bytes, nodes, net.bandwidth_Bps, net.latency_s)
@@ -167,46 +250,81 @@ class Message:
     """One summed part of the gradients, as the communicator sends it."""
     ready_s: float  # when its last gradient is complete, after the start of backward
     payload_bytes: float  # what the summing algorithm carries
-    scalar_allreduces: int  # one-value allreduces before it (the fp16 wire's shared scale)
+    small_bytes: float  # the small allreduce before it: CSC's chunk norms (+ the fp16 peak), or the
+    # fp16 wire's one-value scale; 0 when none
     local_work_s: float  # CSC's and the fp16 wire's own work on the communication path
-    norm_bytes: float = 0.0  # CSC's chunk norms: summed first, by the backend's own allreduce
 
 
-def pool_parts(profile: ModelProfile, strategy: Strategy) -> list[tuple[list[TensorProfile], int]]:
-    """The parts one step sends, in sending order, each with its length in elements after padding:
-    one per tensor, or the pool's parts (``comm/pool.py``). With CSC the pool holds the
-    multi-dimensional gradients first, padded to whole chunks, and the one-dimensional ones (always
-    dense) in parts of their own after them, as ``comm/csc.py`` lays it out."""
+def pool_parts(profile: ModelProfile, strategy: Strategy) -> list[tuple[list[TensorProfile], int, int]]:
+    """The parts one step sends, in sending order, each as (its tensors, its length in elements,
+    the length of its sparse section): one per tensor, or the pool's parts (``comm/pool.py``; with
+    CSC each part's multi-dimensional tensors padded to whole chunks, then its one-dimensional ones,
+    as ``comm/csc.py`` lays it out)."""
     tensors = list(profile.tensors)
-    if strategy.fusion == "per_tensor":
-        return [([t], t.elements) for t in tensors]
+    if strategy.fusion == "per_tensor":  # (CSC per tensor exists only in the model: a tensor is a part)
+        return [([t], padded if (padded := _sparse_section(t, strategy)) else t.elements, padded)
+                for t in tensors]
+    sizes = [t.elements for t in tensors]
     if strategy.density < 1:
-        groups = [([t for t in tensors if not t.one_dimensional], strategy.chunk_elements),
-                  ([t for t in tensors if t.one_dimensional], 1)]
-    else:
-        groups = [(tensors, 1)]
-    return [([group[i] for i in part.indices], part.elements)
-            for group, multiple in groups
-            for part in pack_parts([t.elements for t in group], strategy.bucket_bytes, multiple)]
+        return [([tensors[i] for i in (*part.sparse, *part.dense)], part.elements, part.sparse_elements)
+                for part in csc_parts(sizes, [t.one_dimensional for t in tensors], strategy.bucket_bytes,
+                                      strategy.chunk_elements)]
+    return [([tensors[i] for i in part.indices], part.elements, 0)
+            for part in pack_parts(sizes, strategy.bucket_bytes)]
 
 
-def _message(tensors: list[TensorProfile], padded: int, profile: ModelProfile, strategy: Strategy) -> Message:
-    cast = profile.wire_cast_s_per_element if strategy.wire_bytes < 4 else 0.0
-    sparse_elements = sum(t.elements for t in tensors if strategy.density < 1 and not t.one_dimensional)
-    dense_elements = sum(t.elements for t in tensors) - sparse_elements
-    # as csc.py: a part padded to whole chunks (pool_parts), of which ceil(density x chunks) are sent
-    chunks = -(-padded // strategy.chunk_elements) if sparse_elements else 0
-    sent_elements = dense_elements + math.ceil(strategy.density * chunks) * strategy.chunk_elements
-    return Message(ready_s=max(t.ready_s for t in tensors),
-                   payload_bytes=sent_elements * strategy.wire_bytes,
-                   scalar_allreduces=1 if strategy.wire_bytes < 4 else 0,
-                   local_work_s=sparse_elements * profile.sparsify_s_per_element + sent_elements * cast,
-                   norm_bytes=4.0 * chunks)
+def _sparse_section(tensor: TensorProfile, strategy: Strategy) -> int:
+    """A tensor's elements padded to whole chunks when CSC sparsifies it alone, else 0."""
+    if strategy.density >= 1 or tensor.one_dimensional:
+        return 0
+    return -(-tensor.elements // strategy.chunk_elements) * strategy.chunk_elements
+
+
+def _message(tensors: list[TensorProfile], elements: int, sparse_elements: int, profile: ModelProfile,
+             strategy: Strategy) -> Message:
+    fp16 = strategy.wire_bytes < 4
+    cast = profile.wire_cast_s_per_element if fp16 else 0.0
+    chunks = sparse_elements // strategy.chunk_elements
+    # as csc.py: ceil(density x chunks) chunks of the sparse section, then the dense tail, in one
+    # payload; the norms and the fp16 peak in one small allreduce before it
+    sent = (elements - sparse_elements) + math.ceil(strategy.density * chunks) * strategy.chunk_elements
+    small = 4.0 * (chunks + (1 if fp16 else 0)) if chunks else (4.0 if fp16 else 0.0)
+    return Message(ready_s=max(t.ready_s for t in tensors), payload_bytes=sent * strategy.wire_bytes,
+                   small_bytes=small,
+                   local_work_s=sparse_elements * profile.sparsify_s_per_element + sent * cast)
 
 
 def messages(profile: ModelProfile, strategy: Strategy) -> list[Message]:
     """The messages of one step, in sending order (``pool_parts``)."""
-    return [_message(tensors, padded, profile, strategy) for tensors, padded in pool_parts(profile, strategy)]
+    return [_message(tensors, elements, sparse, profile, strategy)
+            for tensors, elements, sparse in pool_parts(profile, strategy)]
+
+
+def message_s(message: Message, ranks: int, net: Network, strategy: Strategy) -> float:
+    """Seconds one message keeps the communication path busy: its local work, its small allreduce
+    (always recursive doubling or NCCL's tree, whatever the algorithm; the measured one-value cost
+    for a bare fp16 scale, when known) and its payload."""
+    if message.small_bytes == 4.0 and net.tiny_allreduce_s is not None:
+        small = net.tiny_allreduce_s
+    elif net.nccl:
+        small = allreduce_s(message.small_bytes, ranks, net, strategy.algorithm, strategy.small_message_bytes)
+    else:
+        small = small_allreduce_s(message.small_bytes, ranks, net)
+    return message.local_work_s + small + allreduce_s(message.payload_bytes, ranks, net, strategy.algorithm,
+                                                      strategy.small_message_bytes)
+
+
+def sent_bytes(payload_bytes: float, ranks: int, strategy: Strategy, small: bool = False) -> float:
+    """Bytes rank 0 sends for one allreduce (the rank whose counts runs report): the ring's (and, as
+    communicators count them, any builtin's) 2(N-1)/N of the payload, or for a small message of our
+    own (``small``: always, as CSC's norms and the fp16 scale) the payload once per recursive-
+    doubling step, or once in all when rank 0 folds (N not a power of two)."""
+    if ranks <= 1:
+        return 0.0
+    if small or (not strategy.builtin and payload_bytes <= strategy.small_message_bytes):
+        power = 1 << (ranks.bit_length() - 1)
+        return payload_bytes * (1 if ranks > power else power.bit_length() - 1)
+    return 2 * (ranks - 1) / ranks * payload_bytes
 
 
 def predict_step(profile: ModelProfile, ranks: int, net: Network, strategy: Strategy) -> StepPrediction:
@@ -215,16 +333,12 @@ def predict_step(profile: ModelProfile, ranks: int, net: Network, strategy: Stra
         return StepPrediction(compute, 0.0, 0.0, compute, 0.0)
     clock = 0.0 if strategy.overlap else profile.backward_s  # relative to the start of backward
     busy = sent = 0.0
-    tiny = net.tiny_allreduce_s if net.tiny_allreduce_s is not None else allreduce_s(
-        4.0, ranks, net, strategy.hierarchical)
     for message in messages(profile, strategy):
-        cost = (message.local_work_s + message.scalar_allreduces * tiny
-                + allreduce_s(message.payload_bytes, ranks, net, strategy.hierarchical, strategy.builtin))
-        if message.norm_bytes:  # CSC's norms travel in the backend's own allreduce (comm/csc.py)
-            cost += allreduce_s(message.norm_bytes, ranks, net, strategy.hierarchical, builtin=True)
+        cost = message_s(message, ranks, net, strategy)
         clock = max(clock, message.ready_s if strategy.overlap else profile.backward_s) + cost
         busy += cost
-        sent += 2 * (ranks - 1) / ranks * (message.payload_bytes + message.norm_bytes)
+        sent += (sent_bytes(message.payload_bytes, ranks, strategy)
+                 + sent_bytes(message.small_bytes, ranks, strategy, small=True))
     exposed = max(0.0, clock - profile.backward_s)
     return StepPrediction(compute, busy, exposed, compute + exposed, sent)
 
@@ -261,7 +375,19 @@ PAPER_SINGLE_GPU_IMAGES_S = IMAGENET_TRAIN * PAPER_EPOCHS / (PAPER_MINUTES * 60)
 ASSUMED_GPUS_PER_NODE = 8  # assumption: the common 8-GPU server (the paper's is not known to us)
 ASSUMED_LATENCY_S = 10e-6  # assumption: per message of a ring step over InfiniBand with NCCL/MPI
 ASSUMED_INTRA_NODE_BPS = 10e9  # assumption: PCIe 3.0 x16 between GPUs of a node (no NVLink)
-ASSUMED_BACKWARD_SHARE = 2 / 3  # assumption: backward takes twice the forward's time
+ASSUMED_BACKWARD_SHARE = 2 / 3  # assumption: backward takes twice the forward's time (the by-size stand-in)
+# The local work of CSC and of the fp16 wire on a GPU is memory-bound: priced as the bytes it moves
+# over the GPU's memory bandwidth. Assumed: a V100 (the paper's GPU by our unverified recollection)
+# streams about 800 GB/s in practice (BabelStream, Deakin et al. 2018, of its 900 GB/s peak).
+ASSUMED_GPU_MEMORY_BPS = 800e9
+# Bytes moved per element of a sparsified section, counted from comm/csc.py's operations in one
+# sparse step: unscale (read+write 8), momentum u <- m u + g (12), v + u into the spare (12), chunk
+# norms (4), peak (4), re-scale the part (8), zero the section (4), and ~density x 20 for packing,
+# clearing and writing back the chosen chunks: about 54 at density 0.1.
+CSC_BYTES_PER_ELEMENT = 54
+# Per element the fp16 wire sends: scale and cast (read 4, write 2), cast back and unscale (read 2,
+# write 4).
+FP16_WIRE_BYTES_PER_ELEMENT = 12
 # torchvision AlexNet parameter tensors (weights and biases), in forward order
 ALEXNET_LAYERS: tuple[tuple[int, bool], ...] = (
     (64 * 3 * 11 * 11, False), (64, True), (192 * 64 * 5 * 5, False), (192, True),
@@ -278,9 +404,15 @@ def paper_profile() -> ModelProfile:
                            0.0, flags)
 
 
+def gpu_local_work(profile: ModelProfile, memory_Bps: float = ASSUMED_GPU_MEMORY_BPS) -> ModelProfile:
+    """``profile`` with CSC's and the fp16 wire's local work priced for a GPU of ``memory_Bps``."""
+    return replace(profile, sparsify_s_per_element=CSC_BYTES_PER_ELEMENT / memory_Bps,
+                   wire_cast_s_per_element=FP16_WIRE_BYTES_PER_ELEMENT / memory_Bps)
+
+
 def paper_network() -> Network:
     return Network(PAPER_LINK_GBPS * 1e9 / 8, ASSUMED_LATENCY_S, ASSUMED_GPUS_PER_NODE,
-                   ASSUMED_INTRA_NODE_BPS, ASSUMED_LATENCY_S)
+                   ASSUMED_INTRA_NODE_BPS, ASSUMED_LATENCY_S, nccl=True)
 
 
 def paper_dense_ratio() -> tuple[float, str]:

@@ -2,7 +2,8 @@
 # The paper's headline run: AlexNet-BN on ImageNet, 95 epochs, 512 GPUs (64 nodes x 8), fp16.
 #
 #   sbatch slurm/alexnet_512gpu.sh [Hydra overrides]      (from the repository root)
-#   sbatch slurm/alexnet_512gpu.sh comm=gradientflow      the paper's full communication stack
+#   sbatch slurm/alexnet_512gpu.sh comm=allreduce         the naive baseline (the default is comm=gradientflow,
+#                                                    the paper's full stack, two-level ring across nodes)
 #   sbatch --nodes=8 slurm/alexnet_512gpu.sh              64 GPUs: sbatch options override #SBATCH
 #
 # Before the time limit Slurm sends SIGUSR1; the ranks agree to stop after the same step, write a

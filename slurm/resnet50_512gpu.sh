@@ -2,7 +2,8 @@
 # ResNet-50 on ImageNet, 90 epochs, 512 GPUs (64 nodes x 8), fp16 (the paper's second model).
 #
 #   sbatch slurm/resnet50_512gpu.sh [Hydra overrides]      (from the repository root)
-#   sbatch slurm/resnet50_512gpu.sh comm=gradientflow      the paper's full communication stack
+#   sbatch slurm/resnet50_512gpu.sh comm=allreduce         the naive baseline (the default is comm=gradientflow,
+#                                                    the paper's full stack, two-level ring across nodes)
 #   sbatch --nodes=8 slurm/resnet50_512gpu.sh              64 GPUs: sbatch options override #SBATCH
 #
 # Before the time limit Slurm sends SIGUSR1; the ranks agree to stop after the same step, write a

@@ -110,7 +110,9 @@ def _same_selection_and_no_loss(rank: int, world: int, out: str) -> None:
                                 f"density {comm.density_now:.3f}")
         model.zero_grad(set_to_none=True)
     for i, bucket in enumerate(comm.buckets):
-        held_back = comm.residual[i].reshape(-1).clone() if i in comm.residual else torch.zeros_like(bucket.flat)
+        held_back = torch.zeros_like(bucket.flat)  # the residual covers the part's chunks, not its dense tail
+        if i in comm.residual:
+            held_back[:bucket.sparse_elements] = comm.residual[i].reshape(-1)
         dist.all_reduce(held_back)
         if not torch.allclose(sent_total[i] + held_back, grad_total[i], rtol=1e-5, atol=1e-5):
             failures.append(f"part {i}: sent + residual != gradients "
@@ -283,4 +285,75 @@ def _ddp_csc_hook(rank: int, world: int, out: str) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_csc_as_a_ddp_communication_hook(world: int, tmp_path: Path) -> None:
     spawn(_ddp_csc_hook, world, str(tmp_path))
+    assert_no_failures(tmp_path, world)
+
+
+def _two_collectives_per_part(rank: int, world: int, out: str) -> None:
+    """The full stack's CSC (fp16 wire, recursive doubling for small messages): two collectives per
+    pool part, the bytes it reports are the bytes its point-to-point sends carry, the folded peak
+    keeps the fp16 sum close to the fp32 one, and an overflow in a dense tail reaches every rank."""
+    from gradientflow_repro.comm.compression import Fp16Wire
+    from gradientflow_repro.comm.recursive_doubling import SizedSum
+
+    sent_bytes = [0]
+    real_batch = dist.batch_isend_irecv
+
+    def counting_batch(ops):  # every byte our algorithms send goes through here
+        sent_bytes[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return real_batch(ops)
+
+    dist.batch_isend_irecv = counting_batch
+    failures = []
+    half_model, full_model = Net(), Net()
+    half = CSCCommunicator(CPU, Fp16Wire(SizedSum(ring_sum(segment_bytes=1024)), world), bucket_bytes=4096,
+                           overlap=True, chunk_size=100, density=0.3, warmup_epochs=0.0, momentum_correction=True)
+    full = CSCCommunicator(CPU, ring_sum(segment_bytes=1024), bucket_bytes=4096, overlap=True, chunk_size=100,
+                           density=0.3, warmup_epochs=0.0, momentum_correction=True)
+    half.attach(half_model, torch.optim.SGD(half_model.parameters(), lr=0.1, momentum=0.9))
+    full.attach(full_model, torch.optim.SGD(full_model.parameters(), lr=0.1, momentum=0.9))
+    if not any(b.sparse_elements and b.sparse_elements < b.flat.numel() for b in half.buckets):
+        failures.append("no pool part holds both chunks and a dense tail")
+    for model, comm in ((half_model, half), (full_model, full)):  # the first sparse step: same residuals
+        comm.begin_step(epoch=1.0)
+        sent_bytes[0] = 0  # (parts are sent during backward, by the communication thread)
+        backward(model, rank, 0)
+        comm.synchronize()
+        comm.end_step(True)
+        stats = comm.stats.take()
+        if comm is half:
+            if stats["collectives"] != 2 * len(comm.buckets):
+                failures.append(f"{stats['collectives']} collectives for {len(comm.buckets)} pool parts")
+            if stats["bytes"] != sent_bytes[0]:
+                failures.append(f"reports {stats['bytes']} bytes, sent {sent_bytes[0]}")
+    if half.last_selection.keys() != full.last_selection.keys() or any(
+            not torch.equal(half.last_selection[i], full.last_selection[i]) for i in half.last_selection):
+        failures.append("the fp16 wire changed which chunks were chosen")
+    for a, b in zip(half_model.parameters(), full_model.parameters()):
+        tolerance = 2e-3 * b.grad.abs().max().item() + 1e-7
+        if not torch.allclose(a.grad, b.grad, rtol=0, atol=tolerance):
+            failures.append(f"fp16 result off by {(a.grad - b.grad).abs().max():.3g} (tolerance {tolerance:.3g})")
+    # an overflow in a one-dimensional tensor (the dense tail) on one rank reaches every rank
+    half_model.zero_grad(set_to_none=True)
+    half.begin_step(epoch=1.0)
+    if rank == world - 1:
+        hook = half_model.norm.bias.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+    backward(half_model, rank, 1)
+    if rank == world - 1:
+        hook.remove()
+    before = {i: t.clone() for i, t in half.residual.items()}
+    half.synchronize()
+    if torch.isfinite(half_model.norm.bias.grad).all():
+        failures.append("an inf in a dense tail on one rank did not reach this rank")
+    half.end_step(applied=False)
+    if any(not torch.equal(before[i], half.residual[i]) for i in before):
+        failures.append("a skipped step changed the residuals")
+    dist.batch_isend_irecv = real_batch
+    half.close()
+    full.close()
+    torch.save(failures, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_csc_sends_two_collectives_per_pool_part(world: int, tmp_path: Path) -> None:
+    spawn(_two_collectives_per_part, world, str(tmp_path))
     assert_no_failures(tmp_path, world)

@@ -77,7 +77,8 @@ def _residual_per_param(params: list[nn.Parameter], pieces: Pieces) -> list[torc
             continue
         flat = residual.reshape(-1)
         for param, offset in zip(members, offsets):
-            by_param[id(param)] = flat[offset:offset + param.numel()].view_as(param).clone()
+            if offset + param.numel() <= flat.numel():  # past the chunks: a dense tail, no residual
+                by_param[id(param)] = flat[offset:offset + param.numel()].view_as(param).clone()
     return [by_param[id(p)] for p in params]
 
 
@@ -224,15 +225,48 @@ def _hook(rank: int, world: int, out: str, name: str) -> None:
 
 
 HOOKS = ("sum_hook", "csc_hook")
+# the paper's layers on top of the backend's own allreduce (a cluster user's NCCL), and `auto` on
+# two emulated nodes of two ranks (the two-level ring under the full stack)
+COMBINATIONS = {"gradientflow+builtin": {"strategy": "gradientflow", "algorithm": "builtin"},
+                "csc+builtin+fp16": {"strategy": "csc", "algorithm": "builtin", "wire": "fp16"},
+                "lazy+builtin+fp16": {"strategy": "lazy", "algorithm": "builtin", "wire": "fp16"},
+                "gradientflow+auto-2x2": {"strategy": "gradientflow", "ranks_per_node": 2}}
 CASES = [*((name, world) for name in STRATEGIES
            for world in ((2, 3, 4) if name == "hierarchical" else (2, 3))),
-         *((hook, world) for hook in HOOKS for world in (2, 3))]
+         *((hook, world) for hook in HOOKS for world in (2, 3)),
+         ("gradientflow+builtin", 2), ("gradientflow+builtin", 3), ("csc+builtin+fp16", 3),
+         ("lazy+builtin+fp16", 3), ("gradientflow+auto-2x2", 4),
+         ("gradientflow+auto-2x2", 3)]  # world 3: nodes of two and one
 
 
 @pytest.mark.parametrize("name,world", CASES, ids=[f"{n}-world{w}" for n, w in CASES])
 def test_every_strategy_and_hook_against_all_reduce(name: str, world: int, tmp_path: Path) -> None:
     if name in HOOKS:
         spawn(_hook, world, str(tmp_path), name)
+    elif name in COMBINATIONS:
+        spawn(_strategy, world, str(tmp_path), {**_options(COMBINATIONS[name]["strategy"], world),
+                                                **COMBINATIONS[name]})
     else:
         spawn(_strategy, world, str(tmp_path), _options(name, world))
     assert_no_failures(tmp_path, world)
+
+
+def _chosen_algorithm(rank: int, world: int, out: str) -> None:
+    """What `comm=gradientflow` sums with, by the launcher's ranks per node."""
+    from gradientflow_repro.comm.hierarchical import HierarchicalSum
+
+    found = {}
+    for per_node in (None, 1, 2, 4):
+        comm = build_communicator({"strategy": "gradientflow"}, CPU, ranks_per_node=per_node,
+                                  local_rank=None if per_node is None else rank % per_node)
+        large = comm.sum_fn.inner.large  # inside the fp16 wire: small messages by recursive doubling
+        found[per_node] = (comm.summing, isinstance(large, HierarchicalSum))
+    torch.save(found, Path(out) / f"rank{rank}.pt")
+
+
+def test_gradientflow_is_two_level_on_several_nodes_of_several_ranks(tmp_path: Path) -> None:
+    spawn(_chosen_algorithm, 4, str(tmp_path))
+    found = torch.load(tmp_path / "rank0.pt")
+    assert found[2] == ("two-level ring (2 nodes x 2 ranks), fp16 wire", True)
+    for flat in (None, 1, 4):  # no launcher figure, one rank per node, or one node
+        assert found[flat] == ("flat ring over 4 ranks, fp16 wire", False)

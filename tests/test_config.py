@@ -150,7 +150,7 @@ def test_presets_are_the_yaml_and_show_every_knob() -> None:
         assert all(getattr(resolved, knob) == knobs[knob] for knob in KNOB_VALUES)
     full = resolve({"strategy": "gradientflow"})
     knobs = (full.algorithm, full.wire, full.fusion, full.overlap, full.sparsity)
-    assert knobs == ("ring", "fp16", "lazy", True, "csc")
+    assert knobs == ("auto", "fp16", "lazy", True, "csc")  # auto: two-level on several multi-rank nodes
     for label, options in LADDER.items():  # every rung composes through Hydra to the same knobs
         from gradientflow_repro.comm.knobs import hydra_overrides
 

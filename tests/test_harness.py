@@ -14,7 +14,7 @@ from gradientflow_repro import perfmodel as pm
 from gradientflow_repro.comm import knobs
 from gradientflow_repro.comm.csc import CSCCommunicator
 from gradientflow_repro.comm.lazy import LazyAllreduce
-from gradientflow_repro.comm.pool import Part, pack_parts
+from gradientflow_repro.comm.pool import CSCPart, Part, csc_parts, pack_parts
 from gradientflow_repro.harness.reproduce import ladder_overrides
 from gradientflow_repro.harness.runs import dense_warmup_epochs
 
@@ -30,15 +30,15 @@ def test_the_analytic_model_imports_no_torch() -> None:
 
 def test_the_models_ladder_is_derived_from_the_knobs_with_the_values_it_always_had() -> None:
     assert pm.LADDER == (
-        pm.Strategy("allreduce", builtin=True),
-        pm.Strategy("ddp", fusion="bucket", bucket_bytes=25 * 2**20, overlap=True, builtin=True),
+        pm.Strategy("allreduce", algorithm="builtin"),
+        pm.Strategy("ddp", fusion="bucket", bucket_bytes=25 * 2**20, overlap=True, algorithm="builtin"),
         pm.Strategy("ring"),
         pm.Strategy("ring+fp16", wire_bytes=2),
         pm.Strategy("ring+fp16+lazy", fusion="bucket", bucket_bytes=32 * 2**20, overlap=True, wire_bytes=2),
         pm.Strategy("gradientflow", fusion="bucket", bucket_bytes=32 * 2**20, overlap=True, wire_bytes=2,
-                    density=0.1))
+                    density=0.1, algorithm="auto"))
     assert [s.name for s in pm.LADDER] == list(knobs.LADDER)
-    assert pm.Strategy.from_knobs("h", knobs.resolve({"strategy": "hierarchical"})).hierarchical
+    assert pm.Strategy.from_knobs("h", knobs.resolve({"strategy": "hierarchical"})).algorithm == "hierarchical"
 
 
 def test_reproduce_runs_the_knobs_ladder_and_skips_csc_warmup_only() -> None:
@@ -53,11 +53,15 @@ def test_reproduce_runs_the_knobs_ladder_and_skips_csc_warmup_only() -> None:
     assert dense_warmup_epochs({"summary": {"strategy": "csc"}}) == 1.0  # a run without its options
 
 
-def test_pack_parts_closes_a_part_at_the_threshold_and_pads_it() -> None:
+def test_pack_parts_closes_a_part_at_the_threshold() -> None:
     assert pack_parts([3, 2, 5, 1], threshold_bytes=20) == [Part((0, 1), 5), Part((2,), 5), Part((3,), 1)]
-    assert pack_parts([3, 2, 5, 1], threshold_bytes=20, multiple=4) == [
-        Part((0, 1), 8), Part((2,), 8), Part((3,), 4)]
     assert pack_parts([], threshold_bytes=20) == []
+
+
+def test_csc_parts_put_chunks_first_and_the_dense_tail_after() -> None:
+    parts = csc_parts([3, 2, 5, 1], [False, True, False, True], threshold_bytes=20, chunk_elements=4)
+    assert parts == [CSCPart((0,), (1,), 4, 2), CSCPart((2,), (), 8, 0), CSCPart((), (3,), 0, 1)]
+    assert [p.elements for p in parts] == [6, 8, 1]
 
 
 SIZE_LISTS = [  # (elements, multi-dimensional?) in backward order
@@ -72,10 +76,11 @@ def _params(sizes: list[tuple[int, bool]]) -> list[nn.Parameter]:
     return [nn.Parameter(torch.zeros(n, 1) if weight else torch.zeros(n)) for n, weight in sizes]
 
 
-def _model_parts(sizes: list[tuple[int, bool]], strategy: pm.Strategy) -> list[tuple[list[int], int]]:
+def _model_parts(sizes: list[tuple[int, bool]], strategy: pm.Strategy) -> list[tuple[list[int], int, int]]:
     profile = pm.ModelProfile(0.0, 1.0, 0.0, tuple(pm.TensorProfile(n, 0.1 * i, not weight)
                                                   for i, (n, weight) in enumerate(sizes)))
-    return [([t.elements for t in tensors], padded) for tensors, padded in pm.pool_parts(profile, strategy)]
+    return [([t.elements for t in tensors], elements, sparse)
+            for tensors, elements, sparse in pm.pool_parts(profile, strategy)]
 
 
 @pytest.mark.parametrize("sizes", SIZE_LISTS)
@@ -83,10 +88,10 @@ def _model_parts(sizes: list[tuple[int, bool]], strategy: pm.Strategy) -> list[t
 def test_the_model_prices_the_parts_the_pools_lay_out(sizes: list[tuple[int, bool]], bucket_bytes: int) -> None:
     params = _params(sizes)
     lazy = LazyAllreduce(torch.device("cpu"), None, bucket_bytes, overlap=False)
-    laid = [([p.numel() for p in b.params], b.flat.numel()) for b in lazy.layout(params)]
+    laid = [([p.numel() for p in b.params], b.flat.numel(), b.sparse_elements) for b in lazy.layout(params)]
     assert laid == _model_parts(sizes, pm.Strategy("lazy", fusion="bucket", bucket_bytes=bucket_bytes))
     csc = CSCCommunicator(torch.device("cpu"), None, bucket_bytes, False, chunk_size=1000, density=0.1,
                           warmup_epochs=0.0)
-    laid = [([p.numel() for p in b.params], b.flat.numel()) for b in csc.layout(params)]
+    laid = [([p.numel() for p in b.params], b.flat.numel(), b.sparse_elements) for b in csc.layout(params)]
     assert laid == _model_parts(sizes, pm.Strategy("csc", fusion="bucket", bucket_bytes=bucket_bytes,
                                                    density=0.1, chunk_elements=1000))

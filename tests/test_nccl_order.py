@@ -1,7 +1,8 @@
 """Every strategy built on point-to-point ops completes under NCCL's ordering rules (one stream per
 process group, ops in issue order, a send waits for its receiver; see ``nccl_order.py``) and still
 matches ``dist.all_reduce``: the ring, hierarchical, fp16 wire, lazy pool, CSC and both DDP hooks,
-at world sizes 2, 3 and 4. And the double itself catches the deadlock it exists for."""
+at world sizes 2, 3 and 4, and recursive doubling (with its fold) at 3 and 4. And the double itself
+catches the deadlock it exists for."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from gradientflow_repro.comm.base import CommStats
 from gradientflow_repro.comm.compression import Fp16Wire
 from gradientflow_repro.comm.hierarchical import HierarchicalSum
+from gradientflow_repro.comm.recursive_doubling import recursive_doubling_allreduce_
 from gradientflow_repro.comm.ring import ring_allreduce_, ring_sum
 
 from conftest import spawn
@@ -71,6 +73,37 @@ def test_every_point_to_point_strategy_completes_under_nccl_ordering(world: int,
         for rank in range(world):
             outcome = torch.load(folder / f"rank{rank}.pt")
             assert outcome in ([], True), f"{name}, rank {rank}: {outcome}"
+
+
+def _recursive_doubling(rank: int, world: int, out: str) -> None:
+    """Recursive doubling's sum under the double (world 3: one folded pair), odd lengths, against
+    ``dist.all_reduce``; every rank with the same bits."""
+    failures = []
+    with nccl_order(timeout_s=20):
+        for size in (7, 1001):
+            for dtype in (torch.float32, torch.float16):
+                local = (torch.randn(size, generator=torch.Generator().manual_seed(1000 * rank + size))).to(dtype)
+                reference = local.clone()
+                dist.all_reduce(reference)
+                mine = local.clone()
+                recursive_doubling_allreduce_(mine)
+                tolerance = 1e-5 if dtype == torch.float32 else 5e-3 * world
+                if not torch.allclose(mine.float(), reference.float(), rtol=tolerance, atol=tolerance):
+                    error = (mine.float() - reference.float()).abs().max()
+                    failures.append(f"size {size} {dtype}: max error {error:.3g}")
+                first = mine.clone()
+                dist.broadcast(first, src=0)
+                if not torch.equal(first, mine):
+                    failures.append(f"size {size} {dtype}: differs from rank 0")
+    torch.save(failures, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_recursive_doubling_completes_under_nccl_ordering(world: int, tmp_path: Path) -> None:
+    spawn(_recursive_doubling, world, str(tmp_path))
+    for rank in range(world):
+        failures = torch.load(tmp_path / f"rank{rank}.pt")
+        assert failures == [], f"rank {rank}: {failures}"
 
 
 def _receive_before_send(rank: int, world: int, out: str) -> None:

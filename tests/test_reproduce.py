@@ -43,21 +43,23 @@ def test_one_gpu_is_compute_only() -> None:
 def test_bandwidth_bound_ring_after_backward() -> None:
     net = pm.Network(bandwidth_Bps=1e8, latency_s=0.0)
     step = pm.predict_step(PROFILE, 4, net, pm.Strategy("ring"))
-    # 2(N-1)/N of each tensor's fp32 bytes at 1e8 B/s, all after backward: 4,001,000 x 4 x 1.5 / 1e8
-    assert step.comm_s == pytest.approx(4_001_000 * 4 * 1.5 / 1e8)
-    assert step.step_s == pytest.approx(0.035 + 0.24006)
-    assert step.bytes_per_rank == pytest.approx(4_001_000 * 4 * 1.5)
-    # latency: 2(N-1) messages per allreduce, three allreduces
+    # 2(N-1)/N of each large tensor's fp32 bytes at 1e8 B/s, all after backward: 4,000,000 x 4 x 1.5 / 1e8;
+    # the 1000-element tensor is small: recursive doubling, log2(4) = 2 exchanges of its 4000 bytes
+    assert step.comm_s == pytest.approx(4_000_000 * 4 * 1.5 / 1e8 + 2 * 4000 / 1e8)
+    assert step.step_s == pytest.approx(0.035 + 0.24008)
+    assert step.bytes_per_rank == pytest.approx(4_000_000 * 4 * 1.5 + 2 * 4000)
+    # latency: 2(N-1) messages per ring allreduce (two of them), log2(N) for the small one
     slow = pm.predict_step(PROFILE, 4, pm.Network(1e8, 1e-3), pm.Strategy("ring"))
-    assert slow.comm_s - step.comm_s == pytest.approx(3 * 6 * 1e-3)
+    assert slow.comm_s - step.comm_s == pytest.approx(2 * 6 * 1e-3 + 2 * 1e-3)
 
 
 def test_builtin_allreduce_priced_from_its_own_measurement() -> None:
     # without its own figures the backend's allreduce is a ring (NCCL on a cluster)
     ring_net = pm.Network(1e8, 1e-3)
-    builtin = pm.Strategy("allreduce", builtin=True)
+    builtin = pm.Strategy("allreduce", algorithm="builtin")
+    ring_only = pm.Strategy("ring", small_message_bytes=0)  # (our ring strategy sends small tensors otherwise)
     assert pm.predict_step(PROFILE, 4, ring_net, builtin).comm_s == pm.predict_step(PROFILE, 4, ring_net,
-                                                                                    pm.Strategy("ring")).comm_s
+                                                                                    ring_only).comm_s
     # with its cost by message size (gloo picks its own algorithm): each tensor from the table
     measured = pm.Network(1e8, 1e-3, builtin_cost_by_size=((4000, 2e-3), (4_000_000, 20e-3)))
     step = pm.predict_step(PROFILE, 4, measured, builtin)
@@ -88,7 +90,7 @@ def test_fp16_wire_and_csc_shrink_the_bytes() -> None:
     net = pm.Network(1e8, 0.0)
     dense = pm.predict_step(PROFILE, 2, net, pm.Strategy("ring"))
     half = pm.predict_step(PROFILE, 2, net, pm.Strategy("ring+fp16", wire_bytes=2))
-    assert half.bytes_per_rank == pytest.approx(dense.bytes_per_rank / 2)
+    assert half.bytes_per_rank == pytest.approx(dense.bytes_per_rank / 2 + 3 * 4)  # + one fp32 scale per message
     csc = pm.predict_step(PROFILE, 2, net, pm.Strategy("csc", density=0.1, chunk_elements=1000))
     expected = (4_000_000 * 0.1 * 4 + 4_000_000 / 1000 * 4 + 1000 * 4)  # sent + norms + 1-D dense
     assert csc.bytes_per_rank == pytest.approx(expected)
@@ -110,26 +112,60 @@ def test_fp16_wire_and_csc_shrink_the_bytes() -> None:
 
 
 def test_csc_pool_parts_and_norms_as_the_communicator_sends_them() -> None:
-    # the builtin's table prices the norms; our ring (latency 1 ms, 1e8 B/s) carries the chunks
+    # one pool part: the norms in one small allreduce (recursive doubling), the chosen chunks and
+    # the 1-D tensor in one payload by our ring (latency 1 ms, 1e8 B/s)
     net = pm.Network(1e8, 1e-3, builtin_cost_by_size=((16_000, 2e-3), (32_000, 3e-3)))
     csc = pm.Strategy("csc", fusion="bucket", bucket_bytes=1e9, density=0.1, chunk_elements=1000)
-    first, second = pm.messages(PROFILE, csc)
-    # multi-dimensional gradients first: 4000 chunks, 400 sent, 4000 norms; then the 1-D one, dense
-    assert (first.payload_bytes, first.norm_bytes, first.ready_s) == (400_000 * 4, 4000 * 4, 0.020)
-    assert (second.payload_bytes, second.norm_bytes, second.ready_s) == (1000 * 4, 0, 0.010)
+    (only,) = pm.messages(PROFILE, csc)
+    # 4000 chunks of the multi-dimensional gradients, 400 sent, then the 1-D one; 4000 norms
+    assert (only.payload_bytes, only.small_bytes, only.ready_s) == ((400_000 + 1000) * 4, 4000 * 4, 0.020)
     step = pm.predict_step(PROFILE, 4, net, csc)
-    chunks_ring = 6 * (1e-3 + 1.6e6 / (4 * 1e8))
-    dense_ring = 6 * (1e-3 + 4000 / (4 * 1e8))
-    assert step.comm_s == pytest.approx(chunks_ring + 2e-3 + dense_ring)
+    norms = 2 * (1e-3 + 16_000 / 1e8)  # log2(4) exchanges of the whole vector: the table is the builtin's
+    payload = 6 * (1e-3 + 401_000 * 4 / (4 * 1e8))
+    assert step.comm_s == pytest.approx(norms + payload)
+    # with the fp16 wire the peak rides with the norms: one more value, no separate allreduce
+    (half,) = pm.messages(PROFILE, pm.Strategy("gf", fusion="bucket", bucket_bytes=1e9, density=0.1,
+                                               chunk_elements=1000, wire_bytes=2))
+    assert (half.payload_bytes, half.small_bytes) == ((400_000 + 1000) * 2, 4001 * 4)
+    # parts are cut by the pool's rule: a small threshold gives one part per tensor in backward order
+    parts = pm.messages(PROFILE, pm.Strategy("csc", fusion="bucket", bucket_bytes=1, density=0.1,
+                                             chunk_elements=1000))
+    assert [(m.payload_bytes, m.small_bytes) for m in parts] == [(100_000 * 4, 1000 * 4), (1000 * 4, 0),
+                                                                 (300_000 * 4, 3000 * 4)]
     # a part is padded to whole chunks, and the sent count rounds up as select_chunks does
     odd = pm.ModelProfile(0.01, 0.02, 0.0, (pm.TensorProfile(10_500, 0.02),))
-    (only,) = pm.messages(odd, pm.Strategy("csc", fusion="bucket", density=0.1, chunk_elements=1000))
-    assert (only.payload_bytes, only.norm_bytes) == (2 * 1000 * 4, 11 * 4)
+    (alone,) = pm.messages(odd, pm.Strategy("csc", fusion="bucket", density=0.1, chunk_elements=1000))
+    assert (alone.payload_bytes, alone.small_bytes) == (2 * 1000 * 4, 11 * 4)
+
+
+def test_small_messages_take_log2_steps_and_share_the_node_uplink() -> None:
+    assert [len(steps) for steps in map(pm.recursive_doubling_pairs, (2, 3, 4, 5, 8, 512))] == [1, 3, 2, 4, 3, 9]
+    flat = pm.Network(1e8, 1e-3)
+    assert pm.allreduce_s(400, 8, flat) == pytest.approx(3 * (1e-3 + 400 / 1e8))  # small: 3 steps, not 14
+    assert pm.allreduce_s(4e6, 8, flat) == pytest.approx(14 * (1e-3 + 4e6 / 8 / 1e8))  # large: the ring
+    # 2 nodes x 4: distances 1 and 2 stay inside a node; at distance 4 all 4 ranks cross one uplink
+    nodes = pm.Network(1e8, 1e-3, ranks_per_node=4, intra_bandwidth_Bps=1e10, intra_latency_s=1e-5)
+    assert pm.small_allreduce_s(400, 8, nodes) == pytest.approx(2 * (1e-5 + 400 / 1e10) + 1e-3 + 4 * 400 / 1e8)
+    # a partly filled last node (world 6 = 4 + 2): still priced, no crash
+    assert pm.small_allreduce_s(400, 6, nodes) > pm.small_allreduce_s(400, 4, nodes)
+    assert pm.allreduce_s(4e6, 12, nodes, "hierarchical") == pytest.approx(
+        2 * 4e6 / 1e10 + 2 * 3 * 1e-5 + 2 * 2 * (1e-3 + 4e6 / (3 * 1e8)))
+
+
+def test_auto_is_two_level_only_on_several_nodes_of_several_ranks() -> None:
+    from gradientflow_repro.comm.knobs import two_level
+
+    assert [two_level("auto", world, per_node) for world, per_node in ((8, 4), (8, 8), (8, 1), (8, None))] == [
+        True, False, False, False]
+    assert two_level("hierarchical", 8, 8) and not two_level("ring", 8, 4) and not two_level("builtin", 8, 4)
+    nodes = pm.Network(1e8, 1e-3, ranks_per_node=4, intra_bandwidth_Bps=1e10)
+    assert pm.allreduce_s(4e6, 16, nodes, "auto") == pm.allreduce_s(4e6, 16, nodes, "hierarchical")
+    assert pm.allreduce_s(4e6, 4, nodes, "auto") == pm.allreduce_s(4e6, 4, nodes, "ring")
 
 
 def test_hierarchical_ring_runs_among_node_leaders() -> None:
     net = pm.Network(1e8, 1e-3, ranks_per_node=4, intra_bandwidth_Bps=1e9, intra_latency_s=0.0)
-    cost = pm.allreduce_s(4e6, 16, net, hierarchical=True)
+    cost = pm.allreduce_s(4e6, 16, net, "hierarchical")
     assert cost == pytest.approx(2 * 4e6 / 1e9 + 2 * 3 * (1e-3 + 4e6 / (4 * 1e8)))
 
 

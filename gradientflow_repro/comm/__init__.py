@@ -5,9 +5,11 @@
     ddp.py           PyTorch DistributedDataParallel
     hooks.py         DDP communication hooks: our ring / fp16 wire (sum_hook) and CSC (csc_hook) in any DDP program
     ring.py          ring allreduce from send/recv
+    recursive_doubling.py  small messages in log2(N) steps (norms, scales, agreements)
     hierarchical.py  intra-node reduce, inter-node ring, intra-node broadcast
     compression.py   fp16 wire format
     lazy.py          memory pool, fusion threshold, overlap with backward
+    pool.py          the pool's packing rule and CSC's part layout (torch-free, shared with the model)
     csc.py           coarse-grained sparse communication
     factory.py       a resolved configuration -> the communicator
 

@@ -5,8 +5,11 @@ are cast to fp16 for the allreduce and cast back after. Any summing algorithm ca
 
 Range. fp16 holds magnitudes from about 6e-8 (subnormal) to 65504. Two things keep values inside:
 - Overflow of the *sum*: each message is scaled by a power of two 2^k chosen from the largest
-  magnitude on any rank (one MAX-allreduce of a scalar per message, so all ranks use the same k)
-  such that N times that magnitude stays below 2^15. Power-of-two scaling is exact.
+  magnitude on any rank (one MAX-allreduce of a scalar per message, a small collective: recursive
+  doubling or NCCL's tree; so all ranks use the same k) such that N times that magnitude stays below
+  2^15. Power-of-two scaling is exact. A caller that already knows a bound on the sum (CSC sums each
+  rank's peak together with its chunk norms: the sum of the peaks bounds every partial sum) passes
+  it to ``sum_bounded`` and saves that collective.
 - Underflow: the same scale lifts small gradients up towards fp16's top range, so a message whose
   largest entry is g_max keeps entries down to about g_max * 2^-25 (fp16's 11-bit mantissa plus its
   subnormal range) instead of flushing everything below 6e-8 to zero.
@@ -25,7 +28,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from gradientflow_repro.comm.base import CommStats, SumFn, ring_bytes
+from gradientflow_repro.comm.base import CommStats, SumFn
+from gradientflow_repro.comm.recursive_doubling import small_sum
 
 FP16_SAFE_MAX = 2.0 ** 15
 
@@ -39,23 +43,24 @@ def decompress(wire: torch.Tensor, out: torch.Tensor, scale: torch.Tensor) -> No
     out.div_(scale)
 
 
-def agreed_scale(tensor: torch.Tensor, world: int, group: Optional[dist.ProcessGroup],
-                 stats: CommStats) -> torch.Tensor:
-    """The power of two 2^k (a one-element tensor on the tensor's device) that puts N times the
-    largest magnitude on any rank just below ``FP16_SAFE_MAX``; 1 when that magnitude is zero or
-    not finite. Computed on the device in float64: reading the peak on the host would make every
-    message wait for the GPU."""
-    peak = tensor.detach().abs().max().float().reshape(1)
-    if world > 1:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        stats.collectives += 1
-        stats.bytes += ring_bytes(peak.numel() * peak.element_size(), world)
-    peak = peak.double()
-    usable = torch.isfinite(peak) & (peak > 0)
-    scale = torch.exp2(torch.floor(torch.log2(FP16_SAFE_MAX / (world * peak.clamp_min(1e-300)))))
-    scale = torch.where(world * peak * scale > FP16_SAFE_MAX, scale / 2, scale)  # log2 rounding
+def scale_for(bound: torch.Tensor) -> torch.Tensor:
+    """The largest power of two 2^k (a one-element fp32 tensor on ``bound``'s device) that keeps
+    ``bound`` times it at most ``FP16_SAFE_MAX``; 1 when the bound is zero or not finite. Computed on
+    the device in float64: reading the bound on the host would make every message wait for the GPU."""
+    bound = bound.double().reshape(1)
+    usable = torch.isfinite(bound) & (bound > 0)
+    scale = torch.exp2(torch.floor(torch.log2(FP16_SAFE_MAX / bound.clamp_min(1e-300))))
+    scale = torch.where(bound * scale > FP16_SAFE_MAX, scale / 2, scale)  # log2 rounding
     scale = scale.clamp_max(2.0 ** 127)  # the largest power of two fp32 holds (subnormal peaks)
     return torch.where(usable, scale, torch.ones_like(scale)).float()
+
+
+def agreed_scale(tensor: torch.Tensor, world: int, max_fn: SumFn, stats: CommStats) -> torch.Tensor:
+    """The power of two that puts N times the largest magnitude on any rank (agreed by ``max_fn``, a
+    MAX-allreduce) just below ``FP16_SAFE_MAX``: see ``scale_for``."""
+    peak = tensor.detach().abs().max().float().reshape(1)
+    max_fn(peak, stats)
+    return scale_for(world * peak.double())
 
 
 class Fp16Wire:
@@ -63,13 +68,21 @@ class Fp16Wire:
     ranks with fp16 on the wire."""
 
     def __init__(self, inner: SumFn, world: int, group: Optional[dist.ProcessGroup] = None) -> None:
-        self.inner, self.world, self.group = inner, world, group
+        self.inner, self.world = inner, world
+        self.max_fn = small_sum(group, op="max")  # the shared scale: a one-value MAX-allreduce
 
     def __call__(self, tensor: torch.Tensor, stats: CommStats) -> None:
         if tensor.dtype == torch.float16 or tensor.numel() == 0:
             self.inner(tensor, stats)
             return
-        scale = agreed_scale(tensor, self.world, self.group, stats)
+        self._send(tensor, agreed_scale(tensor, self.world, self.max_fn, stats), stats)
+
+    def sum_bounded(self, tensor: torch.Tensor, bound: torch.Tensor, stats: CommStats) -> None:
+        """Sum ``tensor`` given ``bound``, a one-element tensor already agreed by every rank that no
+        partial or final sum exceeds in magnitude (non-finite: send unscaled, the sum carries it)."""
+        self._send(tensor, scale_for(bound), stats)
+
+    def _send(self, tensor: torch.Tensor, scale: torch.Tensor, stats: CommStats) -> None:
         wire = compress(tensor, scale)
         self.inner(wire, stats)
         decompress(wire, tensor, scale)

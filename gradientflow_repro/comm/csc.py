@@ -2,7 +2,7 @@
 
 Element-wise top-k sparsification (Deep Gradient Compression) needs an allgather of indices and
 values whose volume grows with the number of workers. GradientFlow sparsifies coarsely instead:
-1. each pool part of weight gradients is cut into chunks of ``chunk_size`` elements;
+1. each pool part's weight gradients are cut into chunks of ``chunk_size`` elements;
 2. each rank adds its new gradient to its residual (error feedback) and computes the L1 norm of
    every chunk;
 3. the vector of chunk norms (one float per chunk: tiny) is allreduced, so every rank ranks the
@@ -12,24 +12,34 @@ values whose volume grows with the number of workers. GradientFlow sparsifies co
    (ring, fp16 wire ...): no indices travel, and the volume is ``density`` times the dense one;
 5. the chunks not chosen stay in the per-rank residual and are added to the next step, so no
    gradient is ever dropped, only delayed.
+
+Two collectives per pool part, no more. Each collective is a latency (log2(N) of them for a small
+one, 2(N-1) for a ring), and at 512 GPUs latency, not volume, is what CSC leaves. So:
+- the norms' allreduce (small: recursive doubling or NCCL's tree) also carries the fp16 wire's
+  scale: each rank appends its largest magnitude in the payload as one more summed element. The
+  sum of the ranks' peaks bounds every partial and final sum of the payload, so the shared power-
+  of-two scale chosen from it (``compression.Fp16Wire.sum_bounded``) cannot overflow, and no
+  separate max-allreduce is needed;
+- one-dimensional tensors (BatchNorm, biases: small and sensitive) live in the same pool part as
+  the weights made ready with them, after its chunks (the part's dense tail, ``pool.csc_parts``),
+  and travel densely in the same payload as the chosen chunks: no part of their own.
+
 Momentum correction (DGC, Lin et al. 2018): while sparsifying, momentum is accumulated *before*
 sparsification, in a local velocity u <- m u + g whose sum v <- v + u is what gets chunked and sent;
-sent chunks of v (and, with momentum factor masking, of u) are cleared. The optimizer's own momentum
-is then set to 0 so momentum is not applied twice; it is restored during dense phases. One-
-dimensional tensors (BatchNorm, bias) are small and sensitive: they are always sent densely (with
-the same velocity while momentum correction is on). Training starts dense for ``warmup_epochs``
-(dense warm-up); optionally the density then falls over ``density_ramp_epochs`` epochs instead of at
-once, exponentially as in DGC's sparsity warm-up (the k-th of R epochs sends density^(k/(R+1)):
-0.56, 0.32, 0.18 for density 0.1 and R = 3). With ``density`` 1 nothing is sparsified and this is
-exactly lazy allreduce.
+sent chunks of v (and, with momentum factor masking, of u) are cleared. The dense tail sends its u.
+The optimizer's own momentum is then set to 0 so momentum is not applied twice; it is restored
+during dense phases. Training starts dense for ``warmup_epochs`` (dense warm-up); optionally the
+density then falls over ``density_ramp_epochs`` epochs instead of at once, exponentially as in
+DGC's sparsity warm-up (the k-th of R epochs sends density^(k/(R+1)): 0.56, 0.32, 0.18 for density
+0.1 and R = 3). With ``density`` 1 nothing is sparsified and this is exactly lazy allreduce.
 
-State per rank (residual v and velocity u per part) is saved in that rank's checkpoint. Updates to
-it are staged and committed by ``end_step``: a step skipped on every rank (fp16 overflow) leaves the
-state as it was. Each state tensor has a spare of the same size that the step's update is written
-into and that ``end_step`` swaps in, so no step allocates: a fresh allocation of this size page-
-faults every time on the CPU, which made CSC's own work cost up to five times more. Residuals are
-kept in unscaled units (the fp16 loss scale is divided out on the way in and multiplied back on the
-way out), so a changing loss scale never corrupts them.
+State per rank (residual v of each part's chunks, velocity u of the whole part) is saved in that
+rank's checkpoint. Updates to it are staged and committed by ``end_step``: a step skipped on every
+rank (fp16 overflow) leaves the state as it was. Each state tensor has a spare of the same size that
+the step's update is written into and that ``end_step`` swaps in, so no step allocates: a fresh
+allocation of this size page-faults every time on the CPU, which made CSC's own work cost up to five
+times more. Residuals are kept in unscaled units (the fp16 loss scale is divided out on the way in
+and multiplied back on the way out), so a changing loss scale never corrupts them.
 
 One object, ``BucketState``, holds a bucket's state and does steps 2-5 on it; ``CSCCommunicator``
 keeps one per pool part, and the DDP communication hook ``csc_hook`` (``comm/hooks.py``) one per DDP
@@ -45,8 +55,10 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from gradientflow_repro.comm.base import CommStats, GradScale, SumFn, builtin_sum
+from gradientflow_repro.comm.base import CommStats, GradScale, SumFn
 from gradientflow_repro.comm.lazy import Bucket, LazyAllreduce
+from gradientflow_repro.comm.pool import csc_parts
+from gradientflow_repro.comm.recursive_doubling import small_sum
 
 
 def chunk_l1_norms(chunks: torch.Tensor) -> torch.Tensor:
@@ -70,17 +82,19 @@ class Sent(NamedTuple):
     """What ``BucketState.sparsify`` sent."""
 
     chosen: torch.Tensor  # indices of the chunks sent, ascending, on the state's device
-    summed: torch.Tensor  # [len(chosen), chunk_size]: those chunks summed over ranks
+    summed: torch.Tensor  # [len(chosen), chunk_size]: those chunks summed over ranks (a view of a
+    # buffer the next sparsify reuses)
     finite: Optional[torch.Tensor]  # with guard_overflow: a 0-d bool on the device, False when
     # some rank's chunk norms were not finite (its gradient overflowed)
 
 
 class BucketState:
-    """One bucket's CSC state on one rank: the residual (error feedback) and, under momentum
-    correction, the velocity, each with a spare of the same size that the step's update is written
-    into. ``sparsify`` (steps 2-5) and ``add_momentum`` only *stage* their updates; ``commit`` makes
-    them the state (the spares are swapped in: no allocation per step) and ``discard`` drops them,
-    so a step skipped on every rank leaves the state as it was. ``commit(when=flag)`` decides on the
+    """One bucket's CSC state on one rank: the residual of its chunks (error feedback) and, under
+    momentum correction, the velocity of the whole bucket (chunks, then any dense tail), each with a
+    spare of the same size that the step's update is written into. ``sparsify`` (steps 2-5) and
+    ``add_momentum`` only *stage* their updates; ``commit`` makes them the state (the spares are
+    swapped in: no allocation per step) and ``discard`` drops them, so a step skipped on every rank
+    leaves the state as it was. ``commit(when=flag)`` decides on the
     device instead, for callers that cannot wait for the host to know whether a step is applied (a
     DDP hook). Used by ``CSCCommunicator`` (one per pool part) and ``csc_hook`` (one per DDP
     bucket)."""
@@ -88,21 +102,21 @@ class BucketState:
     def __init__(self, residual: Optional[torch.Tensor] = None,
                  velocity: Optional[torch.Tensor] = None) -> None:
         self.residual = residual  # [chunks, chunk_size], fp32; None for a part always sent densely
-        self.velocity = velocity  # momentum correction's u; None without it
+        self.velocity = velocity  # momentum correction's u, flat over the bucket; None without it
         self._spare_residual = None if residual is None else torch.empty_like(residual)
         self._spare_velocity = None if velocity is None else torch.empty_like(velocity)
         self._staged_residual: Optional[torch.Tensor] = None  # a spare holding this step's update
         self._staged_velocity: Optional[torch.Tensor] = None
         self.last_selection: Optional[torch.Tensor] = None  # chunks sent by the last sparsify (tests)
+        self._payload: Optional[torch.Tensor] = None  # chosen chunks + dense tail, kept between steps
 
     @classmethod
-    def zeros(cls, shape: tuple[int, ...], device: torch.device, residual: bool = True,
-              velocity: bool = False) -> "BucketState":
-        """A fresh state: ``residual`` for a bucket that is sparsified, ``velocity`` for momentum
-        correction (a bucket always sent densely has a velocity but no residual)."""
-        def zeros() -> torch.Tensor:
-            return torch.zeros(shape, dtype=torch.float32, device=device)
-        return cls(zeros() if residual else None, zeros() if velocity else None)
+    def zeros(cls, chunks: int, chunk_size: int, device: torch.device, velocity_elements: int = 0) -> "BucketState":
+        """A fresh state: a residual of ``chunks`` x ``chunk_size`` (none when ``chunks`` is 0: a
+        bucket sent densely) and, for momentum correction, a velocity of ``velocity_elements``."""
+        residual = torch.zeros((chunks, chunk_size), dtype=torch.float32, device=device) if chunks else None
+        velocity = torch.zeros(velocity_elements, dtype=torch.float32, device=device) if velocity_elements else None
+        return cls(residual, velocity)
 
     def to(self, device: torch.device) -> None:
         """Move the state to ``device`` (a hook's state restored on the CPU, then used on a GPU)."""
@@ -122,19 +136,23 @@ class BucketState:
 
     def sparsify(self, gradient: torch.Tensor, density: float, sum_fn: SumFn, norm_sum: SumFn,
                  stats: CommStats, always: Optional[torch.Tensor] = None, mask_velocity: bool = False,
-                 guard_overflow: bool = False) -> Sent:
-        """Steps 2-5 of CSC. ``gradient``: a [chunks, chunk_size] matrix like the residual, or a flat
-        tensor of at most chunks * chunk_size elements (a DDP bucket: the rest counts as zeros).
-        Residual + gradient is chunked; the chunk norms are summed over ranks by ``norm_sum`` (so
-        every rank ranks the chunks alike); the top ``density`` of them plus those in ``always`` are
-        packed and summed over ranks by ``sum_fn``; the sent chunks are cleared in the new residual,
-        which is staged. With ``mask_velocity``, the sent chunks of the staged velocity are cleared
-        too (DGC's momentum factor masking).
+                 guard_overflow: bool = False, dense: Optional[torch.Tensor] = None) -> Sent:
+        """Steps 2-5 of CSC, in two collectives. ``gradient``: a [chunks, chunk_size] matrix like the
+        residual, or a flat tensor of at most chunks * chunk_size elements (a DDP bucket: the rest
+        counts as zeros). ``dense``: a flat tensor (the part's dense tail) sent whole in the same
+        payload and summed in place. Residual + gradient is chunked; the chunk norms are summed over
+        ranks by ``norm_sum`` (so every rank ranks the chunks alike), with the payload's peak
+        magnitude as one more summed element when ``sum_fn`` is an fp16 wire (its shared scale);
+        the top ``density`` of the chunks plus those in ``always`` are packed, followed by the dense
+        tail, and summed over ranks by ``sum_fn``; the sent chunks are cleared in the new
+        residual, which is staged. With ``mask_velocity``, the sent chunks of the staged velocity
+        are cleared too (DGC's momentum factor masking).
 
-        A non-finite gradient on any rank makes the summed norms non-finite on every rank. Without
-        ``guard_overflow`` its chunk has the largest norm, so it is sent and reaches every rank (the
-        caller then skips the step and discards). With it, the norms are made finite before choosing
-        and ``Sent.finite`` says, on the device, whether they were: for ``commit(when=...)``."""
+        A non-finite gradient on any rank makes the summed norms (or the summed peak) non-finite on
+        every rank. Without ``guard_overflow`` its chunk has the largest norm, so it is sent and
+        reaches every rank (the caller then skips the step and discards). With it, the norms are
+        made finite before choosing and ``Sent.finite`` says, on the device, whether they were: for
+        ``commit(when=...)``."""
         assert self.residual is not None, "this bucket is always sent densely"
         accumulated = self._spare_residual  # the next residual is built in the spare: no allocation
         if gradient.shape == accumulated.shape:
@@ -143,19 +161,46 @@ class BucketState:
             accumulated.copy_(self.residual)
             accumulated.view(-1)[:gradient.numel()].add_(gradient.view(-1))
         norms = chunk_l1_norms(accumulated)
+        bounded = hasattr(sum_fn, "sum_bounded")  # an fp16 wire: its scale rides with the norms
+        if bounded:
+            peak = accumulated.abs().amax()
+            if dense is not None and dense.numel():
+                peak = torch.maximum(peak, dense.abs().amax())
+            norms = torch.cat([norms, peak.reshape(1)])
         norm_sum(norms, stats)  # every rank now ranks chunks by the same global norms
+        bound = None
+        if bounded:
+            norms, bound = norms[:-1], norms[-1:]
         finite = None
         if guard_overflow:  # decided on the device: reading it on the host would wait for the GPU
-            finite = torch.isfinite(norms.sum())
+            finite = torch.isfinite(norms.sum()) if bound is None else torch.isfinite(norms.sum() + bound[0])
             norms = torch.nan_to_num(norms)
         chosen = select_chunks(norms, density, always)
-        packed = accumulated.index_select(0, chosen)
-        sum_fn(packed.view(-1), stats)
+        chunk_size, tail = accumulated.shape[1], 0 if dense is None else dense.numel()
+        sent_elements = chosen.numel() * chunk_size  # a shape: known on the host without waiting
+        payload = self._payload_buffer(sent_elements + tail, accumulated)
+        summed = payload[:sent_elements].view(-1, chunk_size)
+        torch.index_select(accumulated, 0, chosen, out=summed)
+        if tail:
+            payload[sent_elements:].copy_(dense.view(-1))
+        if bound is not None:
+            sum_fn.sum_bounded(payload, bound, stats)
+        else:
+            sum_fn(payload, stats)
+        if tail:
+            dense.view(-1).copy_(payload[sent_elements:])
         accumulated.index_fill_(0, chosen, 0.0)
         if mask_velocity and self._staged_velocity is not None:
-            self._staged_velocity.index_fill_(0, chosen, 0.0)
+            self._staged_velocity.view(-1)[:accumulated.numel()].view_as(accumulated).index_fill_(0, chosen, 0.0)
         self._staged_residual, self.last_selection = accumulated, chosen
-        return Sent(chosen, packed, finite)
+        return Sent(chosen, summed, finite)
+
+    def _payload_buffer(self, elements: int, like: torch.Tensor) -> torch.Tensor:
+        """The first ``elements`` of a payload buffer kept between steps (allocated once, at the
+        largest size seen: a fresh one would page-fault every step)."""
+        if self._payload is None or self._payload.numel() < elements or self._payload.device != like.device:
+            self._payload = torch.empty(elements, dtype=like.dtype, device=like.device)
+        return self._payload[:elements]
 
     def commit(self, when: Optional[torch.Tensor] = None) -> None:
         """Make the staged updates the state. ``when`` (a 0-d bool tensor): only if it is true,
@@ -222,25 +267,35 @@ class CSCCommunicator(LazyAllreduce):
         self.density_ramp_epochs = density_ramp_epochs
         self.density_now = 1.0
         self.momentum_correction, self.momentum_masking = momentum_correction, momentum_masking
-        self.norm_sum = builtin_sum()
+        self.norm_sum = small_sum()  # the norms (and the fp16 peak): a small message, log2(N) steps
         self.sparse_now = False
         self.grad_scale: GradScale = None
         self.parts: list[BucketState] = []  # one per pool part, in layout order
         self._optimizer_momentum: Optional[list[float]] = None
 
     def layout(self, params: list[nn.Parameter]) -> list[Bucket]:
-        # sparse parts are padded to whole chunks, so they are [chunks, chunk_size] matrices for free
-        return (self.pack([p for p in params if p.ndim > 1], dense=False, multiple=self.chunk_size)
-                + self.pack([p for p in params if p.ndim <= 1], dense=True))
+        """The pool's parts (``pool.csc_parts``): each holds its multi-dimensional gradients first,
+        padded to whole chunks (so that section is a [chunks, chunk_size] matrix for free), then its
+        one-dimensional ones, the dense tail sent with the chosen chunks."""
+        buckets = []
+        for part in csc_parts([p.numel() for p in params], [p.ndim <= 1 for p in params], self.bucket_bytes,
+                              self.chunk_size):
+            members = [params[i] for i in (*part.sparse, *part.dense)]
+            starts = ([sum(params[j].numel() for j in part.sparse[:k]) for k in range(len(part.sparse))]
+                      + [part.sparse_elements + sum(params[j].numel() for j in part.dense[:k])
+                         for k in range(len(part.dense))])
+            buckets.append(self.make_bucket(members, part.elements, starts, part.sparse_elements))
+        return buckets
 
     def chunks(self, bucket: Bucket) -> torch.Tensor:
-        return bucket.flat.view(-1, self.chunk_size)
+        """The part's sparse section as a [chunks, chunk_size] matrix (a view)."""
+        return bucket.flat[:bucket.sparse_elements].view(-1, self.chunk_size)
 
     def attach(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> nn.Module:
         super().attach(model, optimizer)
-        # dense parts (1-D tensors) keep no residual but share momentum correction's velocity
-        self.parts = [BucketState.zeros(tuple((bucket.flat if bucket.dense else self.chunks(bucket)).shape),
-                                        bucket.flat.device, residual=not bucket.dense, velocity=True)
+        self.parts = [BucketState.zeros(bucket.sparse_elements // self.chunk_size, self.chunk_size,
+                                        bucket.flat.device,
+                                        velocity_elements=bucket.flat.numel() if self.momentum_correction else 0)
                       for bucket in self.buckets]
         return model
 
@@ -300,26 +355,27 @@ class CSCCommunicator(LazyAllreduce):
         if not self.sparse_now:
             super().reduce_bucket(bucket)
             return
-        part = self.parts[bucket.index]
-        gradient = bucket.flat if bucket.dense else self.chunks(bucket)
+        part, flat = self.parts[bucket.index], bucket.flat
         if self.grad_scale is not None:
-            gradient.div_(self.grad_scale)  # in place: the pool part is overwritten below anyway
-        if self.uses_velocity:
-            gradient = part.add_momentum(gradient, self.momentum())
-        if bucket.dense:
-            if self.grad_scale is not None:
-                torch.mul(gradient, self.grad_scale, out=bucket.flat)
-            elif gradient is not bucket.flat:
-                bucket.flat.copy_(gradient)
+            flat.div_(self.grad_scale)  # in place: the pool part is overwritten below anyway
+        gradient = part.add_momentum(flat, self.momentum()) if self.uses_velocity else flat
+        if part.residual is None:  # a part of one-dimensional tensors only: sent densely
+            if gradient is not flat:
+                flat.copy_(gradient)
+        else:
+            # no overflow guard: a non-finite chunk has the largest norm, so it is sent and reaches
+            # every rank, which then skip the step; end_step(False) discards what it staged
+            tail = flat[bucket.sparse_elements:]
+            if gradient is not flat:
+                tail.copy_(gradient[bucket.sparse_elements:])
+            sent = part.sparsify(gradient[:bucket.sparse_elements].view(-1, self.chunk_size), self.density_now,
+                                 self.sum_fn, self.norm_sum, self.stats, mask_velocity=self.momentum_masking,
+                                 dense=tail)
+            self.chunks(bucket).zero_().index_copy_(0, sent.chosen, sent.summed)
+        if self.grad_scale is not None:
+            flat.mul_(self.grad_scale)
+        if part.residual is None:
             super().reduce_bucket(bucket)
-            return
-        # no overflow guard: a non-finite chunk has the largest norm, so it is sent and reaches
-        # every rank, which then skip the step; end_step(False) discards what it staged
-        sent = part.sparsify(gradient, self.density_now, self.sum_fn, self.norm_sum, self.stats,
-                             mask_velocity=self.momentum_masking)
-        bucket.flat.zero_()
-        self.chunks(bucket).index_copy_(0, sent.chosen,
-                                        sent.summed if self.grad_scale is None else sent.summed.mul_(self.grad_scale))
 
     def end_step(self, applied: bool) -> None:
         for part in self.parts:
@@ -333,12 +389,16 @@ class CSCCommunicator(LazyAllreduce):
         return {"residual": {i: s["residual"] for i, s in enumerate(parts) if "residual" in s},
                 "velocity": {i: s["velocity"] for i, s in enumerate(parts) if "velocity" in s},
                 "optimizer_momentum": self._optimizer_momentum,
-                "layout": [b.flat.numel() for b in self.buckets], "chunk_size": self.chunk_size}
+                "layout": self._layout_signature(), "chunk_size": self.chunk_size}
+
+    def _layout_signature(self) -> list[list[int]]:
+        """Each part's length and sparse section: a state saved under another layout cannot load."""
+        return [[b.flat.numel(), b.sparse_elements] for b in self.buckets]
 
     def load_state_dict(self, state: dict) -> None:
         if not state:
             return
-        if (state["layout"], state["chunk_size"]) != ([b.flat.numel() for b in self.buckets], self.chunk_size):
+        if (state["layout"], state["chunk_size"]) != (self._layout_signature(), self.chunk_size):
             raise ValueError("csc state was saved with another pool layout (model, comm.bucket_mb or "
                              "comm.chunk_size changed); it cannot be restored")
         for key in ("residual", "velocity"):

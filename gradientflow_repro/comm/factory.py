@@ -18,23 +18,37 @@ from gradientflow_repro.comm.compression import Fp16Wire
 from gradientflow_repro.comm.csc import CSCCommunicator
 from gradientflow_repro.comm.ddp import DDPCommunicator
 from gradientflow_repro.comm.hierarchical import HierarchicalSum
-from gradientflow_repro.comm.knobs import CommConfig, resolve
+from gradientflow_repro.comm.knobs import SMALL_MESSAGE_BYTES, CommConfig, resolve, small_message_bytes, two_level
 from gradientflow_repro.comm.lazy import LazyAllreduce
+from gradientflow_repro.comm.recursive_doubling import SizedSum
 from gradientflow_repro.comm.ring import DEFAULT_SEGMENT_BYTES, ring_sum
 
 
+def summing(algorithm: str, world: int, ranks_per_node: int | None) -> str:
+    """What ``algorithm`` sums with for ``world`` ranks placed ``ranks_per_node`` per node: "builtin",
+    "ring" (flat) or "two-level" (``auto`` is two-level on several nodes of several ranks)."""
+    if two_level(algorithm, world, ranks_per_node):
+        return "two-level"
+    return "ring" if algorithm in ("ring", "auto") else "builtin"
+
+
 def build_sum(algorithm: str, wire: str, ranks_per_node: int | None = None,
-              segment_kb: int = DEFAULT_SEGMENT_BYTES // 1024, local_rank: int | None = None) -> SumFn:
+              segment_kb: int = DEFAULT_SEGMENT_BYTES // 1024, local_rank: int | None = None,
+              small_bytes: int = SMALL_MESSAGE_BYTES) -> SumFn:
     """The summing function of ``algorithm`` (with the fp16 wire around it). ``ranks_per_node``:
     how many consecutive ranks share a node, as the launcher says (torchrun's LOCAL_WORLD_SIZE,
-    Slurm's tasks per node) or ``comm.ranks_per_node`` sets; ``local_rank`` checks that layout."""
+    Slurm's tasks per node) or ``comm.ranks_per_node`` sets; ``local_rank`` checks that layout.
+    Our own algorithms send small messages (at most ``small_bytes``: by default ``SMALL_MESSAGE_BYTES``,
+    measured) by recursive doubling: log2(N) latencies instead of the ring's 2(N-1)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         return builtin_sum()  # nothing to sum with
-    if algorithm == "ring":
-        sum_fn = ring_sum(segment_bytes=segment_kb * 1024)
-    elif algorithm == "hierarchical":
-        sum_fn = HierarchicalSum(ranks_per_node or 1, segment_kb * 1024, local_rank=local_rank)
+    chosen = summing(algorithm, world, ranks_per_node)
+    if chosen == "two-level":
+        sum_fn = SizedSum(HierarchicalSum(ranks_per_node or 1, segment_kb * 1024, local_rank=local_rank),
+                          threshold_bytes=small_bytes)
+    elif chosen == "ring":
+        sum_fn = SizedSum(ring_sum(segment_bytes=segment_kb * 1024), threshold_bytes=small_bytes)
     else:
         sum_fn = builtin_sum()
     return Fp16Wire(sum_fn, world) if wire == "fp16" else sum_fn
@@ -49,7 +63,25 @@ def build_communicator(options: Union[Mapping[str, Any], CommConfig], device: to
     knobs = resolve(options)
     if knobs.ranks_per_node:
         ranks_per_node, local_rank = knobs.ranks_per_node, None
-    sum_fn = build_sum(knobs.algorithm, knobs.wire, ranks_per_node, knobs.segment_kb, local_rank)
+    sum_fn = build_sum(knobs.algorithm, knobs.wire, ranks_per_node, knobs.segment_kb, local_rank,
+                       small_message_bytes(knobs))
+    communicator = _communicator(knobs, device, sum_fn)
+    communicator.summing = describe_sum(knobs.algorithm, knobs.wire, ranks_per_node)
+    return communicator
+
+
+def describe_sum(algorithm: str, wire: str, ranks_per_node: int | None) -> str:
+    """``build_sum``'s choice in words, for the run's first lines."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        return "one rank: nothing to sum"
+    how = {"two-level": f"two-level ring ({-(-world // (ranks_per_node or 1))} nodes x {ranks_per_node} ranks)",
+           "ring": f"flat ring over {world} ranks",
+           "builtin": f"the backend's allreduce over {world} ranks"}[summing(algorithm, world, ranks_per_node)]
+    return how + (", fp16 wire" if wire == "fp16" else "")
+
+
+def _communicator(knobs: CommConfig, device: torch.device, sum_fn: SumFn) -> Communicator:
     if knobs.fusion == "ddp":
         custom = (knobs.algorithm, knobs.wire) != ("builtin", "fp32")
         return DDPCommunicator(device, knobs.ddp_bucket_mb, sum_fn if custom else None)

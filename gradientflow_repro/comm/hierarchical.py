@@ -4,8 +4,9 @@ On a cluster the links inside a node (NVLink, PCIe) are far faster than those be
 one rank per node (its leader, the lowest rank) takes part in the inter-node ring, so the slow
 network carries 2(M-1)/M of the tensor for M nodes instead of for N = M * G ranks, and each message
 is G times larger, which amortises per-message latency. Nodes are consecutive blocks of
-``ranks_per_node`` global ranks (torchrun and Slurm number ranks node by node); on one machine any
-block size can be chosen, which is how the tests emulate several nodes. The block size comes from the
+``ranks_per_node`` global ranks (torchrun and Slurm number ranks node by node; the last block may
+hold fewer, as when a job's GPU count is not a multiple of the node size); on one machine any block
+size can be chosen, which is how the tests emulate several nodes. The block size comes from the
 launcher (torchrun's LOCAL_WORLD_SIZE, Slurm's tasks per node: ``distributed.World``), never
 guessed; a layout that is not node by node (Slurm's ``--distribution=cyclic``) is refused.
 """
@@ -28,9 +29,8 @@ class HierarchicalSum:
     def __init__(self, ranks_per_node: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                  local_rank: Optional[int] = None) -> None:
         world, rank = dist.get_world_size(), dist.get_rank()
-        if ranks_per_node < 1 or world % ranks_per_node:
-            raise ValueError(f"config key 'comm.ranks_per_node' = {ranks_per_node}: must divide the "
-                             f"world size {world}")
+        if ranks_per_node < 1:
+            raise ValueError(f"config key 'comm.ranks_per_node' = {ranks_per_node}: must be at least 1")
         if local_rank is not None:  # every rank checks every rank's place: all raise, or none
             local_ranks: list = [None] * world
             dist.all_gather_object(local_ranks, local_rank)
@@ -40,11 +40,12 @@ class HierarchicalSum:
                                  f"({ranks_per_node} per node), but rank(s) {misplaced[:8]} are not "
                                  f"where that puts them; launch with srun --distribution=block (or torchrun)")
         self.ranks_per_node, self.segment_bytes = ranks_per_node, segment_bytes
-        self.nodes = world // ranks_per_node
+        self.nodes = -(-world // ranks_per_node)  # the last node may be partly filled
         self.leader = rank - rank % ranks_per_node
+        self.node_size = min(ranks_per_node, world - self.leader)  # ranks on this rank's node
         self.node_group = self.leader_group = None
         for node in range(self.nodes):  # new_group is collective: every rank creates every group
-            members = list(range(node * ranks_per_node, (node + 1) * ranks_per_node))
+            members = list(range(node * ranks_per_node, min((node + 1) * ranks_per_node, world)))
             group = dist.new_group(members)
             if rank in members:
                 self.node_group = group
@@ -55,12 +56,12 @@ class HierarchicalSum:
 
     def __call__(self, tensor: torch.Tensor, stats: CommStats) -> None:
         payload = tensor.numel() * tensor.element_size()
-        if self.ranks_per_node > 1:
+        if self.node_size > 1:
             dist.reduce(tensor, dst=self.leader, group=self.node_group)
             stats.bytes += 0 if self.is_leader else payload
         if self.is_leader and self.nodes > 1:
             stats.bytes += ring_allreduce_(tensor, self.leader_group, self.segment_bytes)
-        if self.ranks_per_node > 1:
+        if self.node_size > 1:
             dist.broadcast(tensor, src=self.leader, group=self.node_group)
-            stats.bytes += payload * (self.ranks_per_node - 1) if self.is_leader else 0
+            stats.bytes += payload * (self.node_size - 1) if self.is_leader else 0
         stats.collectives += 1

@@ -44,6 +44,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from gradientflow_repro.comm.base import CommStats, SumFn, builtin_sum, ring_bytes
 from gradientflow_repro.comm.csc import BucketState
+from gradientflow_repro.comm.recursive_doubling import small_sum
 
 
 def _done(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -95,7 +96,7 @@ class CSCHookState:
             raise ValueError(f"csc_hook: chunk_size {chunk_size} must be positive")
         self.density, self.chunk_size, self.dense_steps = density, chunk_size, max(1, dense_steps)
         self.sum_fn = sum_fn or builtin_sum(group)
-        self.norm_sum = builtin_sum(group)
+        self.norm_sum = small_sum(group)  # the chunk norms: a small message
         self.group = group
         self.iteration = 0
         self.parts: dict[int, BucketState] = {}  # DDP bucket index -> its state
@@ -117,7 +118,7 @@ class CSCHookState:
         chunks = math.ceil(buffer.numel() / self.chunk_size)
         part = self.parts.get(index)
         if part is None:
-            part = self.parts[index] = BucketState.zeros((chunks, self.chunk_size), buffer.device)
+            part = self.parts[index] = BucketState.zeros(chunks, self.chunk_size, buffer.device)
         part.to(buffer.device)  # restored from a checkpoint on the CPU
         if part.residual.shape[0] != chunks:
             raise RuntimeError(f"csc_hook: DDP bucket {index} holds {buffer.numel()} elements but its residual "

@@ -5,7 +5,8 @@ line (``comm=ring comm.wire=fp16``) to build the paper's ablation one technique 
 
 | knob      | values                        | technique                                          |
 |-----------|-------------------------------|----------------------------------------------------|
-| algorithm | builtin, ring, hierarchical   | how a message is summed (ring.py, hierarchical.py) |
+| algorithm | builtin, ring, hierarchical,  | how a message is summed (ring.py, hierarchical.py; |
+|           | auto                          | auto: hierarchical on several multi-rank nodes)    |
 | wire      | fp32, fp16                    | mixed-precision communication (compression.py)     |
 | fusion    | per_tensor, lazy, ddp         | per-tensor messages, memory pool (lazy.py), or DDP |
 | overlap   | true, false                   | pool parts sent during backward (lazy only)        |
@@ -41,9 +42,15 @@ from gradientflow_repro.checks import (
     text,
 )
 
+# Our own algorithms send a message of at most this many bytes by recursive doubling rather than the
+# ring (``comm/recursive_doubling.py``): the smallest switch-over over world sizes 2, 4 and 8 measured
+# by scripts/bench_small_allreduce.py over loopback, see results/small_allreduce.md (4 MiB and more
+# at 2 ranks, 1 MiB at 4 and 8; at 4 MiB the ring was level or ahead). Here, torch-free, because the
+# scaling model prices the same rule.
+SMALL_MESSAGE_BYTES = 1 << 20
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "comm"
 KNOB_VALUES: dict[str, tuple[Any, ...]] = {
-    "algorithm": ("builtin", "ring", "hierarchical"), "wire": ("fp32", "fp16"),
+    "algorithm": ("builtin", "ring", "hierarchical", "auto"), "wire": ("fp32", "fp16"),
     "fusion": ("per_tensor", "lazy", "ddp"), "overlap": (True, False), "sparsity": ("dense", "csc")}
 
 
@@ -81,6 +88,9 @@ class CommConfig:
     bucket_mb: float = setting(32.0, positive)  # lazy-allreduce pool part (fusion threshold)
     ddp_bucket_mb: float = setting(25.0, positive)
     segment_kb: int = setting(4096, positive)  # ring: pipelining segment
+    # our algorithms: messages up to this size by recursive doubling; null: SMALL_MESSAGE_BYTES (measured
+    # on loopback); a network of another latency x bandwidth has another switch-over
+    small_message_kb: Optional[int] = setting(None, optional(positive))
     ranks_per_node: Optional[int] = setting(None, optional(positive))  # hierarchical: else the launcher's
     chunk_size: int = setting(32768, positive)  # csc: elements per chunk
     density: float = setting(0.1, in_range(0, 1, low_open=True))  # csc: fraction of chunks sent
@@ -111,6 +121,21 @@ def resolve(options: Union[Mapping[str, Any], Any]) -> CommConfig:
         raise ValueError("config key 'comm.sparsity' = 'csc' works over our memory pool: it needs "
                          "comm.fusion=lazy (not DDP's buckets or per-tensor messages)")
     return knobs
+
+
+def two_level(algorithm: str, world: int, ranks_per_node: Optional[int]) -> bool:
+    """Whether ``algorithm`` sums over two levels (inside nodes, then among node leaders) for
+    ``world`` ranks placed ``ranks_per_node`` per node: always for ``hierarchical``; for ``auto``
+    when there is more than one node and more than one rank per node (else the flat ring)."""
+    if algorithm == "hierarchical":
+        return True
+    per_node = ranks_per_node or 1
+    return algorithm == "auto" and 1 < per_node < world
+
+
+def small_message_bytes(knobs: CommConfig) -> int:
+    """Up to how many bytes our algorithms send a message by recursive doubling."""
+    return knobs.small_message_kb * 1024 if knobs.small_message_kb else SMALL_MESSAGE_BYTES
 
 
 def dense_warmup_epochs(knobs: CommConfig) -> float:

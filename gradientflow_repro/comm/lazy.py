@@ -34,10 +34,14 @@ from gradientflow_repro.comm.pool import pack_parts
 
 @dataclass(eq=False)
 class Bucket:
+    """One pool part: the parameters whose gradients it holds, where each lies in it, and the
+    fp32 buffer itself (end to end for lazy allreduce; CSC puts its chunks, padded to whole chunks,
+    before the dense tail)."""
+
     params: list[nn.Parameter]
-    offsets: list[int]
-    flat: torch.Tensor  # the pool part: gradients of ``params`` laid end to end (fp32)
-    dense: bool = True  # csc: False for parts that may be sparsified
+    offsets: list[int]  # where each parameter's gradient starts in ``flat``
+    flat: torch.Tensor  # the pool part (fp32)
+    sparse_elements: int = 0  # csc: the leading elements that may be sparsified (whole chunks)
     index: int = -1  # position in the layout (the order parts are sent in)
     seen: list[bool] = field(default_factory=list)
 
@@ -73,22 +77,20 @@ class LazyAllreduce(Communicator):
         return model
 
     def layout(self, params: list[nn.Parameter]) -> list[Bucket]:
-        return self.pack(params, dense=True)
+        """Consecutive parameters into parts of at least ``bucket_bytes`` (the last may be smaller):
+        the pool's packing rule, ``comm/pool.py`` (which the scaling model prices too)."""
+        return [self.make_bucket([params[i] for i in part.indices])
+                for part in pack_parts([p.numel() for p in params], self.bucket_bytes)]
 
-    def pack(self, params: list[nn.Parameter], dense: bool, multiple: int = 1) -> list[Bucket]:
-        """Consecutive parameters into parts of at least ``bucket_bytes`` (the last may be smaller),
-        each part's length padded with zeros to a multiple of ``multiple`` elements: the pool's
-        packing rule, ``comm/pool.py`` (which the scaling model prices too)."""
-        return [self._bucket([params[i] for i in part.indices], dense, part.elements)
-                for part in pack_parts([p.numel() for p in params], self.bucket_bytes, multiple)]
-
-    def _bucket(self, params: list[nn.Parameter], dense: bool, elements: int) -> Bucket:
-        offsets, total = [], 0
-        for param in params:
-            offsets.append(total)
-            total += param.numel()
-        return Bucket(params, offsets, torch.zeros(elements, dtype=torch.float32, device=self.device),
-                      dense=dense, seen=[False] * len(params))
+    def make_bucket(self, params: list[nn.Parameter], elements: int = 0,
+               starts: Optional[list[int]] = None, sparse_elements: int = 0) -> Bucket:
+        """A pool part of ``elements`` (at least the parameters' total) zeroed fp32 elements holding
+        ``params`` at ``starts`` (default: end to end from 0)."""
+        if starts is None:
+            starts = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
+        elements = max(elements, sum(p.numel() for p in params))
+        return Bucket(params, starts, torch.zeros(elements, dtype=torch.float32, device=self.device),
+                      sparse_elements=sparse_elements, seen=[False] * len(params))
 
     # ------------------------------------------------------------------ during backward
     @contextlib.contextmanager

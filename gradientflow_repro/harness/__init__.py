@@ -1,15 +1,17 @@
 """The reproduction harness: everything behind ``scripts/`` (which are thin command lines over it).
 
     world.py           free_port, and spawn: a function in N gloo processes on this machine (tests, benchmarks)
-    netemu.py          an emulated cluster network: a namespace per rank, a bridge, a tbf rate limit
+    netemu.py          an emulated cluster: a namespace per node (ranks_per_node ranks on its loopback), a
+                       bridge, one tbf-shaped uplink per node
     launch.py          start a job's ranks (in the emulated network or on loopback), stream rank 0, fail together
     netbench.py        the network as the ring and the backend see it (``python -m ...harness.netbench``)
-    profile.py         a model's backward profile and local work per element (``python -m ...harness.profile``)
+    profile.py         a model's backward profile (measured, or from FLOPs) and local work per element
     runs.py            a finished run's summary and records, its steady step time
     reproduce.py       the paper's comparison: calibrate, choose the link rate, train the ladder, report
     report.py          results/REPORT.md from a reproduction's runs
-    scaling.py         the scaling model at the paper's scale against its 410.2x and 2.5x
-    bench_allreduce.py, bench_comm.py, bench_loader.py   the benchmarks of ``make bench``
+    scaling.py         the scaling model for any setup; by default the paper's, against its 410.2x and 2.5x
+    cluster_check.py   the scaling model against the emulated two-level cluster's measurements
+    bench_allreduce.py, bench_comm.py, bench_loader.py, bench_small.py, bench_cluster.py   ``make bench``
     fault_report.py    the fault-injection table of ``make reliability``
     wandb_report.py    a W&B report of one reproduction
     imagenet.py        check an ImageNet-layout folder, arrange a flat validation set

@@ -4,7 +4,9 @@
 rank, world size, master address), streams rank 0's progress lines with a prefix, keeps every
 rank's output in ``rank<r>.log``, and ends every rank when one fails or the deadline passes (then
 it raises with the failed ranks' last lines): nothing waits forever. ``network`` is the emulated
-network (``harness.netemu``) when it can be had, else nothing (loopback).
+network (``harness.netemu``) when it can be had, else nothing (loopback); with ``ranks_per_node``
+G > 1 it emulates nodes of G ranks sharing one shaped uplink, and each rank is told its place in
+its node as torchrun would (LOCAL_RANK = rank % G, LOCAL_WORLD_SIZE = G).
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
     master = net.address(0) if net else "127.0.0.1"
     logs: list[IO[str]] = []
     processes: list[subprocess.Popen] = []
+    nodes_of_several = net is not None and net.ranks_per_node > 1
     for rank in range(world):
-        # every rank runs on this machine: its local rank is its rank (with device=cuda, its GPU)
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": master, "MASTER_PORT": str(port),
+        # one rank per namespace (or loopback): every rank runs on this machine, its local rank is
+        # its rank (with device=cuda, its GPU); emulated nodes of several ranks: its place in the node
+        local_rank, local_world = (net.local_rank(rank), net.ranks_per_node) if nodes_of_several else (rank, world)
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
+               "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": master, "MASTER_PORT": str(port),
                "OMP_NUM_THREADS": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"),
                "PYTHONUNBUFFERED": "1"}
         argv = [sys.executable, *module, *overrides]
@@ -91,10 +96,12 @@ def tail(path: Path, lines: int = 15) -> str:
 
 class network:
     """``with network(world, rate_mbit, reason) as net``: the emulated network when ``reason`` (why
-    it is unavailable) is None, else None (loopback)."""
+    it is unavailable) is None, else None (loopback). ``ranks_per_node``: ranks sharing one node's
+    namespace and shaped uplink (on loopback there are no nodes to emulate)."""
 
-    def __init__(self, world: int, rate_mbit: Optional[float], reason: Optional[str]) -> None:
-        self.net = netemu.EmulatedNetwork(world, rate_mbit) if reason is None else None
+    def __init__(self, world: int, rate_mbit: Optional[float], reason: Optional[str],
+                 ranks_per_node: int = 1) -> None:
+        self.net = netemu.EmulatedNetwork(world, rate_mbit, ranks_per_node=ranks_per_node) if reason is None else None
 
     def __enter__(self) -> Optional[netemu.EmulatedNetwork]:
         return self.net.__enter__() if self.net else None

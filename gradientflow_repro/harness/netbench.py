@@ -65,8 +65,9 @@ def _measure(rank: int, world: int, out: Path, tensors_file: Path) -> None:
     import torch.distributed as dist
 
     from gradientflow_repro.comm.base import CommStats
-    from gradientflow_repro.comm.compression import Fp16Wire
-    from gradientflow_repro.comm.ring import ring_allreduce_, ring_sum
+    from gradientflow_repro.comm.factory import build_sum
+    from gradientflow_repro.comm.recursive_doubling import small_sum
+    from gradientflow_repro.comm.ring import ring_allreduce_
 
     def timed(tensor: object, calls: int, allreduce: Callable = ring_allreduce_, back_to_back: bool = False) -> float:
         """Mean seconds per call, without the fastest and slowest tenth: a training step pays the
@@ -85,8 +86,9 @@ def _measure(rank: int, world: int, out: Path, tensors_file: Path) -> None:
         return trimmed_mean(times)
 
     tiny = timed(torch.ones(world), 30)  # one element per rank: latency only
-    # a one-value MAX allreduce, as the fp16 wire's shared scale
-    builtin_tiny = timed(torch.ones(1), 30, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))
+    # a one-value MAX allreduce, as the fp16 wire's shared scale (recursive doubling: small_sum)
+    scale_max = small_sum(op="max")
+    scale_max_s = timed(torch.ones(1), 30, lambda t: scale_max(t, CommStats()))
     size = LARGE_BYTES
     large = timed(torch.ones(size // 4), 15)  # per call bimodal on a shaped link (e.g. 54 or 80 ms at world 2)
     # the backend's own allreduce (the `allreduce` and `ddp` strategies), which need not be a ring:
@@ -99,13 +101,14 @@ def _measure(rank: int, world: int, out: Path, tensors_file: Path) -> None:
     # one allreduce per gradient of the model, back to back: what `allreduce`, `ring` and
     # `ring`+fp16 do after backward, without the training around it
     gradients = [torch.randn(n) for n in json.loads(tensors_file.read_text())]
-    ring_fp16 = Fp16Wire(ring_sum(), world)
+    # as the `ring` strategies build them: small tensors by recursive doubling, the rest by the ring
+    ring, ring_fp16 = build_sum("ring", "fp32"), build_sum("ring", "fp16")
     per_tensor = {name: timed(gradients, 5, lambda tensors, fn=fn: [fn(t) for t in tensors]) if gradients else None
-                  for name, fn in (("builtin", dist.all_reduce), ("ring", ring_allreduce_),
+                  for name, fn in (("builtin", dist.all_reduce), ("ring", lambda t: ring(t, CommStats())),
                                    ("ring_fp16", lambda t: ring_fp16(t, CommStats())))}
     if rank == 0:
         out.write_text(json.dumps({
-            "tiny_allreduce_s": builtin_tiny, "tiny_ring_s": tiny, "ring_large_s": large, "ring_large_bytes": size,
+            "tiny_allreduce_s": scale_max_s, "tiny_ring_s": tiny, "ring_large_s": large, "ring_large_bytes": size,
             "builtin_cost_by_size": builtin_cost, "per_tensor_builtin_s": per_tensor["builtin"],
             "per_tensor_ring_s": per_tensor["ring"], "per_tensor_ring_fp16_s": per_tensor["ring_fp16"]}))
 

@@ -1,11 +1,15 @@
 """An emulated cluster network on one Linux machine, and launching ranks into it.
 
-Each rank runs in its own network namespace with one interface (eth0, 10.77.0.<rank+1>) joined to
-a bridge that lives in a namespace of its own, so the host's network is untouched. Each eth0's
-egress is shaped by a token bucket (``tc qdisc ... tbf rate R``): a ring allreduce sends the same
-volume from every rank, so shaping egress alone limits every link of the ring to R. Only rate is
-emulated (kernels without netem cannot add delay). Needs root and iproute2; without them the ranks
-run on loopback and ``why_unavailable()`` says why.
+A *node* is a network namespace with one interface (eth0, 10.77.0.<node+1>) joined to a bridge that
+lives in a namespace of its own, so the host's network is untouched. A node holds
+``ranks_per_node`` consecutive ranks (rank r in node r // ranks_per_node), as a cluster node holds
+its GPUs; by default one rank per node. Each eth0's egress is shaped by a token bucket (``tc qdisc
+... tbf rate R``): the node's uplink, shared by all its ranks as a node's GPUs share its NIC. A ring
+allreduce sends the same volume from every node, so shaping egress alone limits every inter-node
+link of the ring to R. Ranks of one node reach each other at the node's own address, which the
+kernel routes over loopback: fast and unshaped, the emulated NVLink/PCIe. Only rate is emulated
+(kernels without netem cannot add delay). Needs root and iproute2; without them the ranks run on
+loopback and ``why_unavailable()`` says why.
 
 Set-up and tear-down are complete: namespaces carry a per-process prefix, processes started in
 them are killed (as process groups) before the namespaces are deleted, and deleting a namespace
@@ -54,19 +58,35 @@ def namespaces(prefix: str = PREFIX) -> list[str]:
 
 
 class EmulatedNetwork:
-    """``with EmulatedNetwork(4, rate_mbit=400) as net: net.launch(...)``."""
+    """``with EmulatedNetwork(4, rate_mbit=400) as net: net.launch(...)``; with
+    ``ranks_per_node=G``, ``ranks`` / G nodes of G ranks each behind one shaped uplink."""
 
-    def __init__(self, ranks: int, rate_mbit: Optional[float], mtu: int = 1500) -> None:
-        self.ranks, self.rate_mbit, self.mtu = ranks, rate_mbit, mtu
+    def __init__(self, ranks: int, rate_mbit: Optional[float], mtu: int = 1500, ranks_per_node: int = 1) -> None:
+        if ranks_per_node < 1 or ranks % ranks_per_node:
+            raise ValueError(f"ranks_per_node = {ranks_per_node} must divide the {ranks} ranks")
+        self.ranks, self.rate_mbit, self.mtu, self.ranks_per_node = ranks, rate_mbit, mtu, ranks_per_node
+        self.nodes = ranks // ranks_per_node
         self.prefix = f"{PREFIX}{os.getpid()}-"
         self.processes: list[subprocess.Popen] = []
         self._previous_sigterm = None
 
+    def node(self, rank: int) -> int:
+        """The node holding ``rank`` (ranks are numbered node by node, as torchrun and Slurm do)."""
+        return rank // self.ranks_per_node
+
+    def local_rank(self, rank: int) -> int:
+        return rank % self.ranks_per_node
+
+    def node_namespace(self, node: int) -> str:
+        return f"{self.prefix}n{node}"
+
     def namespace(self, rank: int) -> str:
-        return f"{self.prefix}n{rank}"
+        """The namespace of ``rank``'s node."""
+        return self.node_namespace(self.node(rank))
 
     def address(self, rank: int) -> str:
-        return f"{SUBNET}.{rank + 1}"
+        """The address of ``rank``'s node (its eth0): every rank of a node binds to it."""
+        return f"{SUBNET}.{self.node(rank) + 1}"
 
     @property
     def payload_Bps(self) -> float:
@@ -84,14 +104,14 @@ class EmulatedNetwork:
             _ip("-n", switch, "link", "set", "lo", "up")
             _ip("-n", switch, "link", "add", "br0", "type", "bridge")
             _ip("-n", switch, "link", "set", "br0", "mtu", str(self.mtu), "up")
-            for rank in range(self.ranks):
-                ns = self.namespace(rank)
+            for node in range(self.nodes):
+                ns = self.node_namespace(node)
                 _ip("netns", "add", ns)
-                _ip("-n", ns, "link", "set", "lo", "up")
-                _ip("link", "add", f"v{rank}", "netns", switch, "mtu", str(self.mtu), "type", "veth",
+                _ip("-n", ns, "link", "set", "lo", "up")  # the node's ranks talk over it (own address)
+                _ip("link", "add", f"v{node}", "netns", switch, "mtu", str(self.mtu), "type", "veth",
                     "peer", "name", "eth0", "netns", ns, "mtu", str(self.mtu))
-                _ip("-n", switch, "link", "set", f"v{rank}", "master", "br0", "up")
-                _ip("-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", "eth0")
+                _ip("-n", switch, "link", "set", f"v{node}", "master", "br0", "up")
+                _ip("-n", ns, "addr", "add", f"{SUBNET}.{node + 1}/24", "dev", "eth0")
                 _ip("-n", ns, "link", "set", "eth0", "up")
                 if self.rate_mbit:
                     _ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
@@ -103,7 +123,9 @@ class EmulatedNetwork:
 
     def launch(self, rank: int, argv: Sequence[str], env: dict[str, str], stdout: IO | int,
                cwd: Optional[Path] = None) -> subprocess.Popen:
-        """Start ``argv`` in rank ``rank``'s namespace, in a new process group (killed on close)."""
+        """Start ``argv`` in the namespace of ``rank``'s node, in a new process group (killed on
+        close). GLOO_SOCKET_IFNAME=eth0 makes gloo bind to the node's address, which the node's
+        other ranks reach over loopback and other nodes through the shaped uplink."""
         command = ["ip", "netns", "exec", self.namespace(rank), *argv]
         process = subprocess.Popen(command, env={**env, "GLOO_SOCKET_IFNAME": "eth0"}, cwd=cwd,
                                    stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True,

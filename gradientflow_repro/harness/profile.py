@@ -8,20 +8,37 @@ configured model on the per-rank batch and writes them as JSON; `make reproduce`
 process of its own:
 
     python -m gradientflow_repro.harness.profile OUT.json -- HYDRA_OVERRIDES...   # PROFILE_WORLD=4
+
+For the projection to the paper's cluster the profile comes from FLOPs instead (``flop_profile``):
+backward's work per gradient tensor counted by ``torch.utils.flop_counter.FlopCounterMode``, scaled
+to the step time that the paper's single-GPU throughput implies. Why FLOPs and not this machine's
+timings: a CPU's per-layer time ratios are not a GPU's (its GEMMs for the fully connected layers and
+its convolutions run at very different fractions of peak, and not the ones cuDNN and cuBLAS reach),
+while FLOPs are the same on every device. Why not parameter counts (``perfmodel.uniform_profile``):
+AlexNet's fully connected layers hold ~96% of its parameters but the convolutions do ~91% of its
+backward FLOPs. Backward reaches the classifier first, so spread by parameters it spends nearly all
+of its time there: the first fully connected layer's gradient (62% of the bytes) is ready at 96% of
+backward instead of 9%, ~22 ms later in the paper's 39 ms step, and overlap has almost nothing left
+to hide communication behind. ``flop_readiness`` runs on the ``meta`` device where it can (shapes
+only: AlexNet-BN at 224 in well under a second, no memory).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
 from gradientflow_repro.harness import REPO
 from gradientflow_repro.perfmodel import ModelProfile, TensorProfile
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
 
 
 def _median_seconds(work: Callable[[], None], repeats: int) -> float:
@@ -36,42 +53,52 @@ def _median_seconds(work: Callable[[], None], repeats: int) -> float:
 
 def measure_sparsify_s_per_element(elements: int, chunk: int = 32768, density: float = 0.1,
                                    repeats: int = 5) -> float:
-    """Seconds per gradient element of CSC's local work on this device, timed on the same operations
-    as ``comm/csc.py`` (velocity and residual sums, chunk norms, selection, packing, write-back)."""
+    """Seconds per gradient element of CSC's local work on this device: ``csc.BucketState``'s own
+    step (momentum, residual, chunk norms with the fp16 peak, selection, packing, clearing, commit)
+    and the write-back into the pool part, with summing functions that send nothing."""
     import torch
 
-    from gradientflow_repro.comm.csc import chunk_l1_norms, select_chunks
+    from gradientflow_repro.comm.base import CommStats
+    from gradientflow_repro.comm.csc import BucketState
+
+    class Nothing:  # a summing function that sends nothing, with the fp16 wire's bounded entry
+        def __call__(self, tensor: torch.Tensor, stats: CommStats) -> None:
+            pass
+
+        def sum_bounded(self, tensor: torch.Tensor, bound: torch.Tensor, stats: CommStats) -> None:
+            pass
 
     chunks = max(1, elements // chunk)
-    gradient, residual, velocity, moved, accumulated, pool = (torch.randn(chunks, chunk) for _ in range(6))
+    state = BucketState.zeros(chunks, chunk, torch.device("cpu"), velocity_elements=chunks * chunk)
+    gradient, pool = torch.randn(chunks * chunk), torch.empty(chunks, chunk)
+    nothing = Nothing()
 
-    def local_work() -> None:  # into preallocated buffers, as csc.py writes into its spare state
-        torch.add(gradient, velocity, alpha=0.9, out=moved)
-        torch.add(residual, moved, out=accumulated)
-        chosen = select_chunks(chunk_l1_norms(accumulated), density)
-        packed = accumulated.index_select(0, chosen)
-        pool.zero_()
-        pool.index_copy_(0, chosen, packed)
-        accumulated.index_fill_(0, chosen, 0.0)
-        moved.index_fill_(0, chosen, 0.0)
+    def local_work() -> None:
+        moved = state.add_momentum(gradient, 0.9)
+        sent = state.sparsify(moved.view(chunks, chunk), density, nothing, nothing, CommStats(), mask_velocity=True)
+        pool.zero_().index_copy_(0, sent.chosen, sent.summed)
+        state.commit()
 
     return _median_seconds(local_work, repeats) / (chunks * chunk)
 
 
 def measure_wire_cast_s_per_element(elements: int, repeats: int = 5) -> float:
     """Seconds per element of the fp16 wire's local work on this device, timed on the same
-    operations as ``comm/compression.py`` (peak magnitude, scale and cast to fp16, cast back and
-    unscale)."""
+    operations as ``comm/compression.py`` and ``comm/ring.py`` (peak magnitude and its power-of-two
+    scale, scale and cast to fp16, the ring's fp16 reduction, which adds in fp32 and rounds once:
+    (N-1)/N of the elements, counted whole, cast back and unscale)."""
     import torch
 
-    from gradientflow_repro.comm.compression import compress, decompress
+    from gradientflow_repro.comm.compression import compress, decompress, scale_for
 
     gradient = torch.randn(max(1, elements))
+    arrived = torch.randn(gradient.numel()).to(torch.float16)
 
     def local_work() -> None:
-        peak = gradient.abs().max().item()
-        scale = 2.0 ** -3 if peak else 1.0  # a power of two other than 1, as agreed_scale picks
-        decompress(compress(gradient, scale), gradient, scale)
+        scale = scale_for(4 * gradient.abs().max().double())
+        wire = compress(gradient, scale)
+        wire.copy_(wire.float() + arrived.float())  # as ring.py reduces a low-precision segment
+        decompress(wire, gradient, scale)
 
     return _median_seconds(local_work, repeats) / gradient.numel()
 
@@ -148,6 +175,165 @@ def profile_from_json(data: dict) -> ModelProfile:
     return ModelProfile(data["forward_s"], data["backward_s"], data["optimizer_s"],
                         tuple(TensorProfile(e, r, flat) for e, r, flat in data["tensors"]),
                         data.get("sparsify_s_per_element", 0.0), data.get("wire_cast_s_per_element", 0.0))
+
+
+class TensorFlops(NamedTuple):
+    """One gradient tensor in a FLOP count: its size, the backward FLOPs done when it is complete."""
+    elements: int
+    backward_flops_done: int
+    one_dimensional: bool
+
+
+class FlopReadiness(NamedTuple):
+    """What ``flop_readiness`` counts; unpacks as ``(forward_flops, backward_flops, tensors)``."""
+    forward_flops: int
+    backward_flops: int
+    tensors: tuple[TensorFlops, ...]  # in the order backward completes them
+
+
+def flop_readiness(model: nn.Module, images: Tensor, labels: Tensor) -> FlopReadiness:
+    """FLOPs of one training step's forward (to the cross-entropy loss) and backward of ``model`` on
+    ``images``, and for each trainable parameter the backward FLOPs done when its gradient is
+    complete: a post-accumulate-grad hook reads the running total of a
+    ``torch.utils.flop_counter.FlopCounterMode`` at that moment. The counter adds an op's FLOPs when
+    the op has run, so a tensor's count includes the op that produced its gradient (for a convolution
+    ``convolution_backward``, which computes the input's gradient, skipped where the input needs none,
+    as for the first layer, and the weight's in one op).
+
+    An approximation of where backward's time goes: FlopCounterMode counts only matrix products,
+    convolutions and attention (``flop_counter.flop_registry``); elementwise ops, BatchNorm, ReLU,
+    pooling, dropout and the loss count zero. On a GPU those are memory-bound and a minority of a
+    convolutional network's step (a few %, more with BatchNorm on large activations), so their time
+    is in effect spread in proportion to the counted work: the proportions, not an exact timing.
+
+    Any device works; on ``meta`` (shapes only) it is fast and allocates nothing. Tensors are listed
+    in the order their hooks fire; a parameter that gets no gradient comes last, at the end of
+    backward. Leaves the gradients in ``.grad``, as a backward does; nothing is updated."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    counter = FlopCounterMode(display=False)
+    done: dict[int, int] = {}  # parameter index -> backward FLOPs done at its gradient; in firing order
+    forward = {"flops": 0}
+
+    def mark(index: int) -> Callable[[Any], None]:
+        def hook(_: Any) -> None:  # must return None: autograd rejects anything else
+            done.setdefault(index, counter.get_total_flops() - forward["flops"])
+        return hook
+
+    handles = [p.register_post_accumulate_grad_hook(mark(i)) for i, p in enumerate(params)]
+    try:
+        with torch.enable_grad(), counter:
+            output = model(images)
+            if isinstance(output, (tuple, list)):  # e.g. Inception's (logits, aux_logits) in training
+                output = output[0]
+            loss = torch.nn.functional.cross_entropy(output, labels)
+            forward["flops"] = counter.get_total_flops()
+            loss.backward()
+        backward = counter.get_total_flops() - forward["flops"]
+    finally:
+        for handle in handles:
+            handle.remove()
+    order = list(done) + [i for i in range(len(params)) if i not in done]
+    tensors = tuple(TensorFlops(params[i].numel(), done.get(i, backward), params[i].dim() <= 1) for i in order)
+    return FlopReadiness(forward["flops"], backward, tensors)
+
+
+OUR_MODELS = ("alexnet_bn", "alexnet", "resnet50")  # gradientflow_repro.models.build_model
+
+
+def build_named_model(name: str, num_classes: int, image_size: int) -> nn.Module:
+    """A classification model by name, on the current default device: ours
+    (``gradientflow_repro.models.build_model``), else torchvision's
+    (``torchvision.models.get_model``), else timm's (``timm.create_model``, if timm is installed).
+    ``image_size`` reaches only ours; torchvision's and timm's take any size their pooling allows."""
+    if name in OUR_MODELS:
+        from gradientflow_repro.models import build_model
+
+        return build_model(name, num_classes, image_size)
+    import torchvision
+
+    if name in torchvision.models.list_models(module=torchvision.models):
+        return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    try:
+        import timm
+    except ImportError:
+        timm_says = "timm is not installed"
+    else:
+        if timm.is_model(name):
+            return timm.create_model(name, pretrained=False, num_classes=num_classes)
+        timm_says = "not in timm.list_models()"
+    raise ValueError(f"unknown model '{name}': not ours ({', '.join(OUR_MODELS)}), not a torchvision "
+                     f"classification model (torchvision.models.list_models(module=torchvision.models)), "
+                     f"and {timm_says}")
+
+
+_COUNT_BATCH = 2  # BatchNorm in training mode needs more than one value per channel
+
+
+@functools.lru_cache(maxsize=None)
+def flops_per_image(model_name: str, image_size: int, num_classes: int = 1000) -> FlopReadiness:
+    """``flop_readiness`` of the named model (``build_named_model``) per image of ``image_size``
+    pixels: counted on a batch of two and halved (the counted ops are linear in the batch). Built and
+    run on the ``meta`` device; a model that cannot be (an op without a meta kernel, a value read
+    with ``.item()``) is rebuilt and counted on the CPU. Cached: a scaling sweep asks many times."""
+    import torch
+
+    counted: Optional[FlopReadiness] = None
+    for device in ("meta", "cpu"):
+        try:
+            with torch.device(device):
+                model = build_named_model(model_name, num_classes, image_size)
+                images = torch.randn(_COUNT_BATCH, 3, image_size, image_size)
+                labels = torch.randint(0, num_classes, (_COUNT_BATCH,))
+                counted = flop_readiness(model, images, labels)
+            break
+        except (NotImplementedError, RuntimeError):
+            if device == "cpu":
+                raise
+    assert counted is not None
+    return FlopReadiness(counted.forward_flops // _COUNT_BATCH, counted.backward_flops // _COUNT_BATCH,
+                         tuple(t._replace(backward_flops_done=t.backward_flops_done // _COUNT_BATCH)
+                               for t in counted.tensors))
+
+
+def flop_profile(model_name: str, image_size: int, images_per_gpu: int, single_gpu_images_s: float,
+                 num_classes: int = 1000, optimizer_s: float = 0.0) -> ModelProfile:
+    """The named model's profile on a GPU that trains ``single_gpu_images_s`` images per second, from
+    FLOPs (``flops_per_image``): a step of ``images_per_gpu`` images takes
+    ``images_per_gpu / single_gpu_images_s`` seconds, of which ``optimizer_s`` is the update and the
+    rest is split between forward and backward in proportion to their FLOPs; each gradient is ready
+    at the share of backward's FLOPs done when it is complete. The throughput is of whole steps, so
+    the update's time comes out of it rather than on top. CSC's and the fp16 wire's local work per
+    element are left at zero (``dataclasses.replace`` them from a measurement)."""
+    step = images_per_gpu / single_gpu_images_s
+    if not 0 <= optimizer_s < step:
+        raise ValueError(f"optimizer_s={optimizer_s} must be in [0, step time {step})")
+    counted = flops_per_image(model_name, image_size, num_classes)
+    compute = step - optimizer_s
+    forward_s = compute * counted.forward_flops / (counted.forward_flops + counted.backward_flops)
+    backward_s = compute - forward_s
+    return ModelProfile(forward_s, backward_s, optimizer_s,
+                        tuple(TensorProfile(t.elements, backward_s * t.backward_flops_done / counted.backward_flops,
+                                            t.one_dimensional) for t in counted.tensors))
+
+
+def readiness_table(profile: ModelProfile,
+                    against: Optional[ModelProfile] = None) -> list[tuple[int, float, Optional[float]]]:
+    """For each multi-dimensional (weight) tensor of ``profile``, in backward order: its elements,
+    the fraction of backward done when it is ready, and the same fraction in ``against`` (another
+    profile of the same network, e.g. ``perfmodel.paper_profile()``), or None. Tensors are matched by
+    size, the k-th of a size with the k-th; one-dimensional tensors are left out, since they differ
+    between variants (AlexNet's biases, AlexNet-BN's BatchNorm) and are under 0.1% of the elements."""
+    def fractions(p: ModelProfile) -> list[tuple[int, float]]:
+        return [(t.elements, t.ready_s / p.backward_s) for t in p.tensors if not t.one_dimensional]
+
+    theirs: dict[int, list[float]] = {}
+    for elements, fraction in fractions(against) if against is not None else []:
+        theirs.setdefault(elements, []).append(fraction)
+    return [(elements, fraction, theirs[elements].pop(0) if theirs.get(elements) else None)
+            for elements, fraction in fractions(profile)]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

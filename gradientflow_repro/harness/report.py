@@ -111,14 +111,15 @@ def _size(nbytes: float) -> str:
 
 
 def _network_table(network_by_world: dict[int, dict]) -> list[str]:
-    lines = ["| world | ring: bandwidth (MB/s) | ring: latency per message (us) | one-value builtin allreduce (ms) |",
+    lines = ["| world | ring: bandwidth (MB/s) | ring: latency per message (us) | one-value allreduce (ms) |",
              "|---|---|---|---|"]
     for world, measured in sorted(network_by_world.items()):
         lines.append(f"| {world} | {measured['bandwidth_Bps'] / 1e6:.1f} | {measured['latency_s'] * 1e6:.0f} "
                      f"| {measured.get('tiny_allreduce_s', float('nan')) * 1e3:.2f} |")
     lines += ["", "Ring: latency from a one-element-per-rank ring allreduce over its 2(N-1) messages, bandwidth "
-              "from an 8 MiB one. The one-value allreduce is the fp16 wire's shared scale; CSC's chunk norms "
-              "(one value per chunk) are priced from the builtin's table below."]
+              "from an 8 MiB one. The one-value allreduce is the fp16 wire's shared scale (recursive doubling); "
+              "CSC's chunk norms (one value per chunk, with the fp16 peak) go by recursive doubling too, priced "
+              "at log2(N) steps of the ring's latency."]
     worlds = [w for w, m in sorted(network_by_world.items()) if m.get("builtin_cost_by_size")]
     if worlds:
         costs = {w: dict((size, s) for size, s in network_by_world[w]["builtin_cost_by_size"]) for w in worlds}
@@ -166,7 +167,23 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
         within = sum(e <= 0.15 for e in errors)
         lines += ["", f"Goal: within 15%. {within} of {len(errors)} predictions are; the largest error is "
                   f"{max(errors) * 100:.0f}%."]
-    return lines + _per_tensor_alone(profile, network_by_world)
+    return lines + _hidden_communication(checks) + _per_tensor_alone(profile, network_by_world)
+
+
+def _hidden_communication(checks: dict[int, dict[str, dict]]) -> list[str]:
+    """How close the full stack comes to hiding all communication: its step over the compute-only
+    step (``allreduce``'s step less its wait in ``synchronize()``, which is all after backward)."""
+    lines = []
+    for world, by_label in sorted(checks.items()):
+        if "allreduce" not in by_label or "gradientflow" not in by_label:
+            continue
+        base = by_label["allreduce"]
+        compute = base["step_s"] - base["sync_wait_s"]
+        ratio = by_label["gradientflow"]["step_s"] / compute
+        lines.append(f"- world size {world}: `gradientflow`'s step is {ratio:.2f}x the compute-only step "
+                     f"({compute * 1e3:.1f} ms: `allreduce`'s step less its wait; 1.0 would hide all "
+                     f"communication behind backward). Goal at most 1.2x: {'met' if ratio <= 1.2 else 'NOT met'}.")
+    return ["", *lines] if lines else []
 
 
 def _per_tensor_alone(profile: pm.ModelProfile, network_by_world: dict[int, dict]) -> list[str]:
@@ -179,7 +196,7 @@ def _per_tensor_alone(profile: pm.ModelProfile, network_by_world: dict[int, dict
             continue
         net = _network(measured)
         cells = []
-        for key, strategy in (("per_tensor_builtin_s", pm.Strategy("allreduce", builtin=True)),
+        for key, strategy in (("per_tensor_builtin_s", pm.Strategy("allreduce", algorithm="builtin")),
                               ("per_tensor_ring_s", pm.Strategy("ring")),
                               ("per_tensor_ring_fp16_s", pm.Strategy("ring+fp16", wire_bytes=2))):
             model = pm.predict_step(profile, world, net, strategy).comm_s

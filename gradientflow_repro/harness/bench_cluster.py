@@ -1,0 +1,569 @@
+"""Communication alone, on an emulated cluster of nodes: what an analytic scaling model is checked
+against, in the regime where the paper's effects live (the network, not the CPU, is the limit).
+
+For a model's real gradients (their sizes, and the order in which backward makes them ready,
+recorded once from a real backward pass) every rank runs steps without training: a tiny autograd
+graph (``Replay``) releases a fixed random gradient for each parameter in backward order with no
+computation in between, so the communicators' post-accumulate-grad hooks (and DDP's) fire as in real
+training, then ``comm.synchronize()``. A step's communication time is from the start of backward to
+the end of ``synchronize()``, on the slowest rank. Communicators come from the factory, as the
+trainer builds them; CSC is in its sparse phase (epoch 10, after its dense warm-up).
+
+Each layout (nodes x ranks per node) is one launch of the ranks into the emulated cluster
+(``harness.netemu``: a namespace per node, ranks of a node on its loopback, one tbf-shaped uplink
+per node), and measures in the same launch the network as an analytic model needs it: per-message
+latency and bandwidth between node leaders (the uplink), inside a node, and over the flat ring of
+all ranks, and the backend's own allreduce by message size. Each rank runs this module:
+
+    python -m gradientflow_repro.harness.bench_cluster OUT.json SPEC.json    # RANK, WORLD_SIZE, MASTER_* set
+
+The rate is checked to make the runs network-bound: the dense strategies of the first layout run
+again on links twice as fast (the largest must take about half as long) and unshaped (what CPU and
+per-message costs alone take). ``scripts/bench_cluster.py`` is the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from gradientflow_repro.harness import REPO, netemu
+from gradientflow_repro.harness.cluster_check import markdown_lines, with_local_work
+from gradientflow_repro.harness.launch import network, run_ranks
+from gradientflow_repro.harness.netbench import trimmed_mean
+
+MODULE = ("-m", "gradientflow_repro.harness.bench_cluster")
+LARGE_BYTES = 8 << 20  # a ring's bandwidth is taken from an allreduce of this size
+# The leaders' ring is timed again in segments of this size: with two nodes each step of the
+# default 4 MiB segments is one large message each way on one gloo pair, and gloo then often
+# carries the two directions one after the other (a 2-rank exchange of 8 MiB takes 1x or 2x the
+# wire time, where plain TCP sockets in the same namespaces take 1x): smaller segments keep both
+# directions busy, so this figure is the uplink's rate (``model_network.bandwidth_Bps``).
+SEGMENT_BYTES = 1 << 20
+# (world, ranks per node): 8 ranks as 2 nodes x 4 and 4 nodes x 2, 4 ranks as 2 nodes x 2
+LAYOUTS: tuple[tuple[int, int], ...] = ((8, 4), (8, 2), (4, 2))
+# Per node uplink, Mbit/s. At 100 the densest strategy of 8 ranks takes ~1.5 s a step, 2x faster at
+# 200 and under a tenth of that unshaped (the check in results/cluster_comm.md): network-bound on 2
+# cores. At 200 per-message costs (~1 ms with 8 ranks on 2 cores) weigh more; at 50 the run is too long.
+RATE_MBIT = 100.0
+STRATEGY_LABELS = ("allreduce", "ring", "ring+fp16", "lazy", "csc", "gradientflow (flat)",
+                   "gradientflow (hierarchical)", "ddp-style bucketed builtin", "ddp")
+RUNS_DIR = REPO / "results" / "runs" / "bench_cluster"
+OUT_MD, OUT_JSON = REPO / "results" / "cluster_comm.md", REPO / "results" / "cluster_comm.json"
+
+
+def strategy_options(label: str, ranks_per_node: int) -> dict[str, Any]:
+    """The ``comm.*`` options of a strategy label (hierarchical needs the layout's ranks per node)."""
+    options: dict[str, dict[str, Any]] = {
+        "allreduce": {"strategy": "allreduce"},
+        "ring": {"strategy": "ring"},
+        "ring+fp16": {"strategy": "ring", "wire": "fp16"},
+        "lazy": {"strategy": "lazy"},
+        "csc": {"strategy": "csc"},
+        "gradientflow (flat)": {"strategy": "gradientflow", "algorithm": "ring"},
+        "gradientflow (hierarchical)": {"strategy": "gradientflow", "algorithm": "hierarchical",
+                                        "ranks_per_node": ranks_per_node},
+        # DDP's own 25 MB buckets of builtin allreduces, done by our pool: no DDP needed
+        "ddp-style bucketed builtin": {"strategy": "lazy", "algorithm": "builtin", "bucket_mb": 25, "wire": "fp32"},
+        "ddp": {"strategy": "ddp"},
+    }
+    return options[label]
+
+
+def dense_fp32(options: dict[str, Any]) -> bool:
+    """Whether a strategy sends every gradient in fp32 (the most bytes): the network-bound check's candidates."""
+    from gradientflow_repro.comm.knobs import resolve
+
+    knobs = resolve(options)
+    return knobs.sparsity == "dense" and knobs.wire == "fp32"
+
+
+# ---------------------------------------------------------------------------------------- the model
+def model_spec(experiment: str = "digits_cpu", overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The experiment's model as ``build_model`` takes it (name, classes, image size, width, dropout),
+    read from its composed configuration, so the bench follows the experiment."""
+    from hydra import compose, initialize_config_dir
+
+    from gradientflow_repro.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        cfg = compose("config", overrides=[f"+experiment={experiment}", *overrides])
+    return {"experiment": experiment, "name": cfg.model.name, "num_classes": cfg.data.num_classes,
+            "image_size": cfg.data.image_size, "width": cfg.model.width, "dropout": cfg.model.dropout}
+
+
+def build(spec: dict[str, Any]) -> Any:
+    from gradientflow_repro.models import build_model
+
+    return build_model(spec["name"], spec["num_classes"], spec["image_size"], spec["width"], spec["dropout"])
+
+
+def backward_order(spec: dict[str, Any]) -> list[int]:
+    """Indices of the model's trainable parameters in the order one real backward pass completes
+    their gradients (post-accumulate-grad hooks): the order the replay releases them in."""
+    import torch
+
+    torch.manual_seed(0)
+    model = build(spec)
+    params = [p for p in model.parameters() if p.requires_grad]
+    order: list[int] = []
+    handles = [p.register_post_accumulate_grad_hook(lambda p, i=i: order.append(i)) for i, p in enumerate(params)]
+    images = torch.randn(2, 3, spec["image_size"], spec["image_size"])
+    labels = torch.randint(0, spec["num_classes"], (2,))
+    torch.nn.functional.cross_entropy(model(images), labels).backward()
+    for handle in handles:
+        handle.remove()
+    if sorted(order) != list(range(len(params))):
+        raise RuntimeError(f"backward completed {len(order)} of {len(params)} gradients once each")
+    return order
+
+
+def make_replay(model: Any, order: Sequence[int], gradients: Sequence[Any]) -> Any:
+    """A module over ``model`` (same parameters, same order) whose forward builds a chain of
+    autograd nodes and returns a scalar: its backward hands parameter ``order[0]`` its gradient
+    first, then ``order[1]``, ... with nothing computed in between. Each node's gradient goes to the
+    parameter's AccumulateGrad before the chain moves on (autograd runs AccumulateGrad nodes first),
+    so post-accumulate-grad hooks and DDP's hooks fire one by one in backward order."""
+    import torch
+
+    class Release(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, carry: torch.Tensor, param: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
+            ctx.gradient = gradient
+            return carry.clone()
+
+        @staticmethod
+        def backward(ctx: Any, carried: torch.Tensor) -> tuple:
+            return carried, ctx.gradient, None
+
+    class Replay(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model  # its parameters and buffers are this module's, in the same order
+            self.params = [p for p in model.parameters() if p.requires_grad]
+
+        def forward(self) -> torch.Tensor:
+            carry = torch.zeros(())
+            for index in reversed(order):  # the last node applied is the first backward runs
+                carry = Release.apply(carry, self.params[index], gradients[index])
+            return carry
+
+    return Replay()
+
+
+# ---------------------------------------------------------------------------------------- one rank
+def _timed(work: Callable[[], Any], calls: int, takes_part: bool, back_to_back: bool = False) -> float:
+    """Trimmed mean seconds per call of ``work`` on the ranks that take part (the others only meet
+    the barriers). Each call starts after a barrier of all ranks, or ``back_to_back`` after one
+    barrier, as a step issues its collectives."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if takes_part:
+        work()  # warm-up
+    times = []
+    for _ in range(calls):
+        if not back_to_back:
+            dist.barrier()
+        started = time.perf_counter()
+        if takes_part:
+            work()
+        times.append(time.perf_counter() - started)
+    dist.barrier()
+    return trimmed_mean(times)
+
+
+def _ring_figures(tiny_s: float, large_s: float, ranks: int) -> dict[str, float]:
+    """Per-message latency and bandwidth of a ring of ``ranks`` from a one-element-per-rank and a
+    ``LARGE_BYTES`` allreduce: tiny = 2(n-1) a; large = 2(n-1) (a + S / (n B))."""
+    latency = tiny_s / (2 * (ranks - 1))
+    bandwidth = 2 * (ranks - 1) / ranks * LARGE_BYTES / max(1e-9, large_s - 2 * (ranks - 1) * latency)
+    return {"tiny_s": tiny_s, "large_s": large_s, "latency_s": latency, "bandwidth_Bps": bandwidth}
+
+
+def _measure_network(rank: int, world: int, per_node: int, full: bool) -> dict[str, Any]:
+    """The network of this launch as an analytic model takes it (``perfmodel.Network``'s fields),
+    with the rings it was derived from: between node leaders (one rank per node: the uplink),
+    inside every node at once, over all ranks; and (``full``) the builtin allreduce by size."""
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow_repro.comm.base import CommStats
+    from gradientflow_repro.comm.recursive_doubling import small_sum
+    from gradientflow_repro.comm.ring import ring_allreduce_
+
+    nodes = world // per_node
+    node_groups = [dist.new_group(list(range(n * per_node, (n + 1) * per_node))) for n in range(nodes)]
+    leaders = dist.new_group([n * per_node for n in range(nodes)])
+    mine, leader = node_groups[rank // per_node], rank % per_node == 0
+    large = torch.ones(LARGE_BYTES // 4)
+    measured: dict[str, Any] = {"ranks_per_node": per_node, "nodes": nodes}
+
+    def rings(ranks: int, group: Any, takes_part: bool, segmented: bool = False) -> dict[str, float]:
+        tiny = torch.ones(ranks)
+        figures = _ring_figures(_timed(lambda: ring_allreduce_(tiny, group), 20, takes_part),
+                                _timed(lambda: ring_allreduce_(large, group), 5, takes_part), ranks)
+        if segmented:  # the same in 1 MiB segments (see SEGMENT_BYTES)
+            figures["segmented"] = _ring_figures(
+                figures["tiny_s"], _timed(lambda: ring_allreduce_(large, group, SEGMENT_BYTES), 5, takes_part), ranks)
+        return figures
+
+    if nodes > 1:
+        measured["leaders"] = rings(nodes, leaders, leader, segmented=True)
+    if per_node > 1:
+        measured["intra"] = rings(per_node, mine, True)
+    measured["flat"] = rings(world, None, True)
+    scale_max = small_sum(op="max")  # the fp16 wire's shared scale, as it is sent
+    measured["tiny_allreduce_s"] = _timed(lambda: scale_max(torch.ones(1), CommStats()), 20, True)
+    if full:  # the backend's allreduce (allreduce, ddp) by size, back to back as a step issues them
+        sizes = sorted({4 * world, 64, 256, 1024, *[4096 * 4 ** k for k in range(6)], 16 << 20})
+        measured["builtin_cost_by_size"] = [
+            [size, _timed(lambda t=torch.ones(size // 4): dist.all_reduce(t),
+                          10 if size < 1 << 20 else 3 if size <= 4 << 20 else 2, True, back_to_back=True)]
+            for size in sizes]
+    inter = measured["leaders"]["segmented"] if nodes > 1 else measured["flat"]
+    intra = measured.get("intra")
+    measured["model_network"] = {  # perfmodel.Network(**model_network); None: no intra-node links
+        "bandwidth_Bps": inter["bandwidth_Bps"], "latency_s": inter["latency_s"], "ranks_per_node": per_node,
+        "intra_bandwidth_Bps": intra["bandwidth_Bps"] if intra else None,
+        "intra_latency_s": intra["latency_s"] if intra else None, "tiny_allreduce_s": measured["tiny_allreduce_s"],
+        "builtin_cost_by_size": measured.get("builtin_cost_by_size")}
+    return measured
+
+
+def _run_strategy(rank: int, spec: dict[str, Any], label: str, options: dict[str, Any], order: list[int],
+                  gradients: list[Any]) -> dict[str, Any]:
+    """``warmup`` + ``steps`` replayed steps of one strategy; per step the slowest rank's seconds
+    from backward start to the end of ``synchronize()``, and this rank's bytes and collectives."""
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow_repro.comm import build_communicator
+
+    torch.manual_seed(0)
+    replay = make_replay(build(spec["model"]), order, gradients)
+    optimizer = torch.optim.SGD(replay.parameters(), lr=0.0, momentum=0.9)
+    comm = build_communicator(options, torch.device("cpu"))
+    try:
+        train = comm.attach(replay, optimizer)
+        seconds, sent, collectives, waits = [], [], [], []
+        for step in range(spec["warmup"] + spec["steps"]):
+            comm.begin_step(epoch=10.0)  # CSC: past its one-epoch dense warm-up
+            out = train()  # builds the chain (and under DDP, its forward bookkeeping)
+            dist.barrier()
+            started = time.perf_counter()
+            out.backward()
+            comm.synchronize()
+            elapsed = torch.tensor([time.perf_counter() - started])
+            comm.end_step(True)
+            stats = comm.stats.take()
+            optimizer.zero_grad(set_to_none=True)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank is done
+            if step >= spec["warmup"]:
+                seconds.append(elapsed.item())
+                sent.append(stats["bytes"])
+                collectives.append(stats["collectives"])
+                waits.append(stats["wait_s"])
+    finally:
+        comm.close()
+    return {"strategy": label, "options": options, "comm_s_median": statistics.median(seconds),
+            "comm_s_min": min(seconds), "comm_s_max": max(seconds), "comm_s_all": seconds,
+            "sync_wait_s_median": statistics.median(waits), "bytes_per_step": statistics.median(sent),
+            "collectives_per_step": statistics.median(collectives), "error": None}
+
+
+def _measure(rank: int, world: int, out: Path, spec_file: Path) -> None:
+    """One rank's share of a layout: the network, then every strategy; rank 0 writes ``out``."""
+    import torch
+
+    spec = json.loads(spec_file.read_text())
+    per_node = spec["ranks_per_node"]
+    started = time.perf_counter()
+    measured = _measure_network(rank, world, per_node, spec["measure"] == "full") if spec["measure"] else None
+    if rank == 0 and measured:
+        print(f"[network] measured in {time.perf_counter() - started:.0f}s", flush=True)
+    model = build(spec["model"])
+    params = [p for p in model.parameters() if p.requires_grad]
+    generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own fixed gradients
+    gradients = [torch.randn(p.shape, generator=generator) for p in params]
+    rows = []
+    strategies = _with_switch_over(spec["strategies"], measured, world) if measured else spec["strategies"]
+    for label, options in strategies:
+        try:
+            row = _run_strategy(rank, spec, label, options, spec["order"], gradients)
+        except Exception as error:  # noqa: BLE001 (one strategy failing on every rank: report it, go on)
+            row = {"strategy": label, "options": options, "error": f"{type(error).__name__}: {error}"}
+        rows.append(row)
+        if rank == 0:
+            shown = (f"{row['comm_s_median']:.3f}s/step, {row['bytes_per_step'] / 2**20:.2f} MiB, "
+                     f"{row['collectives_per_step']:.0f} collectives" if row["error"] is None else row["error"])
+            print(f"[{label}] {shown} ({time.perf_counter() - started:.0f}s into the launch)", flush=True)
+    if rank == 0:
+        out.write_text(json.dumps({"network": measured, "rows": rows}))
+
+
+def _with_switch_over(strategies: list[list[Any]], measured: dict[str, Any], world: int) -> list[list[Any]]:
+    """Each strategy of our own algorithms with ``comm.small_message_kb`` set to this network's
+    switch-over between recursive doubling and its ring (``perfmodel.switch_over_bytes`` on the
+    figures just measured: a shaped uplink's latency x bandwidth is far below loopback's, where
+    the default was measured), the same on every rank (rank 0's figures)."""
+    import torch.distributed as dist
+
+    from gradientflow_repro.comm import knobs
+    from gradientflow_repro.harness.cluster_check import model_network
+    from gradientflow_repro.perfmodel import switch_over_bytes
+
+    net = model_network(measured)
+    chosen = [knobs.resolve(options).algorithm for _, options in strategies]
+    sizes = [None if algorithm == "builtin" else max(1, switch_over_bytes(world, net, algorithm) // 1024)
+             for algorithm in chosen]
+    dist.broadcast_object_list(sizes, src=0)
+    return [[label, options if size is None else {**options, "small_message_kb": size}]
+            for (label, options), size in zip(strategies, sizes)]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """A rank of the benchmark, as ``run_ranks`` starts it: ``OUT.json SPEC.json``."""
+    from gradientflow_repro.harness.world import run_rank
+
+    out, spec_file = (Path(a) for a in (sys.argv[1:] if argv is None else argv))
+    run_rank(_measure, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", out, spec_file,
+             timeout_s=60)  # a step or a measured call takes seconds: a hang fails in a minute
+
+
+# ---------------------------------------------------------------------------------------- the driver
+def run_layout(world: int, ranks_per_node: int, rate_mbit: Optional[float], labels: Sequence[str],
+               model: dict[str, Any], order: list[int], run_dir: Path, reason: Optional[str], steps: int = 5,
+               warmup: int = 1, measure: Optional[str] = "full", timeout_s: float = 600) -> dict[str, Any]:
+    """One launch of ``world`` ranks as nodes of ``ranks_per_node`` on uplinks of ``rate_mbit``
+    (loopback when ``reason`` says why the network cannot be emulated): the network (``measure``:
+    "full", "links" without the builtin table, or None) and the strategies ``labels``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec = {"model": model, "order": order, "ranks_per_node": ranks_per_node, "steps": steps, "warmup": warmup,
+            "measure": measure, "strategies": [[label, strategy_options(label, ranks_per_node)] for label in labels]}
+    (run_dir / "spec.json").write_text(json.dumps(spec))
+    out = run_dir / "measured.json"
+    name = f"{world // ranks_per_node}x{ranks_per_node}"
+    started = time.time()
+    with network(world, rate_mbit, reason, ranks_per_node=ranks_per_node) as net:
+        payload_Bps = net.payload_Bps if net else None
+        run_ranks(world, [str(out), str(run_dir / "spec.json")], run_dir, name, net, timeout_s, module=MODULE)
+    measured = json.loads(out.read_text())
+    facts = {"layout": name, "world": world, "nodes": world // ranks_per_node, "ranks_per_node": ranks_per_node,
+             "rate_mbit": rate_mbit if reason is None else None, "shaped_payload_Bps": payload_Bps}
+    return {**facts, "network": measured["network"], "launch_s": time.time() - started,
+            "rows": [{**facts, **row} for row in measured["rows"]]}
+
+
+def bench_cluster(out_md: Path = OUT_MD, out_json: Path = OUT_JSON, rate_mbit: float = RATE_MBIT,
+                  layouts: Sequence[tuple[int, int]] = LAYOUTS, labels: Sequence[str] = STRATEGY_LABELS,
+                  steps: int = 5, warmup: int = 1, emulate: bool = True, check: bool = True,
+                  experiment: str = "digits_cpu", runs_dir: Path = RUNS_DIR, measure: Optional[str] = "full",
+                  command: str = "python scripts/bench_cluster.py") -> str:
+    """Every layout, then the network-bound check (the dense fp32 strategies of the first layout
+    again at twice the rate and unshaped); writes ``out_json`` (raw rows) and ``out_md``; returns
+    the Markdown."""
+    from gradientflow_repro.tracking import environment_facts
+
+    started = time.time()
+    reason = netemu.why_unavailable() if emulate else "disabled by --no-emulation"
+    model = model_spec(experiment)
+    order = backward_order(model)
+    params = [p for p in build(model).parameters() if p.requires_grad]
+    tensors = [[params[i].numel(), params[i].dim() <= 1] for i in order]
+    model = {**model, "tensors_in_backward_order": tensors, "parameters": sum(t[0] for t in tensors)}
+    print(f"bench_cluster: {model['name']} ({model['parameters'] / 1e6:.2f}M parameters, {len(tensors)} tensors); "
+          f"network: {'emulated, uplinks %g Mbit/s' % rate_mbit if reason is None else 'loopback (' + reason + ')'}",
+          flush=True)
+    results = []
+    for world, per_node in layouts:
+        print(f"bench_cluster: {world // per_node} nodes x {per_node} ranks ({time.time() - started:.0f}s elapsed)",
+              flush=True)
+        results.append(run_layout(world, per_node, rate_mbit, labels, model, order,
+                                  runs_dir / f"{world // per_node}x{per_node}", reason, steps, warmup, measure))
+    rate_check = None
+    if check and reason is None:
+        rate_check = network_bound_check(results[0], model, order, runs_dir / "rate_check", steps, warmup)
+    facts = {"machine": environment_facts(), "command": command, "elapsed_s": time.time() - started,
+             "emulated": reason is None, "why_not": reason, "rate_mbit": rate_mbit if reason is None else None,
+             "steps": steps, "warmup": warmup, "model": model, "rate_check": rate_check,
+             "layouts": [{k: v for k, v in r.items() if k != "rows"} for r in results],
+             "rows": [row for r in results for row in r["rows"]]}
+    facts = with_local_work(facts)
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(facts, indent=1))
+    text = markdown(facts)
+    out_md.write_text(text)
+    print(f"bench_cluster: wrote {out_md} and {out_json} in {facts['elapsed_s']:.0f}s", flush=True)
+    return text
+
+
+def network_bound_check(layout: dict[str, Any], model: dict[str, Any], order: list[int], run_dir: Path,
+                        steps: int, warmup: int) -> dict[str, Any]:
+    """The dense fp32 strategies of ``layout`` again on uplinks twice as fast, and unshaped (what
+    the CPU and per-message costs alone allow): a network-bound strategy nearly halves at twice the
+    rate and takes a small part of its time unshaped. The verdict is on the largest dense strategy
+    (the most bytes; of those the slowest)."""
+    dense = [r for r in layout["rows"] if r["error"] is None and dense_fp32(r["options"])]
+    if not dense:
+        raise RuntimeError("network-bound check: no dense fp32 strategy ran")
+    largest = max(dense, key=lambda r: (r["bytes_per_step"], r["comm_s_median"]))
+    labels = [r["strategy"] for r in dense]
+    rate = layout["rate_mbit"]
+    runs = {"double": run_layout(layout["world"], layout["ranks_per_node"], 2 * rate, labels, model, order,
+                                 run_dir / "double", None, steps, warmup, measure="links"),
+            "unshaped": run_layout(layout["world"], layout["ranks_per_node"], None, labels, model, order,
+                                   run_dir / "unshaped", None, steps, warmup, measure="links")}
+    rows = []
+    for row in dense:
+        again = {name: next(r for r in run["rows"] if r["strategy"] == row["strategy"]) for name, run in runs.items()}
+        failed = [f"{name}: {r['error']}" for name, r in again.items() if r["error"]]
+        if failed:
+            raise RuntimeError(f"network-bound check: {row['strategy']} failed ({'; '.join(failed)})")
+        rows.append({"strategy": row["strategy"], "bytes_per_step": row["bytes_per_step"],
+                     "comm_s": row["comm_s_median"], "double_comm_s": again["double"]["comm_s_median"],
+                     "unshaped_comm_s": again["unshaped"]["comm_s_median"],
+                     "speedup": row["comm_s_median"] / again["double"]["comm_s_median"],
+                     "unshaped_share": again["unshaped"]["comm_s_median"] / row["comm_s_median"]})
+    head = next(r for r in rows if r["strategy"] == largest["strategy"])
+    leaders = {name: (run["network"] or {}).get("leaders") for name, run in
+               (("rate", layout), ("double", runs["double"]), ("unshaped", runs["unshaped"]))}
+    return {"layout": layout["layout"], "rate_mbit": rate, "double_rate_mbit": 2 * rate, **head,
+            "network_bound": head["speedup"] >= 1.7, "rows": rows,
+            "leader_bandwidth_Bps": {name: f["segmented"]["bandwidth_Bps"] if f else None
+                                     for name, f in leaders.items()},
+            "networks": {name: run["network"] for name, run in runs.items()}}
+
+
+# ---------------------------------------------------------------------------------------- the report
+def _size(nbytes: float) -> str:
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes:g} B"
+
+
+def markdown(facts: dict[str, Any]) -> str:
+    """results/cluster_comm.md from the facts ``bench_cluster`` writes as JSON."""
+    machine, model = facts["machine"], facts["model"]
+    where = (f"emulated cluster (`harness.netemu`): a network namespace per node, its ranks on the node's "
+             f"loopback (unshaped), one uplink per node shaped by `tc tbf` to {facts['rate_mbit']:g} Mbit/s"
+             if facts["emulated"] else f"loopback, not emulated ({facts['why_not']})")
+    lines = [
+        "# Communication alone on an emulated cluster", "",
+        f"Machine: {machine['cpu']}, {machine['cpu_count']} cores, no GPU; torch {machine['torch']}, commit "
+        f"{machine['git_commit']}. Network: {where}.",
+        f"Command: `{facts['command']}` ({facts['elapsed_s']:.0f} s).", "",
+        f"Gradients: `{model['name']}` of the `{model['experiment']}` experiment (width {model['width']}, "
+        f"{model['image_size']} px, {model['num_classes']} classes): {model['parameters'] / 1e6:.2f}M parameters "
+        f"in {len(model['tensors_in_backward_order'])} tensors, {model['parameters'] * 4 / 2**20:.1f} MiB in fp32. "
+        "Each rank replays backward without computing: every parameter gets a fixed random gradient in the "
+        "order a real backward completes them, with nothing in between, so the communicators' hooks (and "
+        "DDP's) fire as in training; then `synchronize()`. Communication time: backward start to the end "
+        "of `synchronize()` on the slowest rank, median (min-max) of "
+        f"{facts['steps']} steps after {facts['warmup']} warm-up. CSC and gradientflow are in their sparse "
+        "phase (density 0.1). Bytes and collectives: rank 0's per step (a node leader; builtin collectives "
+        "count the ring-equivalent 2(N-1)/N of the payload). The raw rows and the measured networks, "
+        "for an analytic model: `results/cluster_comm.json` (`layouts[].network.model_network` holds "
+        "`perfmodel.Network`'s fields).", ""]
+    check = facts.get("rate_check")
+    if check:
+        bandwidth = check["leader_bandwidth_Bps"]
+        lines += [
+            "## Network-bound check", "",
+            f"The largest dense strategy of layout {check['layout']} (`{check['strategy']}`, fp32, "
+            f"{check['bytes_per_step'] / 2**20:.2f} MiB/step) takes {check['comm_s']:.3f} s/step at "
+            f"{check['rate_mbit']:g} Mbit/s per uplink and {check['double_comm_s']:.3f} s at "
+            f"{check['double_rate_mbit']:g} Mbit/s: {check['speedup']:.2f}x faster (2x if purely "
+            f"network-bound, at least 1.7x required): "
+            f"**{'network-bound' if check['network_bound'] else 'NOT network-bound'}**. Unshaped it takes "
+            f"{check['unshaped_comm_s']:.3f} s ({100 * check['unshaped_share']:.0f}% of its time at "
+            f"{check['rate_mbit']:g} Mbit/s): what CPU and per-message costs alone cost. Leader-to-leader ring "
+            f"bandwidth (1 MiB segments) in the same launches: " + ", ".join(
+                f"{name} {value / 1e6:.1f} MB/s" for name, value in
+                (("at the rate", bandwidth["rate"]), ("at twice the rate", bandwidth["double"]),
+                 ("unshaped", bandwidth["unshaped"])) if value) + ".", "",
+            f"Every dense fp32 strategy of layout {check['layout']}:", "",
+            f"| strategy | at {check['rate_mbit']:g} Mbit/s | at {check['double_rate_mbit']:g} Mbit/s | speed-up "
+            "| unshaped | unshaped / at the rate |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['strategy']} | {r['comm_s']:.3f} s | {r['double_comm_s']:.3f} s | {r['speedup']:.2f}x "
+                  f"| {r['unshaped_comm_s']:.3f} s | {100 * r['unshaped_share']:.0f}% |" for r in check["rows"]]
+        lines.append("")
+    elif facts["emulated"]:
+        lines += ["## Network-bound check", "", "Not run (--no-check).", ""]
+    lines += ["## Network per layout (measured in the same launch)", "",
+              "Rings of one element per rank (latency) and of 8 MiB (bandwidth), in 4 MiB segments (our "
+              "ring's default) and, between leaders, in 1 MiB segments (the model's uplink bandwidth: see "
+              "`SEGMENT_BYTES` in `harness/bench_cluster.py`; with 2 nodes gloo often carries the two directions "
+              "of one large message exchange one after the other).", "",
+              "| layout | uplink payload rate | leaders: latency, bandwidth (1 MiB segments) "
+              "| inside a node: latency, bandwidth | flat ring of all ranks: latency, bandwidth "
+              "| one-value MAX allreduce (the fp16 scale) |",
+              "|---|---|---|---|---|---|"]
+
+    def ring(figures: Optional[dict]) -> str:
+        if not figures:
+            return "-"
+        text = f"{figures['latency_s'] * 1e6:.0f} us, {figures['bandwidth_Bps'] / 1e6:.1f} MB/s"
+        segmented = figures.get("segmented")
+        return text + (f" ({segmented['bandwidth_Bps'] / 1e6:.1f} MB/s)" if segmented else "")
+
+    for layout in facts["layouts"]:
+        net = layout["network"] or {}
+        rate = f"{layout['shaped_payload_Bps'] / 1e6:.1f} MB/s" if layout["shaped_payload_Bps"] else "unshaped"
+        tiny = f"{net['tiny_allreduce_s'] * 1e6:.0f} us" if net.get("tiny_allreduce_s") else "-"
+        lines.append(f"| {layout['layout']} ({layout['world']} ranks) | {rate} | {ring(net.get('leaders'))} "
+                     f"| {ring(net.get('intra'))} | {ring(net.get('flat'))} | {tiny} |")
+    lines.append("")
+    tables = [layout for layout in facts["layouts"] if (layout["network"] or {}).get("builtin_cost_by_size")]
+    if tables:
+        lines += ["Builtin (gloo) allreduce by size, seconds per call back to back:", "",
+                  "| size | " + " | ".join(t["layout"] for t in tables) + " |",
+                  "|---|" + "---|" * len(tables)]
+        for i, (size, _) in enumerate(tables[0]["network"]["builtin_cost_by_size"]):
+            lines.append(f"| {_size(size)} | " + " | ".join(
+                f"{t['network']['builtin_cost_by_size'][i][1] * 1e3:.2f} ms" for t in tables) + " |")
+        lines.append("")
+    for layout in facts["layouts"]:
+        rows = [r for r in facts["rows"] if r["layout"] == layout["layout"] and r["world"] == layout["world"]]
+        base = next((r for r in rows if r["strategy"] == "allreduce" and r["error"] is None), None)
+        lines += [f"## {layout['nodes']} nodes x {layout['ranks_per_node']} ranks ({layout['world']} ranks)", "",
+                  "| strategy | comm s/step: median (min-max) | vs allreduce | MiB sent/step | collectives/step |",
+                  "|---|---|---|---|---|"]
+        for r in rows:
+            if r["error"]:
+                lines.append(f"| {r['strategy']} | failed: {r['error'][:200]} | | | |")
+                continue
+            versus = f"{base['comm_s_median'] / r['comm_s_median']:.2f}x" if base else "-"
+            lines.append(f"| {r['strategy']} | {r['comm_s_median']:.3f} ({r['comm_s_min']:.3f}-{r['comm_s_max']:.3f}) "
+                         f"| {versus} | {r['bytes_per_step'] / 2**20:.2f} | {r['collectives_per_step']:.0f} |")
+        lines.append("")
+    if facts["emulated"]:
+        lines += ["## The scaling model against these measurements", "",
+                  "`gradientflow_repro/perfmodel.py` fed with each layout's measured network "
+                  "(`harness/cluster_check.py` says how; nothing fitted to the step times). Our algorithms send "
+                  "messages up to this network's "
+                  "switch-over between recursive doubling and the ring (`comm.small_message_kb`, from the model "
+                  "on the figures measured at the start of each launch: " + ", ".join(
+                      f"{layout['layout']} {_switch_over_note(facts, layout['layout'])}" for layout in facts["layouts"])
+                  + "). CSC's and the fp16 wire's local work per element, measured in one process: "
+                  f"{facts['local_work']['sparsify_s_per_element'] * 1e9:.2f} and "
+                  f"{facts['local_work']['wire_cast_s_per_element'] * 1e9:.2f} ns, times the ranks per core.", "",
+                  *markdown_lines(facts), ""]
+    return "\n".join(lines)
+
+
+def _switch_over_note(facts: dict[str, Any], layout: str) -> str:
+    sizes = sorted({r["options"].get("small_message_kb") for r in facts["rows"]
+                    if r["layout"] == layout and r["options"].get("small_message_kb")})
+    return "/".join(f"{size} KiB" for size in sizes) or "default"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""Communication alone on an emulated cluster -> results/cluster_comm.md and results/cluster_comm.json
+
+Nodes of several ranks (a network namespace per node, its ranks on the node's loopback, one
+tbf-shaped uplink per node), every strategy replaying a model's real gradients in backward order
+with no computation, so the network is the limit: the numbers an analytic scaling model is checked
+against, with the network measured in the same launches. Layouts: 8 ranks as 2 nodes x 4 and 4
+nodes x 2, 4 ranks as 2 x 2; then the largest dense strategy again at twice the rate (the
+network-bound check). Needs root for the emulation (else loopback, and the report says so). The
+logic: gradientflow_repro/harness/bench_cluster.py.
+
+    python scripts/bench_cluster.py [--rate-mbit 100] [--steps 5] [--layouts 8x4 8x2 4x2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from gradientflow_repro.harness import bench_cluster as bench
+
+
+def layout(text: str) -> tuple[int, int]:
+    """``WORLDxRANKS_PER_NODE``, e.g. 8x4: 8 ranks as 2 nodes of 4."""
+    world, per_node = (int(part) for part in text.split("x"))
+    if per_node < 1 or world % per_node:
+        raise argparse.ArgumentTypeError(f"{text}: ranks per node must divide the world size")
+    return world, per_node
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate-mbit", type=float, default=bench.RATE_MBIT, help="per node uplink")
+    parser.add_argument("--layouts", type=layout, nargs="+", default=list(bench.LAYOUTS),
+                        help="WORLDxRANKS_PER_NODE (default: 8x4 8x2 4x2)")
+    parser.add_argument("--strategies", nargs="+", default=list(bench.STRATEGY_LABELS),
+                        choices=list(bench.STRATEGY_LABELS))
+    parser.add_argument("--steps", type=int, default=7, help="timed steps per strategy (after --warmup)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--experiment", default="digits_cpu", help="whose model's gradients")
+    parser.add_argument("--no-emulation", action="store_true", help="loopback even as root")
+    parser.add_argument("--no-check", action="store_true", help="skip the network-bound check at twice the rate")
+    parser.add_argument("--runs-dir", type=Path, default=bench.RUNS_DIR, help="the ranks' logs")
+    parser.add_argument("--out", type=Path, default=bench.OUT_MD)
+    parser.add_argument("--json", type=Path, default=bench.OUT_JSON)
+    args = parser.parse_args()
+    print(bench.bench_cluster(args.out, args.json, args.rate_mbit, args.layouts, args.strategies, args.steps,
+                              args.warmup, emulate=not args.no_emulation, check=not args.no_check,
+                              experiment=args.experiment, runs_dir=args.runs_dir,
+                              command=" ".join(["python scripts/bench_cluster.py", *sys.argv[1:]])))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+#!/usr/bin/env python3
+"""Small-message allreduce: recursive doubling vs our ring vs gloo's own -> results/small_allreduce.md
+
+For each world size, gloo ranks on loopback time every message size (4 B, then times 4 up to
+``--max-bytes``) with the three algorithms taking turns in rounds of calls back to back after a
+warm-up; each figure is the slowest rank's trimmed mean per call. The file states, per world size,
+the largest size at which recursive doubling beats the ring, and the value for
+``SMALL_MESSAGE_BYTES`` (gradientflow_repro/comm/knobs.py) that follows.
+The logic: gradientflow_repro/harness/bench_small.py.
+
+    python scripts/bench_small_allreduce.py [--worlds 2 4 8] [--max-bytes 4194304] [--budget-s 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from gradientflow_repro.harness import REPO
+from gradientflow_repro.harness.bench_small import bench_small
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--max-bytes", type=int, default=4 << 20, help="largest message (default 4 MiB)")
+    parser.add_argument("--budget-s", type=float, default=1.0,
+                        help="seconds of timed calls per algorithm and size (within the call limits)")
+    parser.add_argument("--rounds", type=int, default=3, help="turns each algorithm takes per size")
+    parser.add_argument("--min-calls", type=int, default=5, help="timed calls per round, at least")
+    parser.add_argument("--max-calls", type=int, default=300, help="timed calls per round, at most")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "small_allreduce.md")
+    args = parser.parse_args()
+    print(bench_small(args.out, args.worlds, args.max_bytes, args.budget_s, args.rounds, args.min_calls,
+                      args.max_calls, command="python scripts/bench_small_allreduce.py " + " ".join(sys.argv[1:])))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Recursive doubling against ``dist.all_reduce``, in real gloo processes: world sizes 2, 3, 5 and 8
+(powers of two and the MPICH fold with one, two and three folded pairs through a subgroup of all but
+rank 0), odd lengths, sum and max, fp32, fp16 and bf16; every rank bitwise equal to the others; the
+bytes it reports; ``small_sum`` and ``SizedSum``; and the small-message benchmark on tiny sizes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradientflow_repro.comm import recursive_doubling
+from gradientflow_repro.comm.base import CommStats, ring_bytes
+from gradientflow_repro.comm.recursive_doubling import SizedSum, recursive_doubling_allreduce_, small_sum
+from gradientflow_repro.comm.ring import ring_allreduce_, ring_sum
+
+from conftest import assert_no_failures, spawn
+
+SIZES = [1, 7, 1001]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def expected_sent(rank: int, world: int, nbytes: int) -> int:
+    """log2(p) whole messages for the ranks that double; a folded (even) rank sends once, its odd
+    partner once more than the others (the result back)."""
+    p = 1 << (world.bit_length() - 1)
+    rem, steps = world - p, p.bit_length() - 1
+    if rank < 2 * rem:
+        return nbytes if rank % 2 == 0 else (steps + 1) * nbytes
+    return steps * nbytes
+
+
+def _local(size: int, dtype: torch.dtype, rank: int, salt: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * rank + size + salt)
+    return (torch.randn(size, generator=generator) * 3).to(dtype)
+
+
+def _check(group: dist.ProcessGroup | None, label: str) -> list[str]:
+    """Every size, op and dtype over ``group`` against ``dist.all_reduce``: the failures."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    failures = []
+    for size in SIZES:
+        for op in ("sum", "max"):
+            for dtype in DTYPES:
+                case = f"{label} size {size} {op} {dtype}"
+                local = _local(size, dtype, dist.get_rank())
+                reference = local.clone()
+                dist.all_reduce(reference, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+                mine = local.clone()
+                sent = recursive_doubling_allreduce_(mine, group, op)
+                if sent != expected_sent(rank, world, size * local.element_size()):
+                    failures.append(f"{case}: sent {sent} bytes")
+                if mine.dtype != dtype:
+                    failures.append(f"{case}: came back as {mine.dtype}")
+                if op == "max":
+                    if not torch.equal(mine, reference):
+                        failures.append(f"{case}: differs from all_reduce MAX")
+                else:
+                    # each rounding, ours (at most log2(N) + 1 on a path) or the reference's (at most
+                    # N - 1), errs by at most the unit roundoff times a partial sum <= sum_i |x_i|
+                    magnitude = local.float().abs()
+                    dist.all_reduce(magnitude, group=group)
+                    bound = (world.bit_length() + world) * UNIT_ROUNDOFF[dtype] * magnitude
+                    error = (mine.float() - reference.float()).abs()
+                    if not (error <= bound).all():
+                        failures.append(f"{case}: max error {error.max():.3g} (bound {bound.max():.3g})")
+                # every rank ends with the same bits (widened to int32: gloo has no int16)
+                bits = mine.view(BITS[dtype]).to(torch.int32)
+                gathered = [torch.empty_like(bits) for _ in range(world)]
+                dist.all_gather(gathered, bits, group=group)
+                if not all(torch.equal(g, gathered[0]) for g in gathered):
+                    failures.append(f"{case}: ranks differ bitwise")
+    return failures
+
+
+def _cases(rank: int, world: int, out: str) -> None:
+    failures = _check(None, f"world {world}")
+    # a subgroup of all but rank 0 (sizes 1, 2, 4, 7): group ranks are not global ranks
+    subgroup = dist.new_group(list(range(1, world)))
+    if rank > 0:
+        failures += _check(subgroup, f"ranks 1..{world - 1}")
+    # a group of one rank: nothing to do, nothing sent
+    solo = dist.new_group([0])
+    if rank == 0:
+        alone = torch.arange(5.0)
+        if recursive_doubling_allreduce_(alone, solo) != 0 or not torch.equal(alone, torch.arange(5.0)):
+            failures.append("a group of one changed the tensor or sent bytes")
+        stats = CommStats()
+        small_sum(solo)(alone, stats)
+        if stats.bytes or stats.collectives:
+            failures.append(f"small_sum on a group of one counted {stats}")
+    # an empty tensor sends nothing; a strided view and an unknown op are refused
+    if recursive_doubling_allreduce_(torch.empty(0)) != 0:
+        failures.append("an empty tensor sent bytes")
+    for bad, kwargs, what in ((torch.ones(4, 4).t(), {}, "non-contiguous"), (torch.ones(4), {"op": "min"}, "op")):
+        try:
+            recursive_doubling_allreduce_(bad, **kwargs)
+            failures.append(f"a {what} call was accepted")
+        except ValueError:
+            pass
+    # small_sum on gloo: recursive doubling, its own bytes, one collective per call
+    stats, tensor = CommStats(), torch.full((1001,), float(rank))
+    small_sum()(tensor, stats)
+    small_sum(op="max")(tensor, stats)
+    if not torch.equal(tensor, torch.full((1001,), float(sum(range(world))))):
+        failures.append("small_sum: wrong sum or max")
+    if (stats.bytes, stats.collectives) != (2 * expected_sent(rank, world, 4004), 2):
+        failures.append(f"small_sum counted {stats}")
+    # on an NCCL group it calls the backend's allreduce with the right op and counts ring bytes
+    real_backend = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl"
+    try:
+        stats, tensor = CommStats(), torch.full((7,), float(rank))
+        small_sum(op="max")(tensor, stats)
+    finally:
+        dist.get_backend = real_backend
+    if not torch.equal(tensor, torch.full((7,), float(world - 1))) or \
+            (stats.bytes, stats.collectives) != (ring_bytes(28, world), 1):
+        failures.append(f"small_sum on NCCL: {tensor.tolist()}, {stats}")
+    # SizedSum: up to the threshold by recursive doubling, above it by the large function
+    stats = CommStats()
+    at, above = torch.full((16,), 1.0), torch.full((17,), 1.0)
+    sized = SizedSum(ring_sum(), threshold_bytes=64)
+    sized(at, stats)
+    if stats.bytes != expected_sent(rank, world, 64):
+        failures.append(f"SizedSum: 64 bytes sent {stats.bytes}, not by recursive doubling")
+    sized(above, stats)
+    by_ring = ring_allreduce_(torch.ones(17))  # the ring's bytes for 17 elements on this rank
+    if stats.bytes - expected_sent(rank, world, 64) != by_ring or stats.collectives != 2:
+        failures.append(f"SizedSum: 68 bytes counted {stats}, not by the ring")
+    if not (torch.equal(at, torch.full((16,), float(world))) and torch.equal(above, torch.full((17,), float(world)))):
+        failures.append("SizedSum: wrong sums")
+    torch.save(failures, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 8])
+def test_recursive_doubling_matches_all_reduce(world: int, tmp_path: Path) -> None:
+    spawn(_cases, world, str(tmp_path), timeout_s=30)
+    assert_no_failures(tmp_path, world)
+
+
+def test_default_threshold_is_a_measured_power_of_four() -> None:
+    """The bench measures powers of four from 4 B: the constant must be one of them."""
+    size = recursive_doubling.SMALL_MESSAGE_BYTES
+    assert size >= 4 and size & (size - 1) == 0 and (size.bit_length() - 1) % 2 == 0
+
+
+def test_small_message_bench_writes_the_table(tmp_path: Path) -> None:
+    from gradientflow_repro.harness.bench_small import bench_small
+
+    out = tmp_path / "small.md"
+    text = bench_small(out, worlds=(2,), max_bytes=64, budget_s=0.01, min_calls=3, command="bench test")
+    assert out.read_text() == text
+    for label in ("| 4 B |", "| 16 B |", "| 64 B |", "Command: `bench test`", "## World size 2",
+                  "Switch-over"):
+        assert label in text, label
