@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from gradientflow_repro.comm.base import CommStats, SumFn, ring_bytes
 from gradientflow_repro.comm.knobs import SMALL_MESSAGE_BYTES  # the measured switch-over (torch-free there)
-from gradientflow_repro.comm.ring import _peer
+from gradientflow_repro.comm.ring import global_rank
 
 OPS = ("sum", "max")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -96,9 +96,9 @@ def recursive_doubling_allreduce_(tensor: torch.Tensor, group: Optional[dist.Pro
         message), and both before ``flat`` changes: the send reads it until it is done."""
         ops = []
         if send:
-            ops.append(dist.P2POp(dist.isend, flat, _peer(group, partner), group, tag=tag))
+            ops.append(dist.P2POp(dist.isend, flat, global_rank(group, partner), group, tag=tag))
         if receive:
-            ops.append(dist.P2POp(dist.irecv, inbox, _peer(group, partner), group, tag=tag))
+            ops.append(dist.P2POp(dist.irecv, inbox, global_rank(group, partner), group, tag=tag))
         for work in dist.batch_isend_irecv(ops):
             if work is not None:
                 work.wait()

@@ -36,7 +36,8 @@ from gradientflow_repro.comm.base import CommStats, SumFn
 DEFAULT_SEGMENT_BYTES = 4 << 20
 
 
-def _peer(group: Optional[dist.ProcessGroup], rank_in_group: int) -> int:
+def global_rank(group: Optional[dist.ProcessGroup], rank_in_group: int) -> int:
+    """The global rank of ``group``'s rank ``rank_in_group`` (point-to-point ops take global ranks)."""
     return rank_in_group if group is None else dist.get_global_rank(group, rank_in_group)
 
 
@@ -77,7 +78,7 @@ def ring_allreduce_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = N
     bounds = [flat.numel() * i // world for i in range(world + 1)]
     largest = max(hi - lo for lo, hi in zip(bounds, bounds[1:]))
     segments = -(-largest // max(1, segment_bytes // flat.element_size()))
-    right, left = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
+    right, left = global_rank(group, (rank + 1) % world), global_rank(group, (rank - 1) % world)
     inboxes = _inbox(2 * largest, flat.dtype, flat.device).view(2, largest)
     steps, reducing_steps = 2 * (world - 1), world - 1
 

@@ -35,10 +35,9 @@ from typing import Any, Callable, Optional, Sequence
 from gradientflow_repro.harness import REPO, netemu
 from gradientflow_repro.harness.cluster_check import markdown_lines, with_local_work
 from gradientflow_repro.harness.launch import network, run_ranks
-from gradientflow_repro.harness.netbench import trimmed_mean
+from gradientflow_repro.harness.netbench import LARGE_BYTES, ring_figures, trimmed_mean
 
 MODULE = ("-m", "gradientflow_repro.harness.bench_cluster")
-LARGE_BYTES = 8 << 20  # a ring's bandwidth is taken from an allreduce of this size
 # The leaders' ring is timed again in segments of this size: with two nodes each step of the
 # default 4 MiB segments is one large message each way on one gloo pair, and gloo then often
 # carries the two directions one after the other (a 2-rank exchange of 8 MiB takes 1x or 2x the
@@ -179,14 +178,6 @@ def _timed(work: Callable[[], Any], calls: int, takes_part: bool, back_to_back: 
     return trimmed_mean(times)
 
 
-def _ring_figures(tiny_s: float, large_s: float, ranks: int) -> dict[str, float]:
-    """Per-message latency and bandwidth of a ring of ``ranks`` from a one-element-per-rank and a
-    ``LARGE_BYTES`` allreduce: tiny = 2(n-1) a; large = 2(n-1) (a + S / (n B))."""
-    latency = tiny_s / (2 * (ranks - 1))
-    bandwidth = 2 * (ranks - 1) / ranks * LARGE_BYTES / max(1e-9, large_s - 2 * (ranks - 1) * latency)
-    return {"tiny_s": tiny_s, "large_s": large_s, "latency_s": latency, "bandwidth_Bps": bandwidth}
-
-
 def _measure_network(rank: int, world: int, per_node: int, full: bool) -> dict[str, Any]:
     """The network of this launch as an analytic model takes it (``perfmodel.Network``'s fields),
     with the rings it was derived from: between node leaders (one rank per node: the uplink),
@@ -207,10 +198,10 @@ def _measure_network(rank: int, world: int, per_node: int, full: bool) -> dict[s
 
     def rings(ranks: int, group: Any, takes_part: bool, segmented: bool = False) -> dict[str, float]:
         tiny = torch.ones(ranks)
-        figures = _ring_figures(_timed(lambda: ring_allreduce_(tiny, group), 20, takes_part),
+        figures = ring_figures(_timed(lambda: ring_allreduce_(tiny, group), 20, takes_part),
                                 _timed(lambda: ring_allreduce_(large, group), 5, takes_part), ranks)
         if segmented:  # the same in 1 MiB segments (see SEGMENT_BYTES)
-            figures["segmented"] = _ring_figures(
+            figures["segmented"] = ring_figures(
                 figures["tiny_s"], _timed(lambda: ring_allreduce_(large, group, SEGMENT_BYTES), 5, takes_part), ranks)
         return figures
 

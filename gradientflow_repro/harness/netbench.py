@@ -46,9 +46,16 @@ def measure_network(world: int, net: Optional[netemu.EmulatedNetwork], run_dir: 
                   if isinstance(value, list) else statistics.mean(m[key] for m in measured))
             for key, value in measured[0].items()}
     size = mean.pop("ring_large_bytes")
-    latency = mean["tiny_ring_s"] / (2 * (world - 1))
-    bandwidth = 2 * (world - 1) / world * size / max(1e-9, mean["ring_large_s"] - 2 * (world - 1) * latency)
-    return {**mean, "latency_s": latency, "bandwidth_Bps": bandwidth, "launches": launches}
+    figures = ring_figures(mean["tiny_ring_s"], mean["ring_large_s"], world, size)
+    return {**mean, "latency_s": figures["latency_s"], "bandwidth_Bps": figures["bandwidth_Bps"], "launches": launches}
+
+
+def ring_figures(tiny_s: float, large_s: float, ranks: int, large_bytes: int = LARGE_BYTES) -> dict[str, float]:
+    """Per-message latency and bandwidth of a ring of ``ranks`` from a one-element-per-rank and a
+    ``large_bytes`` allreduce: tiny = 2(n-1) a; large = 2(n-1) (a + S / (n B))."""
+    latency = tiny_s / (2 * (ranks - 1))
+    bandwidth = 2 * (ranks - 1) / ranks * large_bytes / max(1e-9, large_s - 2 * (ranks - 1) * latency)
+    return {"tiny_s": tiny_s, "large_s": large_s, "latency_s": latency, "bandwidth_Bps": bandwidth}
 
 
 def trimmed_mean(values: Sequence[float]) -> float:
