@@ -50,6 +50,9 @@ class ModelConfig:
     name: str = setting("alexnet_bn", one_of(*MODEL_NAMES))
     width: float = setting(1.0, positive)  # channel multiplier of alexnet_bn; 1.0 is the ImageNet network
     dropout: float = setting(0.5, in_range(0, 1, high_open=True))
+    # BatchNorm's running statistics: the weight of each step's batch (0.1: PyTorch's default). A short
+    # run (few steps per epoch, large steps) needs a larger one, or evaluation uses stale statistics.
+    bn_momentum: float = setting(0.1, in_range(0, 1, low_open=True))
 
 
 @dataclass

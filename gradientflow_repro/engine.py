@@ -1,17 +1,18 @@
 """The Trainer: one loop over composable parts (data, model, optimizer, precision, communicator).
 
-Two clocks run (``state.Progress``): the MLPerf clock starts before any data is touched, never
-pauses and includes evaluation; the training clock counts training steps only. Both continue across
-resumes. Every decision that could differ between ranks (stop, skip a step) is taken from
+The clocks (``state.Progress``): MLPerf's starts once initialisation is over, before any data is
+touched (its run_start), never pauses and includes evaluation; it is split into start-up, training
+steps, evaluation and the rest, and initialisation is timed phase by phase (``tracking.Phases``). All
+continue across resumes. Every decision that could differ between ranks (stop, skip a step) is taken from
 all-reduced values. What a checkpoint holds is the ``TrainState`` (state.py); what a run reports at
-its end, ``tracking.run_summary``.
+its end, ``tracking.run_summary``; its MLPerf-format log (``<run_dir>/mlperf.log``), ``mlperf_log.MlperfLog``.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -21,12 +22,13 @@ from gradientflow_repro import faults
 from gradientflow_repro.comm import build_communicator
 from gradientflow_repro.data import build_data
 from gradientflow_repro.distributed import World, agree_max, all_reduce_scalars, mark_progress, ranks_that_differ
+from gradientflow_repro.mlperf_log import MlperfLog
 from gradientflow_repro.models import build_model
 from gradientflow_repro.optim import build_optimizer, build_schedule, set_lr
 from gradientflow_repro.precision import Precision
 from gradientflow_repro.preemption import StopRequests
 from gradientflow_repro.state import LocalBuffers, ModelName, ModelWeights, Progress, TrainState, rng_parts
-from gradientflow_repro.tracking import Tracker, duration, run_summary
+from gradientflow_repro.tracking import Phases, Tracker, duration, run_summary
 
 
 class TrainingError(RuntimeError):
@@ -34,29 +36,29 @@ class TrainingError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, world: World, device: torch.device, clock_start: float) -> None:
+    def __init__(self, cfg: DictConfig, world: World, device: torch.device, phases: Optional[Phases] = None) -> None:
+        """``phases``: start-up so far (imports, process group); the Trainer adds its own, then
+        starts MLPerf's clock just before the data is first touched."""
+        phases = phases or Phases()
         self.cfg, self.world, self.device = cfg, world, device
         self.run_dir = Path(cfg.run_dir)
         self.run_name = cfg.logger.name or cfg.comm.strategy  # wandb run and progress-line prefix
         self.stop = StopRequests()  # before the slow start-up, so an early signal is not lost
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.model = build_model(cfg.model.name, cfg.data.num_classes, cfg.data.image_size,
-                                 cfg.model.width, cfg.model.dropout).to(device)
-        self.data = build_data(cfg.data, global_batch=cfg.global_batch_size, rank=world.rank,
-                               world_size=world.world_size, device=device, seed=cfg.seed)
+                                 cfg.model.width, cfg.model.dropout, cfg.model.bn_momentum).to(device)
         self.optimizer = build_optimizer(self.model, cfg.optim, cfg.global_batch_size)
+        phases.done("model")
         self.comm = build_communicator(OmegaConf.to_container(cfg.comm), device,
                                        world.local_world_size, world.local_rank)
         self.train_model = self.comm.attach(self.model, self.optimizer)
         self._print(f"communication: {cfg.comm.strategy}, {self.comm.summing}")
-        self.schedule = build_schedule(cfg.optim, cfg.global_batch_size, self.data.steps_per_epoch,
-                                       cfg.epochs)
         self.precision = Precision(cfg.precision, device)
         self.criterion = nn.CrossEntropyLoss()
         self.model.train()
-        self.total_steps = min(cfg.epochs * self.data.steps_per_epoch, cfg.max_steps or float("inf"))
-        self.progress = Progress(clock_start)
+        self.progress = Progress()
         self.buffers = LocalBuffers(self.model, world.world_size)
+        phases.done("communicator")
         self.tracker = Tracker(self.run_dir, cfg.logger, enabled=world.is_main, name=self.run_name,
                                group=cfg.logger.group or cfg.experiment,
                                config=OmegaConf.to_container(cfg, resolve=True))
@@ -72,27 +74,51 @@ class Trainer:
         resumed = self.state.resume(self.run_dir, cfg.resume)
         if resumed:
             self._print(f"resumed from {resumed} at step {self.progress.step}")
+        phases.done("resume")
         self.tracker.start()  # after the resume: a resumed run continues its wandb run
-        self._last_log = (self.progress.step, self.progress.train_s)  # for rates between progress lines
         if world.is_main:  # the composed configuration, as this run used it
             OmegaConf.save(cfg, self.run_dir / "config.yaml", resolve=True)
+        phases.done("tracker")
+        # MLPerf's run_start: initialisation is over, no data has been touched
+        self.progress.start_clock(init_s=phases.total_s)
+        self.mlperf = MlperfLog(self.run_dir, enabled=world.is_main, epochs=cfg.epochs,
+                                eval_every_epochs=cfg.eval_every_epochs)  # <run_dir>/mlperf.log
+        self.mlperf.run_start(cfg, world.world_size, device, init_s=phases.total_s)
+        self.init_phases = phases
+        try:
+            self.data = build_data(cfg.data, global_batch=cfg.global_batch_size, rank=world.rank,
+                                   world_size=world.world_size, device=device, seed=cfg.seed)
+        except BaseException:  # bad images: the run has started (tracker, MLPerf log) and ends aborted
+            self.abandon()
+            raise
+        self.schedule = build_schedule(cfg.optim, cfg.global_batch_size, self.data.steps_per_epoch,
+                                       cfg.epochs)
+        self.total_steps = min(cfg.epochs * self.data.steps_per_epoch, cfg.max_steps or float("inf"))
+        self.mlperf.hyperparameters(cfg, self.data, self.schedule, self.optimizer)
+        self.data_s = time.perf_counter() - self.progress.clock_start  # listing and checking the files
+        self._last_log = (self.progress.step, self.progress.train_s)  # for rates between progress lines
+        self._last_loss_lr: Optional[tuple[torch.Tensor, float]] = None
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> dict[str, Any]:
         p, steps_per_epoch = self.progress, self.data.steps_per_epoch
-        self._log({"kind": "start", "resumed_from_step": p.step, "world_size": self.world.world_size})
+        self._log({"kind": "start", "resumed_from_step": p.step, "world_size": self.world.world_size,
+                   "init_phases_s": self.init_phases.seconds, "data_s": self.data_s})
         while p.step < self.total_steps and not p.reached_at and not self.stop.agreed_signal:
             epoch = p.step // steps_per_epoch
+            self.mlperf.epoch_start(epoch)
             for images, labels in self.data.train_batches(epoch, skip=p.step % steps_per_epoch):
                 self.train_step(images, labels)
                 if p.step >= self.total_steps or self.stop.agreed_signal:
                     break
             if p.step % steps_per_epoch == 0:  # a whole epoch ended (not a max_steps cut)
                 done_epochs = p.step // steps_per_epoch
+                self.mlperf.epoch_stop(epoch)
                 if done_epochs % self.cfg.eval_every_epochs == 0 or done_epochs == self.cfg.epochs:
                     self.evaluate()
                 if done_epochs % self.cfg.checkpoint.every_epochs == 0:
                     self.save()
+        self.mlperf.run_stop(reached_target=bool(p.reached_at))  # MLPerf's clock stops here
         self.save()
         mark_progress(None)  # the last collective is behind us: what follows is rank 0's own work
         self.stop.ignore_from_now()
@@ -123,6 +149,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         faults.inject("params", step, next(self.model.parameters()))
         self.progress.stepped(time.perf_counter() - started)
+        self._last_loss_lr = (loss, lr)  # for a progress record at a checkpoint between log steps
         self._guard(applied, loss)
         if self.progress.step % self.cfg.logger.log_every == 0 or self.progress.step == self.total_steps:
             self._log_step(loss, lr)
@@ -153,8 +180,9 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        p = self.progress
+        p, started = self.progress, time.perf_counter()
         mark_progress(f"evaluation after step {p.step}")
+        self.mlperf.eval_start(p.step / self.data.steps_per_epoch)
         correct, total = torch.zeros((), dtype=torch.int64, device=self.device), 0
         with self.buffers.averaged():  # evaluate the consensus model; keep local stats for training
             self.model.eval()
@@ -168,17 +196,27 @@ class Trainer:
         if int(total) != self.data.num_val:
             raise RuntimeError(f"evaluation saw {int(total)} images, the validation set has "
                                f"{self.data.num_val}: sharding is broken")
+        p.evaluated(time.perf_counter() - started)
         top1, target = 100.0 * correct / total, self.cfg.target_top1
         p.last_top1, p.best_top1 = top1, max(top1, p.best_top1 or 0.0)
+        self.mlperf.eval_stop(p.step / self.data.steps_per_epoch, accuracy=top1 / 100)
         if target is not None and top1 >= target and not p.reached_at:
-            p.reached_at = {"step": p.step, "mlperf_s": p.mlperf_s, "train_s": p.train_s}
+            p.reached_at = {"step": p.step, **p.clocks()}
         self._log({"kind": "eval", "top1": top1, "target_top1": target,
                    "epoch": p.step / self.data.steps_per_epoch})
         self._print(f"eval  step {p.step} epoch {p.step / self.data.steps_per_epoch:.1f}: "
                     f"top-1 {top1:.2f}% (target {target}) at {p.mlperf_s:.1f}s")
         return top1
 
+    def abandon(self) -> None:
+        """The run ends in an error: its MLPerf log says aborted and its tracker closes (idempotent;
+        nothing after a normal finish)."""
+        self.mlperf.run_stop(reached_target=False)
+        self.tracker.abandon()
+
     def save(self) -> None:
+        if self.progress.step > self._last_log[0] and self._last_loss_lr:  # steps since the last progress
+            self._log_step(*self._last_loss_lr)  # record: log them, so the totals saved and summed are whole
         self.state.save(self.run_dir, self.progress.step, keep=self.cfg.checkpoint.keep)
 
     # ---------------------------------------------------------------- reporting
@@ -205,7 +243,7 @@ class Trainer:
 
     def _log(self, record: dict) -> None:
         p = self.progress
-        self.tracker.log({**record, "step": p.step, "mlperf_s": p.mlperf_s, "train_s": p.train_s})
+        self.tracker.log({**record, "step": p.step, **p.clocks()})
 
     def _print(self, line: str) -> None:
         if self.world.is_main:

@@ -79,7 +79,8 @@ REPORTED_EXIT = 3  # a spawned rank that reported its own failure exits with thi
 NO_CUDA = "no CUDA device"
 PACKAGES = {"hydra": "hydra-core", "omegaconf": "omegaconf", "nvidia.dali": "DALI (nvidia-dali-cuda*)",
             "nvidia": "DALI (nvidia-dali-cuda*)", "torchvision": "torchvision", "timm": "timm",
-            "matplotlib": "matplotlib", "sklearn": "scikit-learn", "PIL": "pillow", "pynvml": "nvidia-ml-py"}
+            "matplotlib": "matplotlib", "sklearn": "scikit-learn", "PIL": "pillow", "pynvml": "nvidia-ml-py",
+            "mlperf_logging": "mlperf-logging"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -827,7 +828,7 @@ def _final_loss(run_dir: Path) -> float:
 
 
 def check_trainer(report: Reporter) -> None:
-    need("hydra", "omegaconf", "timm", "torchvision", "matplotlib")
+    need("hydra", "omegaconf", "timm", "torchvision", "matplotlib", "mlperf_logging")
     cuda_device(0)
     root = Path(tempfile.mkdtemp(prefix="gpu_check_trainer_"))
     try:
@@ -909,7 +910,7 @@ def _trainer_for_sync_count(device: torch.device, run_dir: Path) -> Any:
                  "data.synthetic_train_size=1024", "data.synthetic_val_size=128"]
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
         cfg = compose(config_name="config", overrides=overrides)
-    return Trainer(cfg, discover_world({}), device, time.perf_counter())
+    return Trainer(cfg, discover_world({}), device)
 
 
 def count_syncs(step: Callable[[], None], steps: int) -> list[warnings.WarningMessage]:
@@ -948,7 +949,7 @@ def trainer_step_syncs(device: torch.device, steps: int) -> tuple[float, str]:
     from (file:line x count). One rank in a process group of its own, as under torchrun."""
     import torch.distributed as dist
 
-    need("hydra", "omegaconf", "timm", "torchvision")
+    need("hydra", "omegaconf", "timm", "torchvision", "mlperf_logging")
     run_dir = Path(tempfile.mkdtemp(prefix="gpu_check_syncs_"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cuda = device.type == "cuda"

@@ -39,41 +39,76 @@ class Stateful(Protocol):
 
 
 class Progress:
-    """Where training stands, and its two clocks, which continue across resumes: ``mlperf_s`` runs
-    from before any data is touched, never pauses and includes evaluation; ``train_s`` counts
-    training steps only."""
+    """Where training stands, and its clocks, which continue across resumes. ``mlperf_s`` is MLPerf's
+    clock: it starts at ``start_clock`` (MLPerf's run_start: initialisation is over and no data has
+    been touched yet), never pauses and includes evaluation. It is split into ``startup_s`` (clock
+    start to each process's first step: listing and checking the data, building its pipelines),
+    ``train_s`` (training steps), ``eval_s`` (evaluations) and what is left (waiting for the next
+    batch between steps, logging, checkpoints).
+    ``init_s``: initialisation before the clock (imports, process group, model, tracker, resume)."""
 
-    def __init__(self, clock_start: float) -> None:
-        self.clock_start = clock_start  # this process's start (time.perf_counter)
+    def __init__(self) -> None:
+        self.clock_start: Optional[float] = None  # this process's run_start (time.perf_counter)
         self.step = 0
         self.last_top1: Optional[float] = None
         self.best_top1: Optional[float] = None
-        self.reached_at: Optional[dict] = None  # clocks when the target was first reached
+        self.reached_at: Optional[dict] = None  # the clocks when the target was first reached
         self.comm_totals = {"bytes": 0, "collectives": 0, "wait_s": 0.0}
-        self._earlier = {"mlperf_s": 0.0, "train_s": 0.0}  # clocks of earlier (pre-resume) runs
-        self._step_s = 0.0  # training seconds of this process
+        # the clocks of earlier (pre-resume) processes
+        self._earlier = {"mlperf_s": 0.0, "train_s": 0.0, "eval_s": 0.0, "startup_s": 0.0, "init_s": 0.0}
+        self._step_s = self._eval_s = self._init_s = 0.0  # this process's
+        self._startup_s: Optional[float] = None  # this process's, once its first step has begun
+
+    def start_clock(self, init_s: float) -> None:
+        """MLPerf's run_start, after ``init_s`` seconds of initialisation."""
+        self.clock_start, self._init_s = time.perf_counter(), init_s
+
+    def _since_start(self) -> float:
+        return 0.0 if self.clock_start is None else time.perf_counter() - self.clock_start
 
     @property
     def mlperf_s(self) -> float:
-        return self._earlier["mlperf_s"] + time.perf_counter() - self.clock_start
+        return self._earlier["mlperf_s"] + self._since_start()
 
     @property
     def train_s(self) -> float:
         return self._earlier["train_s"] + self._step_s
 
+    @property
+    def eval_s(self) -> float:
+        return self._earlier["eval_s"] + self._eval_s
+
+    @property
+    def startup_s(self) -> float:
+        return self._earlier["startup_s"] + (self._since_start() if self._startup_s is None else self._startup_s)
+
+    @property
+    def init_s(self) -> float:
+        return self._earlier["init_s"] + self._init_s
+
+    def clocks(self) -> dict[str, float]:
+        """Every clock now: MLPerf's and its parts, and the initialisation before it."""
+        return {"mlperf_s": self.mlperf_s, "train_s": self.train_s, "eval_s": self.eval_s,
+                "startup_s": self.startup_s, "init_s": self.init_s}
+
     def stepped(self, seconds: float) -> None:
+        if self._startup_s is None:  # the first step of this process began ``seconds`` ago
+            self._startup_s = max(0.0, self._since_start() - seconds)
         self.step += 1
         self._step_s += seconds
 
+    def evaluated(self, seconds: float) -> None:
+        self._eval_s += seconds
+
     def state_dict(self) -> dict:
-        return {"step": self.step, "mlperf_s": self.mlperf_s, "train_s": self.train_s,
-                "last_top1": self.last_top1, "best_top1": self.best_top1, "reached_at": self.reached_at,
-                "comm_totals": dict(self.comm_totals)}
+        return {"step": self.step, **self.clocks(), "last_top1": self.last_top1, "best_top1": self.best_top1,
+                "reached_at": self.reached_at, "comm_totals": dict(self.comm_totals)}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.last_top1, self.best_top1 = state["step"], state["last_top1"], state["best_top1"]
         self.reached_at, self.comm_totals = state["reached_at"], dict(state["comm_totals"])
-        self._earlier = {"mlperf_s": state["mlperf_s"], "train_s": state["train_s"]}
+        # checkpoints from before the clock was split have the first two only
+        self._earlier = {key: state.get(key, 0.0) for key in self._earlier}
 
 
 class ModelName:

@@ -16,6 +16,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -34,6 +35,7 @@ class Tracker:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.wandb_run = None
         self.run_id = run_id
+        self._file: Optional[Any] = None  # metrics.jsonl, open between start and finish
         self._wandb_args = (cfg, name, group, config)
 
     def state_dict(self) -> Optional[str]:
@@ -81,16 +83,31 @@ class Tracker:
                 self.wandb_run = None
 
     def finish(self, summary: dict[str, Any]) -> None:
-        if not self.enabled:
+        if not self.enabled or self._file is None:
             return
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self._file.close()
+        self._file = None
         plot_top1(self.metrics_path, self.run_dir / "top1_vs_time.png", title=summary.get("name", ""))
         if self.wandb_run is not None:
             try:
                 self.wandb_run.summary.update({k: v for k, v in summary.items()
                                                if isinstance(v, (int, float, str))})
                 self.wandb_run.finish()
+            except Exception as error:  # noqa: BLE001
+                warnings.warn(f"wandb could not finish: {error}")
+
+
+    def abandon(self) -> None:
+        """The run failed: close what was opened (the JSONL keeps every record; the wandb run ends
+        with a non-zero exit code). Nothing after ``finish``."""
+        if not self.enabled or self._file is None:
+            return
+        self._file.close()
+        self._file = None
+        if self.wandb_run is not None:
+            try:
+                self.wandb_run.finish(exit_code=1)
             except Exception as error:  # noqa: BLE001
                 warnings.warn(f"wandb could not finish: {error}")
 
@@ -103,7 +120,7 @@ def wandb_keys(record: dict[str, Any]) -> dict[str, float]:
     for key, value in record.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or key == "step":
             continue
-        if key in ("mlperf_s", "train_s"):
+        if key in ("mlperf_s", "train_s", "eval_s", "startup_s", "init_s"):
             metrics[f"time/{key}"] = value
         elif key in ("bytes_per_step", "collectives_per_step", "sync_wait_s_per_step", "density"):
             metrics[f"comm/{key}"] = value
@@ -112,8 +129,29 @@ def wandb_keys(record: dict[str, Any]) -> dict[str, float]:
     return metrics
 
 
-CLOCK_POLICY = ("mlperf_s: from before data loading, never paused, evaluation included; "
-                "train_s: training steps only")
+CLOCK_POLICY = ("mlperf_s: MLPerf's clock, from run_start (initialisation done, no data touched yet) to the "
+                "end, never paused = startup_s (to the first step) + train_s (training steps) + eval_s "
+                "(evaluations) + the rest (batch waits, logging, checkpoints); init_s: initialisation before "
+                "run_start")
+
+
+class Phases:
+    """Seconds spent in each named phase of start-up, in order (for the run's start record, so a
+    slow start-up says where its time went)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._since = time.perf_counter()
+
+    def done(self, name: str) -> None:
+        """The phase ``name`` ended now; the next one starts."""
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._since
+        self._since = now
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds.values())
 
 
 def run_summary(cfg: Any, progress: Any, *, world: Any, device: Any, steps_per_epoch: int,
@@ -142,6 +180,7 @@ def run_summary(cfg: Any, progress: Any, *, world: Any, device: Any, steps_per_e
         "skipped_steps": skipped_steps,
         "stopped_by": stopped_by or None, "exit_code": exit_code,
         "wandb_run_id": run_id,
+        "clocks": p.clocks(), "clocks_at_target": p.reached_at or None,
         "clock_policy": CLOCK_POLICY,
         "command": f"{launcher_line(world)} -m gradientflow_repro.train " + " ".join(sys.argv[1:]),
         "environment": allowed_environment(), **environment_facts()}

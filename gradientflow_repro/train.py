@@ -13,7 +13,6 @@ templates requeue the job); 143 stopped by SIGTERM after a checkpoint.
 from __future__ import annotations
 
 import sys
-import time
 from typing import TYPE_CHECKING
 
 import hydra
@@ -29,7 +28,9 @@ register_configs()
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    clock_start = time.perf_counter()  # the MLPerf clock: before any data is touched
+    from gradientflow_repro.tracking import Phases
+
+    phases = Phases()  # start-up, phase by phase; MLPerf's clock starts in the Trainer
     from gradientflow_repro import distributed
 
     try:
@@ -48,6 +49,7 @@ def main(cfg: DictConfig) -> None:
     torch.set_num_threads(max(1, cfg.threads_per_rank))
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
+    phases.done("config check and imports")
     try:
         device = distributed.select_device(cfg.device, world)
         distributed.init_process_group(world, device, cfg.dist_timeout_s, cfg.watchdog_s)
@@ -56,8 +58,11 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     configure_backends(device, cfg.deterministic)
     print(distributed.describe_rank(world, device), flush=True)
+    phases.done("process group")
+    trainer = None
     try:
-        summary = Trainer(cfg, world, device, clock_start).fit()
+        trainer = Trainer(cfg, world, device, phases)
+        summary = trainer.fit()
     except agreed_errors as error:  # the same on every rank, and its message says it all: no traceback
         if world.is_main:  # the whole message: a dataset error lists every bad file after its first line
             print(f"error: rank {world.rank}: {type(error).__name__}: {str(error).strip()}", file=sys.stderr,
@@ -68,6 +73,8 @@ def main(cfg: DictConfig) -> None:
         print(f"error: {distributed.describe_failure(world, error)}", file=sys.stderr, flush=True)
         raise
     finally:
+        if trainer is not None:
+            trainer.abandon()  # after an error: the MLPerf log says aborted (nothing after a finished run)
         distributed.destroy_process_group()
     if summary["exit_code"]:  # stopped by a signal after a checkpoint; 75 asks for a requeue
         sys.exit(summary["exit_code"])

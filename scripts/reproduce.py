@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from gradientflow_repro.comm.knobs import LADDER
+from gradientflow_repro.comm.knobs import COMPARED
 from gradientflow_repro.harness import reproduce
 
 
@@ -24,8 +24,10 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=4, help="ranks for the time-to-accuracy ladder")
     parser.add_argument("--check-world", type=int, nargs="*", default=[2],
                         help="extra world sizes with short step-time runs for the scaling model")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rungs", nargs="+", default=list(LADDER), choices=list(LADDER))
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="seeds per configuration: repeat r runs with seed=r (initial weights, data order)")
+    parser.add_argument("--rungs", nargs="+", default=list(COMPARED), choices=list(COMPARED),
+                        help="configurations to train: the ladder and gradientflow's variants for convergence")
     parser.add_argument("--rate-mbit", type=float, default=None,
                         help="link rate; default: chosen to match the paper's comm/compute ratio")
     parser.add_argument("--no-emulation", action="store_true", help="loopback even as root")

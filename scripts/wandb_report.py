@@ -4,7 +4,7 @@
 The runs of `make reproduce` are offline wandb runs. Upload them first, then build the report:
 
     wandb login
-    wandb sync results/runs/reproduce/*/r*/wandb/offline-run-*
+    wandb sync results/runs/reproduce/*/seed*/wandb/offline-run-*
     python scripts/wandb_report.py --group reproduce-YYYYMMDD-HHMMSS [--entity ME] [--project P]
 
 The report holds validation top-1 against wall-clock seconds (MLPerf clock) for every strategy,

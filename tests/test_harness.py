@@ -46,6 +46,11 @@ def test_reproduce_runs_the_knobs_ladder_and_skips_csc_warmup_only() -> None:
         "allreduce": ["comm=allreduce"], "ddp": ["comm=ddp"], "ring": ["comm=ring"],
         "ring+fp16": ["comm=ring", "comm.wire=fp16"], "ring+fp16+lazy": ["comm=lazy", "comm.wire=fp16"],
         "gradientflow": ["comm=gradientflow"]}
+    # trained beside the ladder for convergence only: the model's check takes the ladder alone
+    assert ladder_overrides("gradientflow@0.01") == ["comm=gradientflow", "comm.density=0.01"]
+    assert ladder_overrides("gradientflow-no-mc") == ["comm=gradientflow", "comm.momentum_correction=false",
+                                                      "comm.momentum_masking=false"]
+    assert set(knobs.COMPARED) - set(knobs.LADDER) == {"gradientflow@0.01", "gradientflow-no-mc"}
     warmups = {label: dense_warmup_epochs({"summary": {}, "comm": options})
                for label, options in knobs.LADDER.items()}
     assert warmups == {"allreduce": 0.0, "ddp": 0.0, "ring": 0.0, "ring+fp16": 0.0, "ring+fp16+lazy": 0.0,

@@ -4,6 +4,7 @@ emulation's set-up and complete tear-down, and a short comparison end to end."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -209,7 +210,11 @@ def test_short_comparison_writes_a_complete_report(tmp_path: Path, digits_root: 
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "WANDB_MODE": "offline"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "[allreduce] run 1/1" in result.stdout and "ring+fp16+lazy r1 |" in result.stdout  # progress
+    # progress: which job of how many, the time left; rank 0's lines of each run
+    jobs = re.findall(r"reproduce: \[(\d+)/(\d+)\] (.*?) \| \S+ so far, about \S+ left", result.stdout)
+    assert [(int(i), int(n)) for i, n, _ in jobs] == [(i, 4) for i in range(1, 5)], jobs
+    assert [title for _, _, title in jobs][2:] == ["[allreduce] seed 0 (1 of 1)", "[ring+fp16+lazy] seed 0 (1 of 1)"]
+    assert "ring+fp16+lazy s0 |" in result.stdout
     text = report.read_text()
     table = text[text.index("| strategy | time to target"):].split("\n\n")[0].splitlines()[2:]
     assert [row.split("|")[1].strip() for row in table] == ["allreduce", "ring+fp16+lazy"]
@@ -217,6 +222,14 @@ def test_short_comparison_writes_a_complete_report(tmp_path: Path, digits_root: 
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert len(cells) == 8 and all(cells) and "not reached" not in row and "nan" not in row, row
     assert "Machine:" in text and "Command: `python scripts/reproduce.py" in text and "world size 2" in text
+    clocks = text[text.index("| strategy | start-up (s)"):].split("\n\n")[0].splitlines()[2:]
+    for row in clocks:  # MLPerf's clock split: start-up + training + evaluation + other = the total
+        startup, train, evaluation, other, total, init = (float(c) for c in row.strip("|").split("|")[1:])
+        assert startup > 0 and train > 0 and evaluation > 0 and init > 0 and other >= -0.05, row
+        assert startup + train + evaluation + other == pytest.approx(total, abs=0.25), row
+    parts = text[text.index("| strategy | time to target / allreduce's"):].split("\n\n")[0].splitlines()[2:]
+    assert parts[0] == "| allreduce | 1.00x | 1.00x | 1.00x | 1.00x | 1 of 1 |" and len(parts) == 2, parts
+    assert "## Convergence: dense against sparse communication" in text and "- Stable recipe:" in text
     assert "| 2 | ring+fp16+lazy |" in text  # the model's check against this run
     measured = text[text.index("| world | ring: bandwidth"):].split("\n\n")[0].splitlines()[2:]
     assert len(measured) == 1 and measured[0].startswith("| 2 |") and "nan" not in measured[0], measured
@@ -228,7 +241,7 @@ def test_short_comparison_writes_a_complete_report(tmp_path: Path, digits_root: 
     launches = sorted((tmp_path / "runs" / "netbench").glob("network*.json"))
     assert [p.name for p in launches] == ["network1.json", "network2.json"]
     assert "410.2x" in text
-    for figure in ("reproduce_top1.png", "reproduce_step_split.png", "scaling.png"):
+    for figure in ("reproduce_top1.png", "reproduce_top1_epochs.png", "reproduce_step_split.png", "scaling.png"):
         assert (tmp_path / figure).stat().st_size > 1000
     if netemu.why_unavailable() is None:
         assert "each link shaped to" in text
@@ -236,3 +249,82 @@ def test_short_comparison_writes_a_complete_report(tmp_path: Path, digits_root: 
             not n.startswith(netemu.PREFIX) for n in netemu.namespaces())
     else:
         assert "loopback, not emulated" in text
+
+
+# ---------------------------------------------------------------- the report's arithmetic
+def _fake_run(strategy: str, seed: int, curve: list[float], step_s: float = 0.1, startup_s: float = 2.0,
+              target: float = 97.0, steps_per_epoch: int = 10, density: float = 0.1) -> dict:
+    """A finished run as ``runs.load_run`` returns it: evaluations after every epoch, stopped at the
+    target (or at the end of ``curve``)."""
+    reached = next((i + 1 for i, top1 in enumerate(curve) if top1 >= target), None)
+    epochs = reached or len(curve)
+    records, clock = [], startup_s
+    for epoch in range(1, epochs + 1):
+        clock += steps_per_epoch * step_s + 0.5
+        records.append({"kind": "eval", "epoch": float(epoch), "top1": curve[epoch - 1], "mlperf_s": clock})
+    steps = epochs * steps_per_epoch
+    at = ({"step": steps, "mlperf_s": clock, "train_s": steps * step_s, "eval_s": 0.5 * epochs,
+           "startup_s": startup_s, "init_s": 3.0} if reached else None)
+    comm = {"strategy": strategy, **({"density": density} if strategy == "gradientflow" else {})}
+    return {"summary": {"reached_target": bool(reached), "clocks_at_target": at, "steps": steps, "epochs": epochs,
+                        "target_top1": target, "final_top1": curve[epochs - 1], "best_top1": max(curve[:epochs])},
+            "records": records, "config": {"seed": seed, "eval_every_epochs": 1, "optim": {"warmup_epochs": 1}},
+            "comm": comm}
+
+
+def test_the_speedup_decomposes_into_step_time_epochs_and_overhead() -> None:
+    from gradientflow_repro.harness.report import decomposition
+
+    runs = {"ddp": [_fake_run("ddp", s, [90, 95, 98], step_s=0.2) for s in range(3)],
+            "gradientflow": [_fake_run("gradientflow", s, [90, 94, 96, 98], step_s=0.05) for s in range(3)]}
+    parts = decomposition(runs, "ddp")
+    assert parts["ddp"] == {"time": 1.0, "step": 1.0, "epochs": 1.0, "overhead": 1.0}
+    gf = parts["gradientflow"]
+    assert gf["step"] == pytest.approx(0.25) and gf["epochs"] == pytest.approx(4 / 3)
+    # ddp: 2 + 3 x (10 x 0.2 + 0.5) = 9.5 s; gradientflow: 2 + 4 x (10 x 0.05 + 0.5) = 6 s
+    assert gf["time"] == pytest.approx(6 / 9.5)
+    assert gf["step"] * gf["epochs"] * gf["overhead"] == pytest.approx(gf["time"])
+    assert gf["overhead"] > 1  # start-up and evaluation weigh more on the shorter run
+
+
+def test_the_report_names_falls_after_warmup_and_dense_disagreement() -> None:
+    from gradientflow_repro.harness.report import convergence_table, dense_agreement, falls_after_warmup
+
+    runs = {"allreduce": [_fake_run("allreduce", 0, [50, 96, 98]), _fake_run("allreduce", 1, [40, 80, 98])],
+            "ddp": [_fake_run("ddp", 0, [50, 90, 84, 98]), _fake_run("ddp", 1, [20, 85, 97])],
+            "gradientflow": [_fake_run("gradientflow", 0, [30, 60, 90, 95, 96]),
+                             _fake_run("gradientflow", 1, [30, 60, 90, 97])]}
+    # a fall during the warm-up (epoch 1) is allowed; ddp seed 0's 90 -> 84 is not
+    assert falls_after_warmup(runs, warmup_epochs=1.0) == ["ddp seed 0: epoch 2 -> 3: 90.0% -> 84.0%"]
+    falling = {"a": [_fake_run("ddp", 0, [60, 20, 98])]}
+    assert falls_after_warmup(falling, warmup_epochs=1.0) == ["a seed 0: epoch 1 -> 2: 60.0% -> 20.0%"]
+    assert falls_after_warmup(falling, warmup_epochs=2.0) == []  # evaluated at the end of the warm-up: allowed
+    assert dense_agreement(runs) == {0: [3.0, 4.0], 1: [3.0, 3.0]}  # gradientflow is not dense
+    table, budget = convergence_table(runs)
+    assert budget == 3  # the last epoch every run was evaluated at (allreduce stops there)
+    rows = {row.split("|")[1].strip(): row for row in table[2:]}
+    assert "| 0.1 | not reached (1 of 2 not reached)" not in rows["gradientflow"]
+    assert rows["gradientflow"].split("|")[3].strip() == "4 (1 of 2 not reached)"
+    assert rows["ddp"].split("|")[4].strip() == "90.5 [84.0-97.0]"
+
+
+def test_the_timeline_counts_jobs_and_estimates_the_time_left(capsys: pytest.CaptureFixture, monkeypatch) -> None:
+    from gradientflow_repro.harness import reproduce
+
+    now = [1000.0]
+    monkeypatch.setattr(reproduce.time, "time", lambda: now[0])
+    timeline = reproduce.Timeline([("train", "a"), ("train", "b"), ("train", "a"), ("check", "a w2")])
+    timeline.begin("train", "a", "a seed 0")
+    now[0] += 60  # a took a minute
+    timeline.begin("train", "b", "b seed 0")
+    now[0] += 20  # b took 20 s
+    timeline.begin("train", "a", "a seed 1")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"reproduce: [1/4] a seed 0 | 0s so far, about {reproduce.duration(2 * 30 + 30 + 12)} left"
+    # b: no b yet, so the trainings' mean (60 s); a: 60 s; the check: its guess (12 s)
+    assert lines[1] == "reproduce: [2/4] b seed 0 | 1m00s so far, about 2m12s left"
+    assert lines[2] == "reproduce: [3/4] a seed 1 | 1m20s so far, about 1m12s left"  # a as a took: 60 s
+    timeline.begin("train", "a", "not planned")  # job 4 was to be the check: said, not fatal
+    assert capsys.readouterr().out.splitlines() == [
+        "reproduce: job 4 (train a) was not planned there: time left unknown",
+        "reproduce: [4/4] not planned | 1m20s so far, about ? left"]

@@ -3,7 +3,6 @@ still load, other formats and other models are refused with a message; the run s
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,7 +27,8 @@ from gradientflow_repro.state import (
 def make_state(width: int = 4, name: str = "tiny") -> tuple[TrainState, nn.Module, Progress, dict]:
     model = nn.Sequential(nn.Linear(3, width), nn.BatchNorm1d(width))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    progress = Progress(time.perf_counter())
+    progress = Progress()
+    progress.start_clock(init_s=0.0)
     run = {"wandb_id": None}
     state = TrainState(
         shared={"model_name": ModelName(name), "model": ModelWeights(model, f"{name}, width {width}"),
@@ -77,8 +77,8 @@ def test_on_disk_keys_are_those_of_format_1(tmp_path: Path) -> None:
     assert FORMAT == 1 and shared["format"] == 1
     assert set(shared) == {"format", "model_name", "model", "optimizer", "wandb_id", "progress"}
     assert set(mine) == {"buffers", "torch_rng", "cuda_rng"}
-    assert set(shared["progress"]) == {"step", "mlperf_s", "train_s", "last_top1", "best_top1",
-                                       "reached_at", "comm_totals"}
+    assert set(shared["progress"]) == {"step", "mlperf_s", "train_s", "eval_s", "startup_s", "init_s",
+                                       "last_top1", "best_top1", "reached_at", "comm_totals"}
 
 
 def test_a_checkpoint_written_before_the_format_key_still_loads(tmp_path: Path) -> None:
@@ -117,7 +117,8 @@ def test_the_run_summary_keeps_its_keys() -> None:
 
     cfg = SimpleNamespace(experiment="digits_cpu", comm=SimpleNamespace(strategy="ring"),
                           precision=SimpleNamespace(dtype="fp32"), global_batch_size=64, target_top1=90.0)
-    progress = Progress(time.perf_counter())
+    progress = Progress()
+    progress.start_clock(init_s=0.0)
     progress.stepped(2.0)
     progress.reached_at = {"step": 1, "mlperf_s": 3.0, "train_s": 2.0}
     world = SimpleNamespace(world_size=2, local_world_size=2, source="torchrun")

@@ -77,7 +77,7 @@ def step_overhead(steps: int, rounds: int) -> tuple[float, float]:
             "global_batch_size=64", "logger=jsonl", "logger.log_every=10", "resume=never",
             f"run_dir={REPO / 'results' / 'runs' / 'bench_overhead'}", "threads_per_rank=2"])
     torch.set_num_threads(2)
-    trainer = Trainer(cfg, discover_world({}), torch.device("cpu"), time.perf_counter())
+    trainer = Trainer(cfg, discover_world({}), torch.device("cpu"))
     images, labels = next(trainer.data.train_batches(0))
     model, optimizer, criterion = trainer.model, trainer.optimizer, torch.nn.CrossEntropyLoss()
 

@@ -8,32 +8,49 @@ import dataclasses
 import json
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from gradientflow_repro.comm import knobs
 from gradientflow_repro.tracking import read_records
 
 
 def load_run(run_dir: Path) -> dict:
-    """``summary`` (summary.json), ``records`` (metrics.jsonl) and ``comm``: the run's ``comm.*``
-    options as its config.yaml recorded them (else its strategy alone, from the summary)."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return {"summary": summary, "records": read_records(run_dir / "metrics.jsonl"),
-            "comm": comm_options(run_dir, summary)}
-
-
-def comm_options(run_dir: Path, summary: dict) -> dict[str, Any]:
-    """The ``comm.*`` keys a run was configured with (``knobs.resolve`` takes them)."""
+    """``summary`` (summary.json), ``records`` (metrics.jsonl), ``config`` (config.yaml as the run
+    used it; empty if absent) and ``comm``: the run's ``comm.*`` options (else its strategy alone)."""
     import yaml
 
-    config = run_dir / "config.yaml"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    config_file = run_dir / "config.yaml"
+    config = (yaml.safe_load(config_file.read_text()) or {}) if config_file.is_file() else {}
+    return {"summary": summary, "records": read_records(run_dir / "metrics.jsonl"), "config": config,
+            "comm": comm_options(config, summary)}
+
+
+def comm_options(config: dict, summary: dict) -> dict[str, Any]:
+    """The ``comm.*`` keys a run was configured with (``knobs.resolve`` takes them)."""
     fields = {f.name for f in dataclasses.fields(knobs.CommConfig)}
-    if config.is_file():
-        comm = (yaml.safe_load(config.read_text()) or {}).get("comm") or {}
-        options = {key: value for key, value in comm.items() if key in fields}
-        if options.get("strategy"):
-            return options
-    return {"strategy": summary.get("strategy", "allreduce")}
+    options = {key: value for key, value in (config.get("comm") or {}).items() if key in fields}
+    return options if options.get("strategy") else {"strategy": summary.get("strategy", "allreduce")}
+
+
+def is_dense(run: dict) -> bool:
+    """Every step sends every gradient: the same SGD whatever the communication strategy."""
+    return not knobs.sends_sparse(knobs.resolve(run.get("comm") or {"strategy": run["summary"].get("strategy")}))
+
+
+def evaluations(run: dict) -> list[tuple[float, float]]:
+    """(epoch, top-1) of every evaluation, in order."""
+    return [(r["epoch"], r["top1"]) for r in run["records"] if r["kind"] == "eval"]
+
+
+def epochs_to_target(run: dict) -> Optional[float]:
+    """Epochs trained when the target was first reached (None: never)."""
+    s = run["summary"]
+    if not s.get("reached_target"):
+        return None
+    if s.get("clocks_at_target"):
+        return s["clocks_at_target"]["step"] / (s["steps"] / s["epochs"])
+    return next((epoch for epoch, top1 in evaluations(run) if top1 >= s["target_top1"]), None)  # older summaries
 
 
 def dense_warmup_epochs(run: dict) -> float:
@@ -42,9 +59,12 @@ def dense_warmup_epochs(run: dict) -> float:
 
 
 def steady_step(run: dict, after_epoch: float = 0.0) -> dict[str, float]:
-    """Median step time and synchronize wait over the logged intervals (after ``after_epoch``)."""
-    train = [r for r in run["records"] if r["kind"] == "train" and r["epoch"] > after_epoch]
-    train = train or [r for r in run["records"] if r["kind"] == "train"]
+    """Median step time and synchronize wait over the logged intervals (those that begin at or after
+    ``after_epoch``; all of them if none does)."""
+    every = [r for r in run["records"] if r["kind"] == "train"]
+    # a record's interval starts where the one before it ended: keep those wholly after ``after_epoch``
+    train = [r for before, r in zip([{"epoch": 0.0}, *every], every) if before["epoch"] >= after_epoch]
+    train = train or every
     if not train:  # ended before its first progress line: the run's averages
         s = run["summary"]
         return {"step_s": s["train_s"] / max(1, s["steps"]), "sync_wait_s": s["sync_wait_s_per_step"],

@@ -9,14 +9,21 @@ from gradientflow_repro.models.alexnet_bn import AlexNetBN
 
 
 def build_model(name: str, num_classes: int, image_size: int, width: float = 1.0,
-                dropout: float = 0.5) -> nn.Module:
+                dropout: float = 0.5, bn_momentum: float = 0.1) -> nn.Module:
+    """``bn_momentum``: the weight of each step's batch statistics in BatchNorm's running estimates
+    (PyTorch's default 0.1 averages over about the last 20 steps)."""
     if name == "alexnet_bn":
-        return AlexNetBN(num_classes, image_size, width, dropout)
-    if name == "alexnet":
-        return torchvision.models.alexnet(weights=None, num_classes=num_classes, dropout=dropout)
-    if name == "resnet50":
-        return torchvision.models.resnet50(weights=None, num_classes=num_classes)
-    raise ValueError(f"unknown model '{name}' (allowed: alexnet_bn, alexnet, resnet50)")
+        model = AlexNetBN(num_classes, image_size, width, dropout)
+    elif name == "alexnet":
+        model = torchvision.models.alexnet(weights=None, num_classes=num_classes, dropout=dropout)
+    elif name == "resnet50":
+        model = torchvision.models.resnet50(weights=None, num_classes=num_classes)
+    else:
+        raise ValueError(f"unknown model '{name}' (allowed: alexnet_bn, alexnet, resnet50)")
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.momentum = bn_momentum
+    return model
 
 
 __all__ = ["AlexNetBN", "build_model"]
