@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The paper's comparison on one machine: the ablation ladder, each rung trained to the target
-accuracy over an emulated cluster network, repeated, then results/REPORT.md.
+accuracy over an emulated cluster network once per seed, then results/REPORT.md.
 
     python scripts/reproduce.py                          # what `make reproduce` runs
     python scripts/reproduce.py --repeats 1 --rungs allreduce gradientflow -- max_steps=40

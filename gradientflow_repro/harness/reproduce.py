@@ -1,5 +1,5 @@
 """The paper's comparison on one machine: the ablation ladder, each rung trained to the target
-accuracy over an emulated cluster network, repeated, then results/REPORT.md.
+accuracy over an emulated cluster network once per seed, then results/REPORT.md.
 
 Steps: (1) calibrate: profile the model (``harness.profile``), run the baseline briefly on an
 unshaped network to get compute time and bytes per step; (2) choose the link rate that gives the
