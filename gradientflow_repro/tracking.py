@@ -83,33 +83,36 @@ class Tracker:
                 self.wandb_run = None
 
     def finish(self, summary: dict[str, Any]) -> None:
-        if not self.enabled or self._file is None:
+        if not self._close_metrics():
             return
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        self._file.close()
-        self._file = None
         plot_top1(self.metrics_path, self.run_dir / "top1_vs_time.png", title=summary.get("name", ""))
-        if self.wandb_run is not None:
-            try:
-                self.wandb_run.summary.update({k: v for k, v in summary.items()
-                                               if isinstance(v, (int, float, str))})
-                self.wandb_run.finish()
-            except Exception as error:  # noqa: BLE001
-                warnings.warn(f"wandb could not finish: {error}")
-
+        self._finish_wandb(summary={k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
 
     def abandon(self) -> None:
         """The run failed: close what was opened (the JSONL keeps every record; the wandb run ends
         with a non-zero exit code). Nothing after ``finish``."""
+        if self._close_metrics():
+            self._finish_wandb(exit_code=1)
+
+    def _close_metrics(self) -> bool:
+        """Close metrics.jsonl; False if this rank never opened it or it is closed already."""
         if not self.enabled or self._file is None:
-            return
+            return False
         self._file.close()
         self._file = None
-        if self.wandb_run is not None:
-            try:
-                self.wandb_run.finish(exit_code=1)
-            except Exception as error:  # noqa: BLE001
-                warnings.warn(f"wandb could not finish: {error}")
+        return True
+
+    def _finish_wandb(self, summary: Optional[dict[str, Any]] = None, exit_code: Optional[int] = None) -> None:
+        """End the wandb run (if any), with ``summary`` as its summary; a failure only warns."""
+        if self.wandb_run is None:
+            return
+        try:
+            if summary:
+                self.wandb_run.summary.update(summary)
+            self.wandb_run.finish(exit_code=exit_code)
+        except Exception as error:  # noqa: BLE001
+            warnings.warn(f"wandb could not finish: {error}")
 
 
 def wandb_keys(record: dict[str, Any]) -> dict[str, float]:

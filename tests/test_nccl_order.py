@@ -18,7 +18,7 @@ from gradientflow_repro.comm.hierarchical import HierarchicalSum
 from gradientflow_repro.comm.recursive_doubling import recursive_doubling_allreduce_
 from gradientflow_repro.comm.ring import ring_allreduce_, ring_sum
 
-from conftest import spawn
+from conftest import assert_no_failures, spawn
 from nccl_order import StreamHang, nccl_order
 from test_comm_collectives import _ddp_ring_hook, _lazy_pool
 from test_comm_csc import _ddp_csc_hook, _same_selection_and_no_loss
@@ -101,9 +101,7 @@ def _recursive_doubling(rank: int, world: int, out: str) -> None:
 @pytest.mark.parametrize("world", [3, 4])
 def test_recursive_doubling_completes_under_nccl_ordering(world: int, tmp_path: Path) -> None:
     spawn(_recursive_doubling, world, str(tmp_path))
-    for rank in range(world):
-        failures = torch.load(tmp_path / f"rank{rank}.pt")
-        assert failures == [], f"rank {rank}: {failures}"
+    assert_no_failures(tmp_path, world)
 
 
 def _receive_before_send(rank: int, world: int, out: str) -> None:

@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Optional, Union
 
 from gradientflow_repro import perfmodel as pm
-from gradientflow_repro.comm import knobs
 from gradientflow_repro.harness.profile import profile_from_json
-from gradientflow_repro.harness.runs import epochs_to_target, evaluations, is_dense
+from gradientflow_repro.harness.runs import epochs_to_target, evaluations, is_dense, run_knobs
 from gradientflow_repro.harness.scaling import paper_check, plot
 
 
@@ -33,19 +32,15 @@ def _median(values: list[Optional[float]]) -> Optional[float]:
 
 
 def _at_target(run: dict, clock: str) -> Optional[float]:
-    """A clock's reading when the run first reached the target (None: never reached)."""
-    s = run["summary"]
-    if not s.get("reached_target"):
-        return None
-    at = s.get("clocks_at_target") or {"mlperf_s": s["time_to_target_mlperf_s"], "train_s": s["time_to_target_train_s"]}
-    return at.get(clock)
+    """A clock's reading (or the step) when the run first reached the target (None: never reached)."""
+    at = run["summary"].get("clocks_at_target")
+    return at[clock] if at else None
 
 
 def _step_to_target_s(run: dict) -> Optional[float]:
     """Mean training step up to the target (a sparse run's dense warm-up included)."""
-    train_s, epochs = _at_target(run, "train_s"), epochs_to_target(run)
-    s = run["summary"]
-    return None if epochs is None else train_s / (epochs * s["steps"] / s["epochs"])
+    train_s, steps = _at_target(run, "train_s"), _at_target(run, "step")
+    return None if train_s is None else train_s / steps
 
 
 def comparison_table(runs: dict[str, list[dict]]) -> list[str]:
@@ -152,7 +147,7 @@ def convergence_table(runs: dict[str, list[dict]]) -> tuple[list[str], float]:
     lines = [f"| strategy | density | epochs to target | top-1 at epoch {budget:.0f} (%) | best top-1 (%) |",
              "|---|---|---|---|---|"]
     for label, items in runs.items():
-        density = "1 (dense)" if is_dense(items[0]) else f"{knobs.resolve(items[0]['comm']).density:g}"
+        density = "1 (dense)" if is_dense(items[0]) else f"{run_knobs(items[0]).density:g}"
         at_budget = [next((a for e, a in evaluations(r) if abs(e - budget) < 1e-6), None) for r in items]
         lines.append(f"| {label} | {density} | {_spread([epochs_to_target(r) for r in items], '.0f')} "
                      f"| {_spread(at_budget, '.1f')} | {_spread([r['summary']['best_top1'] for r in items], '.1f')} |")
@@ -370,7 +365,7 @@ def _convergence_section(runs: dict[str, list[dict]]) -> list[str]:
         if items and not is_dense(items[0]):
             epochs = [epochs_to_target(r) for r in items]
             reached = [e for e in epochs if e is not None]
-            options = knobs.resolve(items[0]["comm"])
+            options = run_knobs(items[0])
             density = options.density
             corrected = "" if options.momentum_correction else ", no momentum correction"
             name = f"`{label}` (density {density:g}{corrected})"

@@ -33,9 +33,14 @@ def comm_options(config: dict, summary: dict) -> dict[str, Any]:
     return options if options.get("strategy") else {"strategy": summary.get("strategy", "allreduce")}
 
 
+def run_knobs(run: dict) -> knobs.CommConfig:
+    """The run's communication knobs, resolved (from its strategy alone when its options are unknown)."""
+    return knobs.resolve(run.get("comm") or {"strategy": run["summary"].get("strategy")})
+
+
 def is_dense(run: dict) -> bool:
     """Every step sends every gradient: the same SGD whatever the communication strategy."""
-    return not knobs.sends_sparse(knobs.resolve(run.get("comm") or {"strategy": run["summary"].get("strategy")}))
+    return not knobs.sends_sparse(run_knobs(run))
 
 
 def evaluations(run: dict) -> list[tuple[float, float]]:
@@ -46,16 +51,13 @@ def evaluations(run: dict) -> list[tuple[float, float]]:
 def epochs_to_target(run: dict) -> Optional[float]:
     """Epochs trained when the target was first reached (None: never)."""
     s = run["summary"]
-    if not s.get("reached_target"):
-        return None
-    if s.get("clocks_at_target"):
-        return s["clocks_at_target"]["step"] / (s["steps"] / s["epochs"])
-    return next((epoch for epoch, top1 in evaluations(run) if top1 >= s["target_top1"]), None)  # older summaries
+    at = s.get("clocks_at_target")
+    return None if not at else at["step"] / (s["steps"] / s["epochs"])
 
 
 def dense_warmup_epochs(run: dict) -> float:
     """Epochs the run trained densely before its steady state (``knobs.dense_warmup_epochs``)."""
-    return knobs.dense_warmup_epochs(knobs.resolve(run.get("comm") or {"strategy": run["summary"].get("strategy")}))
+    return knobs.dense_warmup_epochs(run_knobs(run))
 
 
 def steady_step(run: dict, after_epoch: float = 0.0) -> dict[str, float]:
