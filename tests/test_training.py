@@ -68,11 +68,15 @@ def test_allreduce_and_ddp_leave_the_same_parameters(world: int, tmp_path: Path,
     assert ddp_summary["bytes_per_step"] > 0  # DDP's buckets were counted by the comm hook
 
 
-def test_interrupted_run_resumes_to_exactly_the_same_parameters(tmp_path: Path, digits_root: Path) -> None:
+@pytest.mark.parametrize("comm", [[], ["comm=gradientflow", "comm.chunk_size=4096"]], ids=["allreduce", "gradientflow"])
+def test_interrupted_run_resumes_to_exactly_the_same_parameters(comm: list[str], tmp_path: Path,
+                                                                digits_root: Path) -> None:
+    """Cut at step 15, in epoch 2: for gradientflow, in its sparse phase, where CSC holds the
+    residuals, the velocities and the optimizer settings it has taken over."""
     world = 2
     common = [*FAST, f"data.root={digits_root}", "global_batch_size=128", "epochs=2",
               "optim.warmup_epochs=1", "eval_every_epochs=1", "save_final_params=true",
-              "deterministic=true"]
+              "deterministic=true", *comm]
     torchrun(world, common, tmp_path / "straight")
     torchrun(world, [*common, "max_steps=15"], tmp_path / "cut")  # stops mid-epoch 2, checkpoints
     assert (tmp_path / "cut" / "checkpoints" / "step_000000015").is_dir()
