@@ -381,10 +381,11 @@ ASSUMED_BACKWARD_SHARE = 2 / 3  # assumption: backward takes twice the forward's
 # streams about 800 GB/s in practice (BabelStream, Deakin et al. 2018, of its 900 GB/s peak).
 ASSUMED_GPU_MEMORY_BPS = 800e9
 # Bytes moved per element of a sparsified section, counted from comm/csc.py's operations in one
-# sparse step: unscale (read+write 8), momentum u <- m u + g (12), v + u into the spare (12), chunk
-# norms (4), peak (4), re-scale the part (8), zero the section (4), and ~density x 20 for packing,
-# clearing and writing back the chosen chunks: about 54 at density 0.1.
-CSC_BYTES_PER_ELEMENT = 54
+# sparse step: unscale (read+write 8), LARS's rescaling under momentum correction (norms of w and g
+# 8, g + wd w 12, times the ratio 8: 28), momentum u <- m u + g (12), v + u into the spare (12),
+# chunk norms (4), peak (4), re-scale the part (8), zero the section (4), and ~density x 20 for
+# packing, clearing and writing back the chosen chunks: about 82 at density 0.1.
+CSC_BYTES_PER_ELEMENT = 82
 # Per element the fp16 wire sends: scale and cast (read 4, write 2), cast back and unscale (read 2,
 # write 4).
 FP16_WIRE_BYTES_PER_ELEMENT = 12

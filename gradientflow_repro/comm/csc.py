@@ -299,16 +299,20 @@ class LocalLars:
         has taken over included)."""
         entries = [(param, offset, settings[group]) for param, offset, group in self.entries[bucket.index]
                    if adapts(settings[group])]
-        if not entries:
-            return
-        weights = [param.detach().reshape(-1) for param, _, _ in entries]
-        views = [gradient[offset:offset + param.numel()] for param, offset, _ in entries]
-        weight_norms, gradient_norms = torch._foreach_norm(weights), torch._foreach_norm(views)
-        for view, weight, w_norm, g_norm, (_, _, group) in zip(views, weights, weight_norms, gradient_norms, entries):
-            decay = group["weight_decay"]
-            ratio = group["trust_coeff"] * w_norm / (g_norm + w_norm * decay + group["eps"])
-            ratio = torch.where((w_norm > 0) & (g_norm > 0), ratio, 1.0)
-            view.add_(weight, alpha=decay).mul_(ratio)
+        if entries:
+            lars_rescale_([gradient[offset:offset + param.numel()] for param, offset, _ in entries],
+                          [param.detach().reshape(-1) for param, _, _ in entries], [group for _, _, group in entries])
+
+
+def lars_rescale_(gradients: list[torch.Tensor], weights: list[torch.Tensor], groups: list[dict]) -> None:
+    """``g <- ratio * (g + wd w)`` in place for each gradient, with its group's ``weight_decay``,
+    ``trust_coeff`` and ``eps`` (timm ``Lars``'s step before its momentum)."""
+    weight_norms, gradient_norms = torch._foreach_norm(weights), torch._foreach_norm(gradients)
+    for gradient, weight, w_norm, g_norm, group in zip(gradients, weights, weight_norms, gradient_norms, groups):
+        decay = group["weight_decay"]
+        ratio = group["trust_coeff"] * w_norm / (g_norm + w_norm * decay + group["eps"])
+        ratio = torch.where((w_norm > 0) & (g_norm > 0), ratio, 1.0)
+        gradient.add_(weight, alpha=decay).mul_(ratio)
 
 
 class CSCCommunicator(LazyAllreduce):

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from gradientflow_repro.harness import REPO, netemu
-from gradientflow_repro.harness.cluster_check import markdown_lines, with_local_work
+from gradientflow_repro.harness.cluster_check import markdown_lines, network_fields, with_local_work
 from gradientflow_repro.harness.launch import network, run_ranks
 from gradientflow_repro.harness.netbench import LARGE_BYTES, ring_figures, trimmed_mean
 
@@ -42,7 +42,8 @@ MODULE = ("-m", "gradientflow_repro.harness.bench_cluster")
 # default 4 MiB segments is one large message each way on one gloo pair, and gloo then often
 # carries the two directions one after the other (a 2-rank exchange of 8 MiB takes 1x or 2x the
 # wire time, where plain TCP sockets in the same namespaces take 1x): smaller segments keep both
-# directions busy, so this figure is the uplink's rate (``model_network.bandwidth_Bps``).
+# directions busy more often, but still not at the link's rate. Reported beside the flat ring,
+# whose one-way flows give the model's uplink bandwidth (``cluster_check.network_fields``).
 SEGMENT_BYTES = 1 << 20
 # (world, ranks per node): 8 ranks as 2 nodes x 4 and 4 nodes x 2, 4 ranks as 2 nodes x 2
 LAYOUTS: tuple[tuple[int, int], ...] = ((8, 4), (8, 2), (4, 2))
@@ -218,13 +219,7 @@ def _measure_network(rank: int, world: int, per_node: int, full: bool) -> dict[s
             [size, _timed(lambda t=torch.ones(size // 4): dist.all_reduce(t),
                           10 if size < 1 << 20 else 3 if size <= 4 << 20 else 2, True, back_to_back=True)]
             for size in sizes]
-    inter = measured["leaders"]["segmented"] if nodes > 1 else measured["flat"]
-    intra = measured.get("intra")
-    measured["model_network"] = {  # perfmodel.Network(**model_network); None: no intra-node links
-        "bandwidth_Bps": inter["bandwidth_Bps"], "latency_s": inter["latency_s"], "ranks_per_node": per_node,
-        "intra_bandwidth_Bps": intra["bandwidth_Bps"] if intra else None,
-        "intra_latency_s": intra["latency_s"] if intra else None, "tiny_allreduce_s": measured["tiny_allreduce_s"],
-        "builtin_cost_by_size": measured.get("builtin_cost_by_size")}
+    measured["model_network"] = network_fields(measured)  # perfmodel.Network's fields, for readers of the JSON
     return measured
 
 
@@ -490,9 +485,11 @@ def markdown(facts: dict[str, Any]) -> str:
         lines += ["## Network-bound check", "", "Not run (--no-check).", ""]
     lines += ["## Network per layout (measured in the same launch)", "",
               "Rings of one element per rank (latency) and of 8 MiB (bandwidth), in 4 MiB segments (our "
-              "ring's default) and, between leaders, in 1 MiB segments (the model's uplink bandwidth: see "
-              "`SEGMENT_BYTES` in `harness/bench_cluster.py`; with 2 nodes gloo often carries the two directions "
-              "of one large message exchange one after the other).", "",
+              "ring's default) and, between leaders, also in 1 MiB segments (see `SEGMENT_BYTES` in "
+              "`harness/bench_cluster.py`: with 2 nodes the leaders' ring is a two-rank exchange, and gloo often "
+              "carries its two directions one after the other). The model takes the per-message latency from the "
+              "leaders' ring and the uplink's bandwidth from the flat ring, whose flows cross each uplink one way "
+              "(`harness/cluster_check.py`).", "",
               "| layout | uplink payload rate | leaders: latency, bandwidth (1 MiB segments) "
               "| inside a node: latency, bandwidth | flat ring of all ranks: latency, bandwidth "
               "| one-value MAX allreduce (the fp16 scale) |",

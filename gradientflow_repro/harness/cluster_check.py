@@ -4,13 +4,14 @@ For each layout (nodes x ranks per node) and strategy the benchmark measured one
 communication alone: every gradient of a real model ready at once, in backward order, then
 ``synchronize()``. The model (``perfmodel``) predicts the same: a profile whose tensors are those
 gradients, all ready at time 0 with no compute, so a step is the sum of its messages' costs; the
-network is the one measured in the same launch (uplink bandwidth and per-message latency between
-node leaders, bandwidth and latency inside a node, gloo's own allreduce by message size), with the
-same placement rules that price the paper's cluster: small messages by recursive doubling with a
-node's ranks sharing its uplink when they cross it together, the two-level ring for
-``hierarchical``. CSC's and the fp16 wire's local work are measured per element in this process
-and multiplied by the ranks sharing each core (all ranks do it at the same moment). Nothing is
-fitted to the benchmark's step times.
+network is the one measured in the same launch (``network_fields``: per-message latency between
+node leaders, the uplink's bandwidth from the flat ring of all ranks, bandwidth and latency inside
+a node, gloo's own allreduce by message size), with the same placement rules that price the
+paper's cluster: small messages by recursive doubling with a node's ranks sharing its uplink when
+they cross it together, the two-level ring for ``hierarchical``. CSC's and the fp16 wire's local
+work are measured per element in this process, on one thread as each rank runs, and multiplied by
+the ranks sharing each core (all ranks do it at the same moment). Nothing is fitted to the
+benchmark's step times.
 """
 
 from __future__ import annotations
@@ -27,11 +28,20 @@ GOAL_RATIO = 0.5  # gradientflow (hierarchical) at most half of DDP-style bucket
 
 
 def local_work_per_element(elements: int) -> dict[str, float]:
-    """CSC's and the fp16 wire's local work per element on this machine, one process alone."""
+    """CSC's and the fp16 wire's local work per element on this machine, one process alone on one
+    thread, as each rank runs (``harness.world.run_rank``): the figure is multiplied by the ranks
+    sharing each core, so one taken with torch's threads on every core would be short by their speed-up."""
+    import torch
+
     from gradientflow_repro.harness.profile import measure_sparsify_s_per_element, measure_wire_cast_s_per_element
 
-    return {"sparsify_s_per_element": measure_sparsify_s_per_element(elements),
-            "wire_cast_s_per_element": measure_wire_cast_s_per_element(elements)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {"sparsify_s_per_element": measure_sparsify_s_per_element(elements),
+                "wire_cast_s_per_element": measure_wire_cast_s_per_element(elements)}
+    finally:
+        torch.set_num_threads(threads)
 
 
 def comm_only_profile(tensors: list[list[Any]], local_work: dict[str, float], ranks_per_core: float) -> pm.ModelProfile:
@@ -41,10 +51,29 @@ def comm_only_profile(tensors: list[list[Any]], local_work: dict[str, float], ra
                            local_work["wire_cast_s_per_element"] * ranks_per_core)
 
 
+def network_fields(measured: dict[str, Any]) -> dict[str, Any]:
+    """``perfmodel.Network``'s fields from the rings one launch measured (``bench_cluster``): the
+    per-message latency of the node leaders' ring (each of its messages crosses an uplink), the
+    uplink's bandwidth from the flat ring of all ranks, the node's own ring inside it. The flat ring
+    carries what the model's B stands for: one flow per uplink and direction, from one rank to
+    another. On two nodes the leaders' ring is a two-rank exchange instead (each leader sends to the
+    other and receives from it at once, on one connection), which gloo runs below the link's rate,
+    by an amount that changes from launch to launch; it priced the flat rings too low."""
+    inter, intra = measured["flat"], measured.get("intra")
+    return {"bandwidth_Bps": inter["bandwidth_Bps"], "latency_s": (measured.get("leaders") or inter)["latency_s"],
+            "ranks_per_node": measured["ranks_per_node"],
+            "intra_bandwidth_Bps": intra["bandwidth_Bps"] if intra else None,  # None: no intra-node links
+            "intra_latency_s": intra["latency_s"] if intra else None,
+            "tiny_allreduce_s": measured["tiny_allreduce_s"],
+            "builtin_cost_by_size": measured.get("builtin_cost_by_size")}
+
+
 def model_network(measured: dict[str, Any]) -> pm.Network:
-    """``perfmodel.Network`` from a launch's measured figures. The one-value allreduce is left to
-    the model (recursive doubling, as the fp16 wire sends it), not gloo's measured MAX."""
-    figures = measured["model_network"]
+    """``perfmodel.Network`` from a launch's measured rings (``network_fields``, applied to the rings
+    themselves, so a launch recorded before the rule changed is priced by it too). The one-value
+    allreduce is left to the model (recursive doubling step by step, as the fp16 wire sends it), not
+    the one-value MAX timed in the launch."""
+    figures = network_fields(measured)
     table = figures.get("builtin_cost_by_size")
     return pm.Network(figures["bandwidth_Bps"], figures["latency_s"], figures["ranks_per_node"],
                       figures["intra_bandwidth_Bps"] or float("inf"), figures["intra_latency_s"] or 0.0,
