@@ -158,10 +158,14 @@ def validate(cfg: Config | DictConfig, world_size: int) -> None:
     for key, value, allowed in field_problems(Config, cfg):  # what each field declares
         _fail(key, value, allowed)
     try:
-        resolve(cfg.comm)  # raises naming the comm.* key at fault
+        knobs = resolve(cfg.comm)  # raises naming the comm.* key at fault
     except ValueError as error:
         raise ConfigError(str(error)) from None
     # rules that involve several keys, or the machine
+    if cfg.optim.name == "apex_larc" and knobs.sparsity == "csc" and knobs.momentum_correction:
+        _fail("optim.name", cfg.optim.name, "LARC rescales every update, so under CSC's momentum correction it "
+              "would rescale the accumulated velocity: use optim.name=lars (CSC then applies its rescaling "
+              "before the velocity) or comm.momentum_correction=false")
     if cfg.optim.name == "apex_larc" and importlib.util.find_spec("apex") is None:
         _fail("optim.name", cfg.optim.name, "needs NVIDIA apex, which is not installed (README: apex)")
     if cfg.optim.warmup_epochs > cfg.epochs:

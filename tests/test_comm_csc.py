@@ -157,57 +157,83 @@ def test_density_one_equals_dense(tmp_path: Path) -> None:
     assert all(torch.load(tmp_path / f"rank{r}.pt") for r in range(3))
 
 
-def _lars_lockstep(rank: int, world: int, out: str) -> None:
-    """Momentum correction under Lars, every chunk sent, no masking, the same batch on every rank:
-    dense Lars step for step, across the switch from the dense warm-up (the velocity carries the
-    optimizer's momentum on). The optimizer is plain SGD while CSC sends sparsely, and gets its
-    momentum and weight decay back for a dense phase."""
-    failures = []
+def _optimizer_of(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    if kind == "lars":
+        return Lars(parameter_groups(model, 5e-4), lr=0.5, momentum=0.9, trust_coeff=0.06)
+    return torch.optim.SGD(parameter_groups(model, 5e-2), lr=0.05, momentum=0.9)
+
+
+def _momentum_correction_lockstep(rank: int, world: int, out: str, kind: str) -> None:
+    """Momentum correction under Lars (or SGD with weight decay), every chunk sent, no masking, the
+    same batch on every rank, an fp16-style loss scale: dense Lars (SGD) step for step, across the
+    switch from the dense warm-up (the velocity carries the optimizer's momentum on). The optimizer
+    is plain SGD while CSC sends sparsely, and gets its momentum and weight decay back for a dense
+    phase."""
+    failures, scale = [], 1024.0
     models = {name: Net() for name in ("sparse", "dense")}
-    optimizers = {name: Lars(parameter_groups(model, 5e-4), lr=0.5, momentum=0.9, trust_coeff=0.06)
-                  for name, model in models.items()}
+    optimizers = {name: _optimizer_of(kind, model) for name, model in models.items()}
     comms = {"sparse": CSCCommunicator(CPU, ring_sum(segment_bytes=1024), bucket_bytes=4096, overlap=True,
                                        chunk_size=100, density=0.999, warmup_epochs=1.0,
                                        momentum_correction=True, momentum_masking=False),
              "dense": LazyAllreduce(CPU, builtin_sum(), bucket_bytes=4096, overlap=False)}
+    own = [(g["momentum"], g["weight_decay"]) for g in optimizers["sparse"].param_groups]
     for name, comm in comms.items():
         comm.attach(models[name], optimizers[name])
     for step in range(8):  # 3 steps per epoch: 3 dense, then 5 sparse
         for name, comm in comms.items():
-            comm.begin_step(epoch=step / 3)
+            scaled = name == "sparse" and step >= 3  # the loss scale of fp16 training, divided out by CSC
+            comm.begin_step(epoch=step / 3, grad_scale=scale if scaled else None)
             # the same batch everywhere: the ranks' gradients agree. A regression target, as
             # backward()'s loss on a normalised output has gradients of rounding size, which
             # LARS's rescaling would blow up to differences of a step's size
             batch = torch.Generator().manual_seed(step)
             x, target = torch.randn(8, 37, generator=batch), torch.randn(8, 11, generator=batch)
-            (models[name](x) - target).pow(2).mean().backward()
+            ((models[name](x) - target).pow(2).mean() * (scale if scaled else 1.0)).backward()
             comm.synchronize()
+            if scaled:  # what the loss scaler does before the optimizer
+                for param in models[name].parameters():
+                    param.grad.div_(scale)
             optimizers[name].step()
             comm.end_step(True)
             optimizers[name].zero_grad(set_to_none=True)
         for (param_name, a), b in zip(models["sparse"].named_parameters(), models["dense"].parameters()):
             if not torch.allclose(a, b, rtol=1e-5, atol=1e-7):
-                failures.append(f"step {step}: {param_name} differs from dense Lars by "
+                failures.append(f"step {step}: {param_name} differs from dense {kind} by "
                                 f"{(a - b).abs().max().item():.2e}")
     sparse, groups = comms["sparse"], optimizers["sparse"].param_groups
-    if sparse.local_lars is None or sparse.chunks(sparse.buckets[0]).shape[0] < 2:
-        failures.append("the test does not exercise LocalLars on chunks")
+    if sparse.local_step is None or sparse.chunks(sparse.buckets[0]).shape[0] < 2:
+        failures.append("the test does not exercise LocalStep on chunks")
     if [(g["momentum"], g["weight_decay"]) for g in groups] != [(0.0, 0.0), (0.0, 0.0)]:
         failures.append(f"sparse phase: the optimizer still has {[(g['momentum'], g['weight_decay']) for g in groups]}")
-    if [(g["momentum"], g["weight_decay"]) for g in sparse.optimizer_settings()] != [(0.9, 5e-4), (0.9, 0.0)]:
+    if [(g["momentum"], g["weight_decay"]) for g in sparse.optimizer_settings()] != own:
         failures.append("optimizer_settings() does not give the groups' own settings")
     sparse.begin_step(epoch=0.0)  # a dense phase: everything handed back
-    if [(g["momentum"], g["weight_decay"]) for g in groups] != [(0.9, 5e-4), (0.9, 0.0)]:
+    if [(g["momentum"], g["weight_decay"]) for g in groups] != own:
         failures.append(f"dense phase: the optimizer got back {[(g['momentum'], g['weight_decay']) for g in groups]}")
     for comm in comms.values():
         comm.close()
     torch.save(failures, Path(out) / f"rank{rank}.pt")
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_momentum_correction_under_lars_is_dense_lars_when_everything_is_sent(world: int, tmp_path: Path) -> None:
-    spawn(_lars_lockstep, world, str(tmp_path))
+@pytest.mark.parametrize("world,kind", [(2, "lars"), (3, "lars"), (3, "sgd")])
+def test_momentum_correction_is_the_dense_optimizer_when_everything_is_sent(world: int, kind: str,
+                                                                           tmp_path: Path) -> None:
+    spawn(_momentum_correction_lockstep, world, str(tmp_path), kind)
     assert_no_failures(tmp_path, world)
+
+
+REFUSED = {"adam": lambda params: torch.optim.Adam(params),
+           "nesterov": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True),
+           "dampening": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.1),
+           "trust_clip": lambda params: Lars(params, lr=0.1, momentum=0.9, trust_clip=True)}
+
+
+@pytest.mark.parametrize("optimizer", REFUSED.values(), ids=REFUSED.keys())
+def test_momentum_correction_refuses_what_it_would_run_wrongly(optimizer) -> None:
+    model = Net()
+    with pytest.raises(ValueError, match="momentum correction"):
+        csc(density=0.25, momentum_correction=True, overlap=False).attach(model, optimizer(model.parameters()))
+    csc(density=0.25, momentum_correction=False, overlap=False).attach(model, optimizer(model.parameters()))
 
 
 def _checkpoint_and_skip(rank: int, world: int, out: str) -> None:

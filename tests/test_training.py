@@ -80,6 +80,9 @@ def test_interrupted_run_resumes_to_exactly_the_same_parameters(comm: list[str],
     torchrun(world, common, tmp_path / "straight")
     torchrun(world, [*common, "max_steps=15"], tmp_path / "cut")  # stops mid-epoch 2, checkpoints
     assert (tmp_path / "cut" / "checkpoints" / "step_000000015").is_dir()
+    if comm:  # the cut is in CSC's sparse phase: it holds the optimizer settings it took over
+        saved = torch.load(tmp_path / "cut" / "checkpoints" / "step_000000015" / "rank_00000.pt", weights_only=False)
+        assert saved["comm"]["optimizer_taken"] is not None, "the cut is not in CSC's sparse phase"
     resumed = torchrun(world, common, tmp_path / "cut")
     assert "resumed from" in resumed.stdout and "at step 15" in resumed.stdout
     for rank in range(world):

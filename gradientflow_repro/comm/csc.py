@@ -31,20 +31,25 @@ The optimizer's own momentum is then set to 0 so momentum is not applied twice; 
 during dense phases. At the switch to sparse, each rank's velocity starts from the optimizer's
 momentum buffer, so the dense warm-up's momentum carries on instead of restarting from zero.
 
-Momentum correction under LARS (``LocalLars``). LARS rescales each layer's gradient, with weight
+Momentum correction under LARS (``LocalStep``). LARS rescales each layer's gradient, with weight
 decay, to ``trust * |w| / (|g| + wd |w|)`` *before* it enters the momentum, so a consistent
 gradient direction builds up steps of up to 1/(1 - m) = 10 times that size. DGC's correction moves
 the momentum before the sum over ranks; had LARS stayed in the optimizer it would rescale the
 accumulated velocity to one step's size, and the momentum's gain would be lost: sparse training
 ran at a fraction of its learning rate and took 3.5 times the epochs of dense training on the
-digits recipe. So while CSC sends sparsely, LARS's rescaling and weight decay move with the
-momentum: each rank rescales its own gradient before ``u <- m u + g``, and the optimizer's
-groups run as plain SGD (momentum, weight decay and adaptation handed to CSC, handed back for
-dense phases). It is DGC's correction with LARS where LARS puts it: when every chunk is sent and
+digits recipe. So while CSC sends sparsely, what the optimizer does to a gradient before its
+momentum moves with the momentum: each rank adds the weight decay to its own gradient (SGD and
+Lars, as DGC does) and, for the layers Lars adapts, rescales it by the trust ratio, before
+``u <- m u + g``; the optimizer's groups run as plain SGD (momentum, weight decay and adaptation
+handed to CSC). It is DGC's correction with LARS where LARS puts it: when every chunk is sent and
 the ranks' gradients agree it is dense LARS step for step (the lockstep test). With different
-gradients each rank's ratio comes from its own |g|, larger than the mean gradient's by its noise,
-so the steps are somewhat shorter than dense LARS's: the mean gradient's norm is not known
-before the sum, and estimating it would cost a collective.
+gradients each rank's ratio comes from its own |g|, whose noise makes it larger than the mean
+gradient's: by up to sqrt(N) when noise dominates, so the steps are that much shorter than dense
+LARS's. The mean's norm is not known before the sum, and estimating it would cost a third
+collective per part. Optimizers that adapt in other ways (apex's LARC rescales every update,
+velocity included), Nesterov momentum and dampening are refused rather than run wrongly. Should
+the density schedule return to dense, the optimizer gets its settings back and its momentum
+restarts from the mean gradient (the velocities are per rank).
 
 Training starts dense for ``warmup_epochs`` (dense warm-up); optionally the density then falls
 over ``density_ramp_epochs`` epochs instead of at once, exponentially as in DGC's sparsity warm-up
@@ -68,7 +73,6 @@ the device: after an overflow the residual is kept and the bucket arrives as inf
 from __future__ import annotations
 
 import math
-import warnings
 from typing import NamedTuple, Optional
 
 import torch
@@ -275,38 +279,50 @@ class BucketState:
 
 def adapts(group: dict) -> bool:
     """Whether timm's ``Lars`` rescales this parameter group (it does with weight decay or
-    ``always_adapt``; BatchNorm and bias groups have neither)."""
-    return group.get("weight_decay", 0.0) != 0 or bool(group.get("always_adapt", False))
+    ``always_adapt``; BatchNorm and bias groups have neither). SGD's groups never."""
+    return "trust_coeff" in group and (group.get("weight_decay", 0.0) != 0 or bool(group.get("always_adapt", False)))
 
 
-class LocalLars:
-    """LARS's per-layer rescaling, applied by momentum correction to each rank's own gradient
-    (module docstring): ``g <- ratio * (g + wd w)`` with timm ``Lars``'s ratio ``trust * |w| / (|g|
-    + wd |w| + eps)``, 1 where ``|w|`` or ``|g|`` is 0. Knows, for every pool part, which of its
-    parameters the optimizer adapts and where their gradients lie."""
+class LocalStep:
+    """What the optimizer does to a gradient before its momentum, done instead by momentum
+    correction to each rank's own gradient (module docstring): ``g <- g + wd w`` and, in the groups
+    Lars adapts, ``g <- ratio * (g + wd w)`` (``lars_rescale_``). Knows, for every pool part, each
+    parameter's optimizer group and where its gradient lies."""
 
-    def __init__(self, optimizer: Lars, buckets: list[Bucket]) -> None:
-        if any(group.get("trust_clip") for group in optimizer.param_groups):
-            raise ValueError("csc: momentum correction does not support Lars(trust_clip=True)")
+    def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[Bucket]) -> None:
+        if not isinstance(optimizer, (Lars, torch.optim.SGD)):
+            raise ValueError(f"csc: momentum correction with {type(optimizer).__name__}: only SGD and timm's "
+                             "Lars are supported (an optimizer that rescales every update would rescale CSC's "
+                             "accumulated velocity); use optim.name=lars or comm.momentum_correction=false")
+        for group in optimizer.param_groups:
+            if group.get("nesterov") or group.get("dampening", 0) or group.get("trust_clip"):
+                raise ValueError("csc: momentum correction keeps plain momentum (u <- m u + g): it does not "
+                                 "support Nesterov momentum, dampening or Lars(trust_clip=True)")
         group_of = {param: index for index, group in enumerate(optimizer.param_groups)
                     for param in group["params"]}
         self.entries = [[(param, offset, group_of[param]) for param, offset in zip(bucket.params, bucket.offsets)
                          if param in group_of] for bucket in buckets]
 
-    def rescale_(self, bucket: Bucket, gradient: torch.Tensor, settings: list[dict]) -> None:
-        """Rescale, in place, the gradients of ``bucket``'s adapted parameters in ``gradient`` (laid
-        out like ``bucket.flat``); ``settings``: each optimizer group's own settings (those CSC
-        has taken over included)."""
-        entries = [(param, offset, settings[group]) for param, offset, group in self.entries[bucket.index]
-                   if adapts(settings[group])]
-        if entries:
-            lars_rescale_([gradient[offset:offset + param.numel()] for param, offset, _ in entries],
-                          [param.detach().reshape(-1) for param, _, _ in entries], [group for _, _, group in entries])
+    def apply_(self, bucket: Bucket, gradient: torch.Tensor, settings: list[dict]) -> None:
+        """Apply, in place, the optimizer's pre-momentum step to ``bucket``'s gradients in ``gradient``
+        (laid out like ``bucket.flat``); ``settings``: each optimizer group's own settings (those
+        CSC has taken over included)."""
+        rescaled = []
+        for param, offset, group in self.entries[bucket.index]:
+            own, view = settings[group], gradient[offset:offset + param.numel()]
+            if adapts(own):
+                rescaled.append((view, param.detach().reshape(-1), own))
+            elif own.get("weight_decay", 0.0):
+                view.add_(param.detach().reshape(-1), alpha=own["weight_decay"])
+        if rescaled:
+            lars_rescale_(*map(list, zip(*rescaled)))
 
 
 def lars_rescale_(gradients: list[torch.Tensor], weights: list[torch.Tensor], groups: list[dict]) -> None:
     """``g <- ratio * (g + wd w)`` in place for each gradient, with its group's ``weight_decay``,
-    ``trust_coeff`` and ``eps`` (timm ``Lars``'s step before its momentum)."""
+    ``trust_coeff`` and ``eps``: timm ``Lars``'s step before its momentum, with its ratio
+    (``timm.optim.lars._lars_trust_ratio``, private there): ``trust |w| / (|g| + wd |w| + eps)``,
+    1 where ``|w|`` or ``|g|`` is 0."""
     weight_norms, gradient_norms = torch._foreach_norm(weights), torch._foreach_norm(gradients)
     for gradient, weight, w_norm, g_norm, group in zip(gradients, weights, weight_norms, gradient_norms, groups):
         decay = group["weight_decay"]
@@ -333,9 +349,10 @@ class CSCCommunicator(LazyAllreduce):
         self.sparse_now = False
         self.grad_scale: GradScale = None
         self.parts: list[BucketState] = []  # one per pool part, in layout order
-        self.local_lars: Optional[LocalLars] = None  # LARS's rescaling, when the optimizer is Lars
+        self.local_step: Optional[LocalStep] = None  # the optimizer's pre-momentum step, under momentum correction
         # the optimizer groups' own values of the settings CSC has taken over (sparse phases), or None
         self._taken: Optional[list[dict]] = None
+        self._settings: list[dict] = []  # this step's optimizer settings, those taken over included
 
     def layout(self, params: list[nn.Parameter]) -> list[Bucket]:
         """The pool's parts (``pool.csc_parts``): each holds its multi-dimensional gradients first,
@@ -361,12 +378,8 @@ class CSCCommunicator(LazyAllreduce):
                                         bucket.flat.device,
                                         velocity_elements=bucket.flat.numel() if self.momentum_correction else 0)
                       for bucket in self.buckets]
-        if self.momentum_correction and isinstance(optimizer, Lars):
-            self.local_lars = LocalLars(optimizer, self.buckets)
-        elif self.momentum_correction and optimizer is not None and not isinstance(optimizer, torch.optim.SGD):
-            warnings.warn(f"csc: momentum correction with {type(optimizer).__name__}: any per-layer "
-                          "adaptation it does rescales the accumulated velocity, not each gradient "
-                          "(only timm's Lars and SGD are handled exactly)", stacklevel=2)
+        if self.momentum_correction and optimizer is not None:
+            self.local_step = LocalStep(optimizer, self.buckets)
         return model
 
     # per-part state by part index, as tests, gpu_check and checkpoints see it
@@ -401,31 +414,39 @@ class CSCCommunicator(LazyAllreduce):
         self.grad_scale = None if isinstance(grad_scale, (int, float)) and grad_scale == 1 else grad_scale
         self.density_now = self.density_at(epoch)
         self.sparse_now = self.density_now < 1
-        self._hand_momentum_to_optimizer(not self.uses_velocity)
+        self._hand_settings_to_optimizer(not self.uses_velocity)
+        if self.optimizer is not None:  # read by the communication thread: built once per step
+            self._settings = self.optimizer_settings()
 
-    def _hand_momentum_to_optimizer(self, optimizer_owns: bool) -> None:
-        """Take the momentum (and, under Lars, the rescaling and weight decay) from the optimizer's
-        groups for a sparse phase, or give them back for a dense one. Taking is per setting and
-        idempotent, so a state saved by an older version (momentum only) completes itself."""
+    # what CSC takes from each optimizer group for a sparse phase, and the value the group keeps
+    TAKEN = (("momentum", 0.0), ("weight_decay", 0.0), ("always_adapt", False))
+
+    def _hand_settings_to_optimizer(self, optimizer_owns: bool) -> None:
+        """Take momentum, weight decay and Lars's adaptation (``TAKEN``) from the optimizer's groups
+        for a sparse phase, or give them back for a dense one (its momentum then restarts: the
+        velocities are per rank). Taking is per setting and idempotent, so a state saved by an
+        older version (momentum only) completes itself."""
         if self.optimizer is None or not self.momentum_correction:
             return
         groups = self.optimizer.param_groups
         if optimizer_owns:
             if self._taken is not None:
-                for group, taken in zip(groups, self._taken):
-                    group.update(taken)
+                self._give_back(self._taken)
+                for state in self.optimizer.state.values():
+                    state.pop("momentum_buffer", None)
                 self._taken = None
             return
         if self._taken is None:
             self._taken = [{} for _ in groups]
             self._velocity_from_optimizer()
         for group, taken in zip(groups, self._taken):
-            plain = {"momentum": 0.0}
-            if self.local_lars is not None and adapts({**group, **taken}):
-                plain.update(weight_decay=0.0, always_adapt=False)
-            for key, value in plain.items():
-                if key not in taken:
-                    taken[key], group[key] = group.get(key, value), value
+            for key, plain in self.TAKEN:
+                if key in group and key not in taken:
+                    taken[key], group[key] = group[key], plain
+
+    def _give_back(self, taken: list[dict]) -> None:
+        for group, own in zip(self.optimizer.param_groups, taken):
+            group.update(own)
 
     def _velocity_from_optimizer(self) -> None:
         """Start each velocity from the optimizer's momentum buffers (the dense phase's velocity of
@@ -445,9 +466,8 @@ class CSCCommunicator(LazyAllreduce):
         return [{**group, **own} for group, own in zip(self.optimizer.param_groups, taken)]
 
     def momentum(self) -> float:
-        if self.optimizer is None:
-            return 0.0
-        return self.optimizer_settings()[0].get("momentum", 0.0)
+        """The momentum of the velocity: the optimizer's own (its first group's)."""
+        return self._settings[0].get("momentum", 0.0) if self._settings else 0.0
 
     def reduce_bucket(self, bucket: Bucket) -> None:
         if not self.sparse_now:
@@ -456,8 +476,8 @@ class CSCCommunicator(LazyAllreduce):
         part, flat = self.parts[bucket.index], bucket.flat
         if self.grad_scale is not None:
             flat.div_(self.grad_scale)  # in place: the pool part is overwritten below anyway
-        if self.uses_velocity and self.local_lars is not None:
-            self.local_lars.rescale_(bucket, flat, self.optimizer_settings())
+        if self.uses_velocity and self.local_step is not None:
+            self.local_step.apply_(bucket, flat, self._settings)
         gradient = part.add_momentum(flat, self.momentum()) if self.uses_velocity else flat
         if part.residual is None:  # a part of one-dimensional tensors only: sent densely
             if gradient is not flat:
@@ -505,7 +525,12 @@ class CSCCommunicator(LazyAllreduce):
             for index, tensor in state[key].items():
                 self.parts[int(index)].load_state_dict({key: tensor})
         if "optimizer_taken" in state:
-            self._taken = state["optimizer_taken"]
+            taken = state["optimizer_taken"]
         else:  # saved before CSC took more than the momentum: begin_step takes the rest
             momenta = state.get("optimizer_momentum")
-            self._taken = None if momenta is None else [{"momentum": m} for m in momenta]
+            taken = None if momenta is None else [{"momentum": m} for m in momenta]
+        if taken is not None and (self.optimizer is None or not self.momentum_correction):
+            if self.optimizer is not None:  # resumed without momentum correction: the optimizer's own again
+                self._give_back(taken)
+            taken = None
+        self._taken = taken
