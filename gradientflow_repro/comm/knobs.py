@@ -161,8 +161,8 @@ LADDER: dict[str, dict[str, Any]] = {
 
 # Trained beside the ladder for CSC's convergence cost (accuracy per epoch against dense training);
 # not rungs of the speed ladder, which the model checks. At a lower density; and without momentum
-# correction, which under LARS applies a chunk's residual, accumulated over the steps it waited,
-# with one step's trust-ratio budget (README, "The digits recipe").
+# correction (the optimizer's own momentum then applies each sparse step), to show what the
+# correction and its masking cost or bring (README, "What this says about CSC under LARS").
 SPARSE_VARIANTS: dict[str, dict[str, Any]] = {
     "gradientflow@0.01": {"strategy": "gradientflow", "density": 0.01},
     "gradientflow-no-mc": {"strategy": "gradientflow", "momentum_correction": False, "momentum_masking": False},

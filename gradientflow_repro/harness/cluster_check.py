@@ -29,19 +29,11 @@ GOAL_RATIO = 0.5  # gradientflow (hierarchical) at most half of DDP-style bucket
 
 def local_work_per_element(elements: int) -> dict[str, float]:
     """CSC's and the fp16 wire's local work per element on this machine, one process alone on one
-    thread, as each rank runs (``harness.world.run_rank``): the figure is multiplied by the ranks
-    sharing each core, so one taken with torch's threads on every core would be short by their speed-up."""
-    import torch
-
+    thread, as each rank runs (the measurements pin themselves to one thread)."""
     from gradientflow_repro.harness.profile import measure_sparsify_s_per_element, measure_wire_cast_s_per_element
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return {"sparsify_s_per_element": measure_sparsify_s_per_element(elements),
-                "wire_cast_s_per_element": measure_wire_cast_s_per_element(elements)}
-    finally:
-        torch.set_num_threads(threads)
+    return {"sparsify_s_per_element": measure_sparsify_s_per_element(elements),
+            "wire_cast_s_per_element": measure_wire_cast_s_per_element(elements)}
 
 
 def comm_only_profile(tensors: list[list[Any]], local_work: dict[str, float], ranks_per_core: float) -> pm.ModelProfile:

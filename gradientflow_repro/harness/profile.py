@@ -42,12 +42,22 @@ if TYPE_CHECKING:
 
 
 def _median_seconds(work: Callable[[], None], repeats: int) -> float:
-    """Median wall-clock seconds of ``work()`` over ``repeats`` calls after one warm-up call."""
-    times = []
-    for _ in range(repeats + 1):
-        started = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - started)
+    """Median wall-clock seconds of ``work()`` over ``repeats`` calls after one warm-up call, on one
+    thread, as each rank runs (``harness.world.run_rank``, ``threads_per_rank``): the models
+    multiply a local-work figure by the ranks sharing each core, so one taken on torch's threads
+    of every core would be short by their speed-up."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            work()
+            times.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
     return statistics.median(times[1:])
 
 
