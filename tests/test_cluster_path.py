@@ -236,7 +236,8 @@ def _hot_path(rank: int, world: int, out: str) -> None:
     # CSC with the loss scale as a device tensor
     model = _Net()
     comm = CSCCommunicator(torch.device("cpu"), ring_sum(), bucket_bytes=4096, overlap=False,
-                           chunk_size=100, density=0.3, warmup_epochs=0.0, momentum_correction=False)
+                           chunk_size=100, density=0.3, warmup_epochs=0.0, momentum_correction=False,
+                           release_cap=3.0)
     comm.attach(model)
     x = torch.randn(8, 37, generator=generator)
     (model(x).pow(2).mean() * 1024).backward()

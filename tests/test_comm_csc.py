@@ -14,8 +14,8 @@ import torch.distributed as dist
 from timm.optim import Lars
 from torch import nn
 
-from gradientflow_repro.comm.base import builtin_sum
-from gradientflow_repro.comm.csc import CSCCommunicator, chunk_l1_norms, select_chunks
+from gradientflow_repro.comm.base import CommStats, builtin_sum
+from gradientflow_repro.comm.csc import BucketState, CSCCommunicator, chunk_l1_norms, select_chunks
 from gradientflow_repro.comm.lazy import LazyAllreduce
 from gradientflow_repro.comm.ring import ring_sum
 from gradientflow_repro.optim import parameter_groups
@@ -38,10 +38,11 @@ class Net(nn.Module):
 
 
 def csc(density: float, momentum_correction: bool = False, overlap: bool = True,
-        density_ramp_epochs: int = 0) -> CSCCommunicator:
+        density_ramp_epochs: int = 0, release_cap: float = 0.0) -> CSCCommunicator:
     return CSCCommunicator(CPU, ring_sum(segment_bytes=1024), bucket_bytes=4096, overlap=overlap,
                            chunk_size=100, density=density, warmup_epochs=0.0,
-                           momentum_correction=momentum_correction, density_ramp_epochs=density_ramp_epochs)
+                           momentum_correction=momentum_correction, density_ramp_epochs=density_ramp_epochs,
+                           release_cap=release_cap)
 
 
 def backward(model: nn.Module, rank: int, step: int) -> None:
@@ -79,9 +80,40 @@ def test_density_falls_exponentially_after_the_dense_warmup() -> None:
                         warmup_epochs=1.0, density_ramp_epochs=-1)
 
 
-def _same_selection_and_no_loss(rank: int, world: int, out: str) -> None:
+def test_release_cap_holds_back_what_exceeds_it() -> None:
+    """A chosen chunk sends at most cap x the norm of this step's addition; the rest stays in its
+    residual (held back + sent = the chunk); chunks under the cap are sent whole and cleared, and so
+    is a chunk this step added nothing to (capped at 0 it would stay chosen forever)."""
+    chunks, chunk_size, cap = 6, 10, 2.0
+    state = BucketState.zeros(chunks, chunk_size, CPU)
+    residual = torch.zeros(chunks, chunk_size)
+    residual[0], residual[3] = 5.0, 0.1  # chunk 0 waited long (sent capped), chunk 3 little (sent whole)
+    residual[5] = -9.0  # and nothing added to it this step
+    state.residual.copy_(residual)
+    gradient = torch.full((chunks, chunk_size), 0.5)
+    gradient[1:3] = gradient[5] = 0.0
+    sent = state.sparsify(gradient, 0.5, lambda tensor, stats: None, lambda tensor, stats: None, CommStats(),
+                          release_cap=cap)
+    state.commit()
+    accumulated = residual + gradient
+    assert sent.chosen.tolist() == [0, 3, 5]  # the largest norms: 90, 55, 6
+    step_norm = gradient[0].norm()
+    assert sent.summed[0].norm() == pytest.approx(cap * step_norm.item(), rel=1e-6)  # capped
+    assert torch.allclose(sent.summed[0] + state.residual[0], accumulated[0], atol=1e-6)  # nothing lost
+    assert torch.equal(sent.summed[1:], accumulated[[3, 5]])  # under the cap, or nothing added: whole
+    assert torch.equal(state.residual[[3, 5]], torch.zeros(2, chunk_size))
+    assert torch.equal(state.residual[[1, 2, 4]], accumulated[[1, 2, 4]])  # not chosen: kept whole
+    with pytest.raises(ValueError, match="comm.release_cap"):
+        CSCCommunicator(CPU, builtin_sum(), 4096, overlap=False, chunk_size=100, density=0.1,
+                        warmup_epochs=1.0, release_cap=-1.0)
+    with pytest.raises(ValueError, match="comm.release_cap"):
+        CSCCommunicator(CPU, builtin_sum(), 4096, overlap=False, chunk_size=100, density=0.1,
+                        warmup_epochs=1.0, release_cap=math.inf)
+
+
+def _same_selection_and_no_loss(rank: int, world: int, out: str, release_cap: float = 0.0) -> None:
     model = Net()
-    comm = csc(density=0.3, density_ramp_epochs=2)  # densities 0.67, 0.45, then 0.3
+    comm = csc(density=0.3, density_ramp_epochs=2, release_cap=release_cap)  # densities 0.67, 0.45, then 0.3
     comm.attach(model)
     sent_total = [torch.zeros_like(b.flat) for b in comm.buckets]
     grad_total = [torch.zeros_like(b.flat) for b in comm.buckets]
@@ -121,13 +153,16 @@ def _same_selection_and_no_loss(rank: int, world: int, out: str) -> None:
                             f"({(sent_total[i] + held_back - grad_total[i]).abs().max():.3g})")
     if not any(r.abs().sum() > 0 for r in comm.residual.values()):
         failures.append("residuals are empty: density < 1 held nothing back")
+    capped = any(comm.residual[i][chosen].abs().sum() > 0 for i, chosen in comm.last_selection.items())
+    if capped != (release_cap > 0):  # without a cap the chunks just sent are cleared; with it some are held
+        failures.append(f"release cap {release_cap}: chunks just sent {'kept' if capped else 'cleared'} residual")
     comm.close()
     torch.save(failures, Path(out) / f"rank{rank}.pt")
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_same_chunks_everywhere_and_nothing_lost(world: int, tmp_path: Path) -> None:
-    spawn(_same_selection_and_no_loss, world, str(tmp_path))
+@pytest.mark.parametrize("world, release_cap", [(2, 0.0), (3, 0.0), (4, 0.0), (3, 1.0)])
+def test_same_chunks_everywhere_and_nothing_lost(world: int, release_cap: float, tmp_path: Path) -> None:
+    spawn(_same_selection_and_no_loss, world, str(tmp_path), release_cap)
     assert_no_failures(tmp_path, world)
 
 

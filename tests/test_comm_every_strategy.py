@@ -31,6 +31,7 @@ from gradientflow_repro.comm import STRATEGIES, build_communicator
 from gradientflow_repro.comm.compression import Fp16Wire
 from gradientflow_repro.comm.csc import CSCCommunicator
 from gradientflow_repro.comm.hooks import CSCHookState, SumHookState, csc_hook, sum_hook
+from gradientflow_repro.comm.knobs import resolve
 from gradientflow_repro.comm.ring import ring_sum
 
 from conftest import assert_no_failures, spawn
@@ -179,6 +180,8 @@ def _strategy(rank: int, world: int, out: str, options: dict) -> None:
             failures.append(f"density {comm.density_now}: nothing was sparsified")
         if not any(r.abs().sum() > 0 for r in comm.residual.values()):
             failures.append("the residuals are empty: nothing was held back")
+        if comm.release_cap != resolve(options).release_cap:
+            failures.append(f"release cap {comm.release_cap}, not the configuration's {resolve(options).release_cap}")
     comm.close()
     torch.save(failures, Path(out) / f"rank{rank}.pt")
 

@@ -107,6 +107,7 @@ MORE_BAD = [
     ("optim.weight_decay=-0.1", "optim.weight_decay", "must be zero or positive"),
     ("comm.csc_warmup_epochs=-1", "comm.csc_warmup_epochs", "must be zero or positive"),
     ("comm.density=1.5", "comm.density", "must be in (0, 1]"),
+    ("comm.release_cap=inf", "comm.release_cap", "must be in [0, inf)"),
     ("model.dropout=1", "model.dropout", "must be in [0, 1)"),
     ("data.std=[1,0,1]", "data.std", "must be 3 numbers"),
     ("precision.init_scale=0", "precision.init_scale", "must be positive"),
@@ -152,6 +153,8 @@ def test_presets_are_the_yaml_and_show_every_knob() -> None:
     full = resolve({"strategy": "gradientflow"})
     knobs = (full.algorithm, full.wire, full.fusion, full.overlap, full.sparsity)
     assert knobs == ("auto", "fp16", "lazy", True, "csc")  # auto: two-level on several multi-rank nodes
+    assert full.release_cap == resolve({"strategy": "csc"}).release_cap == 3  # the presets cap releases
+    assert resolve({"strategy": "gradientflow", "release_cap": 0}).release_cap == 0  # DGC's rule, one override away
     for label, options in LADDER.items():  # every rung composes through Hydra to the same knobs
         from gradientflow_repro.comm.knobs import hydra_overrides
 

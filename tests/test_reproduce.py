@@ -287,6 +287,19 @@ def test_the_speedup_decomposes_into_step_time_epochs_and_overhead() -> None:
     assert gf["overhead"] > 1  # start-up and evaluation weigh more on the shorter run
 
 
+def test_the_decomposition_states_the_floor_of_the_step_ratio() -> None:
+    from gradientflow_repro.harness.report import _decomposition_section
+
+    runs = {"ddp": [_fake_run("ddp", s, [90, 95, 98], step_s=0.2) for s in range(3)],
+            "gradientflow": [_fake_run("gradientflow", s, [90, 94, 96, 98], step_s=0.05) for s in range(3)]}
+    checks = {"allreduce": {"step_s": 0.3, "sync_wait_s": 0.22}, "ddp": {"step_s": 0.2, "sync_wait_s": 0.1}}
+    text = "\n".join(_decomposition_section(runs, checks))
+    # compute-only 80 ms = 0.40x ddp's 200 ms step; overhead 6 / 9.5 / (0.25 x 4/3) = 1.89
+    assert "(80.0 ms, `allreduce`'s step less its wait" in text and "0.40x `ddp`'s step (200.0 ms)" in text
+    assert f"0.40x x 1.89x = {0.4 * (6 / 9.5) / (0.25 * 4 / 3):.2f}x" in text
+    assert "floor" not in "\n".join(_decomposition_section(runs))  # no ladder checks: no floor stated
+
+
 def test_the_report_names_falls_after_warmup_and_dense_disagreement() -> None:
     from gradientflow_repro.harness.report import convergence_table, dense_agreement, falls_after_warmup
 

@@ -86,7 +86,9 @@ class CSCHookState:
     ``dense_steps``: iterations sent densely first (dense warm-up). The first iteration is always
     dense, since DDP lays its buckets out anew after it. Unlike ``CSCCommunicator`` the hook cannot
     reach the optimizer, so there is no DGC momentum correction (the optimizer's momentum applies to
-    what arrives), and a step that GradScaler skips also discards the residual sent in it."""
+    what arrives), no release cap (chosen chunks are sent whole: its chunks mix weights with the
+    biases and BatchNorm tensors that must arrive whole), and a step that GradScaler skips also
+    discards the residual sent in it."""
 
     def __init__(self, density: float, chunk_size: int = 32768, dense_steps: int = 0,
                  sum_fn: Optional[SumFn] = None, group: Optional[dist.ProcessGroup] = None) -> None:

@@ -23,6 +23,7 @@ reproduce`` runs it. Torch-free: imported by the config check and the analytic m
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -98,6 +99,9 @@ class CommConfig:
     density_ramp_epochs: int = setting(0, non_negative)  # csc: epochs over which density falls
     momentum_correction: bool = setting(True, boolean)
     momentum_masking: bool = setting(True, boolean)
+    # csc: a chosen chunk sends at most this many times the norm of what the step added to it (its
+    # velocity under momentum correction), the rest staying in the residual; 0: no cap (DGC's rule)
+    release_cap: float = setting(0.0, in_range(0, math.inf, high_open=True))
 
 
 def resolve(options: Union[Mapping[str, Any], Any]) -> CommConfig:

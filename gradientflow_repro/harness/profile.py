@@ -65,12 +65,14 @@ def measure_sparsify_s_per_element(elements: int, chunk: int = 32768, density: f
                                    repeats: int = 5) -> float:
     """Seconds per gradient element of CSC's local work on this device: LARS's rescaling under
     momentum correction (``csc.lars_rescale_``), ``csc.BucketState``'s own step (momentum, residual,
-    chunk norms with the fp16 peak, selection, packing, clearing, commit) and the write-back into
-    the pool part, with summing functions that send nothing."""
+    chunk norms with the fp16 peak, selection, packing, the ``gradientflow`` preset's release cap,
+    clearing, commit) and the write-back into the pool part, with summing functions that send
+    nothing."""
     import torch
 
     from gradientflow_repro.comm.base import CommStats
     from gradientflow_repro.comm.csc import BucketState, lars_rescale_
+    from gradientflow_repro.comm.knobs import presets
 
     class Nothing:  # a summing function that sends nothing, with the fp16 wire's bounded entry
         def __call__(self, tensor: torch.Tensor, stats: CommStats) -> None:
@@ -84,11 +86,13 @@ def measure_sparsify_s_per_element(elements: int, chunk: int = 32768, density: f
     gradient, pool = torch.randn(chunks * chunk), torch.empty(chunks, chunk)
     weight, lars = torch.randn(chunks * chunk), {"weight_decay": 5e-4, "trust_coeff": 0.001, "eps": 1e-8}
     nothing = Nothing()
+    release_cap = float(presets()["gradientflow"].get("release_cap", 0.0))
 
     def local_work() -> None:
         lars_rescale_([gradient], [weight], [lars])
         moved = state.add_momentum(gradient, 0.9)
-        sent = state.sparsify(moved.view(chunks, chunk), density, nothing, nothing, CommStats(), mask_velocity=True)
+        sent = state.sparsify(moved.view(chunks, chunk), density, nothing, nothing, CommStats(), mask_velocity=True,
+                              release_cap=release_cap)
         pool.zero_().index_copy_(0, sent.chosen, sent.summed)
         state.commit()
 
