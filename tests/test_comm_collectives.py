@@ -48,6 +48,20 @@ def _algorithms(rank: int, world: int, out: str) -> None:
     sent = ring_allreduce_(torch.ones(4099 * world))
     if sent != 2 * (world - 1) * 4099 * 4:
         failures.append(f"ring sent {sent} bytes")
+    # a two-rank ring (an exchange with one peer) cuts its segments to EXCHANGE_SEGMENT_BYTES: a 2 MiB
+    # tensor's 1 MiB chunks go in 2 segments per step there, in 1 with more ranks (4 MiB segments)
+    groups, issue = [0], dist.batch_isend_irecv
+
+    def counting(ops: list) -> list:
+        groups[0] += 1
+        return issue(ops)
+    dist.batch_isend_irecv = counting
+    try:
+        ring_allreduce_(torch.ones((2 << 20) // 4))
+    finally:
+        dist.batch_isend_irecv = issue
+    if groups[0] != 2 * (world - 1) * (2 if world == 2 else 1):
+        failures.append(f"a 2 MiB ring allreduce issued {groups[0]} send/receive groups at world size {world}")
     # fp16 wire around the ring stays within half precision of the fp32 sum
     stats = CommStats()
     reference = _local(4099, torch.float32, rank, salt=1)

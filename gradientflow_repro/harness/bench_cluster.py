@@ -38,11 +38,12 @@ from gradientflow_repro.harness.launch import network, run_ranks
 from gradientflow_repro.harness.netbench import LARGE_BYTES, ring_figures, trimmed_mean
 
 MODULE = ("-m", "gradientflow_repro.harness.bench_cluster")
-# The leaders' ring is timed again in segments of this size: with two nodes each step of the
-# default 4 MiB segments is one large message each way on one gloo pair, and gloo then often
-# carries the two directions one after the other (a 2-rank exchange of 8 MiB takes 1x or 2x the
-# wire time, where plain TCP sockets in the same namespaces take 1x): smaller segments keep both
-# directions busy more often, but still not at the link's rate. Reported beside the flat ring,
+# The leaders' ring is timed again in segments of this size: with two nodes each step of 4 MiB
+# segments was one large message each way on one gloo pair, and gloo then often carried the two
+# directions one after the other (a 2-rank exchange of 8 MiB took 1x or 2x the wire time, where
+# plain TCP sockets in the same namespaces take 1x). A two-rank ring now cuts its segments to
+# ``ring.EXCHANGE_SEGMENT_BYTES`` (512 KiB) itself, so with two nodes both rows measure that; with
+# more nodes this row shows 1 MiB segments beside the default 4 MiB. Reported beside the flat ring,
 # whose one-way flows give the model's uplink bandwidth (``cluster_check.network_fields``).
 SEGMENT_BYTES = 1 << 20
 # (world, ranks per node): 8 ranks as 2 nodes x 4 and 4 nodes x 2, 4 ranks as 2 nodes x 2
