@@ -40,6 +40,12 @@ ladder of `make reproduce` is derived from ``knobs.LADDER``, not retyped):
 Step time = forward + max(end of backward, end of the last message) + optimizer. Speedup for N GPUs
 is weak scaling (fixed per-GPU batch): N * step(1) / step(N).
 
+An emulated link (``harness/netemu.py``: Linux's token-bucket shaper) also lets a burst through at
+once after it has been idle: ``Network.burst_bytes`` of credit, refilled at the link's rate while
+nothing crosses it (during local work, between steps) and spent by the next large message, whose
+time shrinks by the credit it uses over B. At 100 Mbit/s a 256 KiB bucket is worth 21 ms, as much
+as a sparse strategy's whole payload takes; a real link has none (0, the default).
+
 The analytic model only: no torch, nothing measured here (the measurements that feed it, a model's
 backward profile and the local work per element, are in ``gradientflow_repro/harness/profile.py``).
 """
@@ -97,6 +103,7 @@ class Network:
     # NCCL: small messages go to NCCL's own allreduce (``recursive_doubling.small_sum``), whose tuner
     # takes the faster of its tree and its ring for each size; gloo: our recursive doubling always
     nccl: bool = False
+    burst_bytes: float = 0.0  # payload an idle link passes at once (an emulated link's token bucket)
 
 
 @dataclass(frozen=True)
@@ -189,19 +196,28 @@ def small_allreduce_s(payload_bytes: float, ranks: int, net: Network) -> float:
     elsewhere) x S / B, since a node's ranks share its uplink."""
     if ranks <= 1 or payload_bytes <= 0:
         return 0.0
-    per_node = max(1, net.ranks_per_node)
     total = 0.0
+    for crossing in _uplink_sharers(ranks, net.ranks_per_node):
+        if crossing:
+            total += net.latency_s + crossing * payload_bytes / net.bandwidth_Bps
+        else:
+            total += net.intra_latency_s + payload_bytes / net.intra_bandwidth_Bps
+    return total
+
+
+@lru_cache(maxsize=1024)
+def _uplink_sharers(ranks: int, ranks_per_node: int) -> tuple[int, ...]:
+    """For each step of recursive doubling: how many ranks of the busiest node send across its
+    uplink at once (0: every pair stays inside its node)."""
+    per_node, sharers = max(1, ranks_per_node), []
     for pairs in recursive_doubling_pairs(ranks):
         crossing: dict[int, int] = {}
         for a, b in pairs:
             if a // per_node != b // per_node:
                 crossing[a // per_node] = crossing.get(a // per_node, 0) + 1
                 crossing[b // per_node] = crossing.get(b // per_node, 0) + 1
-        if crossing:
-            total += net.latency_s + max(crossing.values()) * payload_bytes / net.bandwidth_Bps
-        else:
-            total += net.intra_latency_s + payload_bytes / net.intra_bandwidth_Bps
-    return total
+        sharers.append(max(crossing.values(), default=0))
+    return tuple(sharers)
 
 
 def allreduce_s(payload_bytes: float, ranks: int, net: Network, algorithm: str = "ring",
@@ -327,20 +343,71 @@ def sent_bytes(payload_bytes: float, ranks: int, strategy: Strategy, small: bool
     return 2 * (ranks - 1) / ranks * payload_bytes
 
 
+def uplink_bytes(payload_bytes: float, ranks: int, net: Network, strategy: Strategy) -> float:
+    """Bytes one allreduce of ``payload_bytes`` puts on the busiest link per direction: 2(n-1)/n
+    of it for a ring over n ranks, or over the node leaders (two-level); by recursive doubling (our
+    algorithms' small messages), the message once per step that crosses it, times the node's ranks
+    that cross together."""
+    if ranks <= 1:
+        return 0.0
+    if not strategy.builtin and payload_bytes <= strategy.small_message_bytes:
+        return payload_bytes * sum(_uplink_sharers(ranks, net.ranks_per_node))
+    per_node = min(net.ranks_per_node, ranks)
+    if comm_knobs.two_level(strategy.algorithm, ranks, per_node) and per_node > 1:
+        ranks = -(-ranks // per_node)
+    return 2 * (ranks - 1) / ranks * payload_bytes
+
+
+@dataclass(frozen=True)
+class _Timeline:
+    end_s: float  # when the last message ends, after the start of backward
+    busy_s: float
+    sent_bytes: float
+    first_payload_s: float  # when the first message's payload starts crossing the link
+    credit_bytes: float  # burst credit left at the end
+
+
+def _timeline(profile: ModelProfile, ranks: int, net: Network, strategy: Strategy, credit: float) -> _Timeline:
+    """One step's messages, one at a time in order, each after its data is ready (``overlap``) or
+    after backward; ``credit``: the link's burst credit when the first payload starts."""
+    clock = 0.0 if strategy.overlap else profile.backward_s  # relative to the start of backward
+    busy = sent = 0.0
+    link_free = first_payload = None
+    for message in messages(profile, strategy):
+        start = max(clock, message.ready_s if strategy.overlap else profile.backward_s)
+        cost = message_s(message, ranks, net, strategy)
+        if net.burst_bytes:  # the payload goes last: the link is idle until then
+            payload_s = allreduce_s(message.payload_bytes, ranks, net, strategy.algorithm,
+                                    strategy.small_message_bytes)
+            payload_start = start + cost - payload_s
+            if link_free is not None:
+                credit = min(net.burst_bytes, credit + (payload_start - link_free) * net.bandwidth_Bps)
+            first_payload = payload_start if first_payload is None else first_payload
+            used = min(credit, uplink_bytes(message.payload_bytes, ranks, net, strategy))
+            credit -= used
+            cost -= min(used / net.bandwidth_Bps, payload_s)
+        clock = link_free = start + cost
+        busy += cost
+        sent += (sent_bytes(message.payload_bytes, ranks, strategy)
+                 + sent_bytes(message.small_bytes, ranks, strategy, small=True))
+    return _Timeline(clock, busy, sent, clock if first_payload is None else first_payload, credit)
+
+
 def predict_step(profile: ModelProfile, ranks: int, net: Network, strategy: Strategy) -> StepPrediction:
     compute = profile.forward_s + profile.backward_s + profile.optimizer_s
     if ranks == 1:
         return StepPrediction(compute, 0.0, 0.0, compute, 0.0)
-    clock = 0.0 if strategy.overlap else profile.backward_s  # relative to the start of backward
-    busy = sent = 0.0
-    for message in messages(profile, strategy):
-        cost = message_s(message, ranks, net, strategy)
-        clock = max(clock, message.ready_s if strategy.overlap else profile.backward_s) + cost
-        busy += cost
-        sent += (sent_bytes(message.payload_bytes, ranks, strategy)
-                 + sent_bytes(message.small_bytes, ranks, strategy, small=True))
-    exposed = max(0.0, clock - profile.backward_s)
-    return StepPrediction(compute, busy, exposed, compute + exposed, sent)
+    credit = net.burst_bytes  # a full bucket at the first step; then what the step before left,
+    timeline = _timeline(profile, ranks, net, strategy, credit)  # refilled until the first payload
+    for _ in range(100 if net.burst_bytes else 0):  # until the steady state (a step's credit repeats)
+        step = compute + max(0.0, timeline.end_s - profile.backward_s)
+        idle = step - (timeline.end_s - timeline.first_payload_s)
+        credit, before = min(net.burst_bytes, timeline.credit_bytes + idle * net.bandwidth_Bps), credit
+        if abs(credit - before) < 1.0:
+            break
+        timeline = _timeline(profile, ranks, net, strategy, credit)
+    exposed = max(0.0, timeline.end_s - profile.backward_s)
+    return StepPrediction(compute, timeline.busy_s, exposed, compute + exposed, timeline.sent_bytes)
 
 
 def speedup(profile: ModelProfile, ranks: int, net: Network, strategy: Strategy) -> float:

@@ -48,5 +48,8 @@ def test_a_short_run_on_loopback_writes_rows_and_tables(tmp_path: Path) -> None:
         assert row["bytes_per_step"] >= 4 * facts["model"]["parameters"]
     network = facts["layouts"][0]["network"]
     assert network["leaders"]["bandwidth_Bps"] > 0 and network["model_network"]["ranks_per_node"] == 1
+    # CSC's and the fp16 wire's local work, timed on every rank at once in the launch
+    assert set(network["local_work_in_step"]) == {"sparsify_s_per_element", "wire_cast_s_per_element"}
+    assert all(0 < seconds < 1e-6 for seconds in network["local_work_in_step"].values())
     assert "loopback, not emulated" in text and "| lazy |" in text and "| ddp |" in text and "failed" not in text
     assert md.read_text() == text

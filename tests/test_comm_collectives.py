@@ -3,6 +3,7 @@ gloo processes (world sizes 2, 3, 4), on odd sizes and on fp32, bf16 and fp16.""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradientflow_repro.comm.base import CommStats, builtin_sum
-from gradientflow_repro.comm.compression import Fp16Wire
+from gradientflow_repro.comm.compression import Fp16Wire, compress, peak_magnitude
 from gradientflow_repro.comm.hierarchical import HierarchicalSum
 from gradientflow_repro.comm.lazy import LazyAllreduce
 from gradientflow_repro.comm.ring import ring_allreduce_, ring_sum
@@ -62,6 +63,16 @@ def _algorithms(rank: int, world: int, out: str) -> None:
         dist.batch_isend_irecv = issue
     if groups[0] != 2 * (world - 1) * (2 if world == 2 else 1):
         failures.append(f"a 2 MiB ring allreduce issued {groups[0]} send/receive groups at world size {world}")
+    # fp16 and bf16 segments are added in fp32 and rounded once: at two ranks (one addition) the
+    # ring's result is bitwise that of the reference expression
+    if world == 2:
+        for dtype in (torch.float16, torch.bfloat16):
+            mine = _local(4099, dtype, rank, salt=3) * 7
+            both = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(both, mine)
+            ring_allreduce_(mine, segment_bytes=1024)
+            if not torch.equal(mine, (both[0].float() + both[1].float()).to(dtype)):
+                failures.append(f"ring {dtype}: not the fp32 sum rounded once")
     # fp16 wire around the ring stays within half precision of the fp32 sum
     stats = CommStats()
     reference = _local(4099, torch.float32, rank, salt=1)
@@ -190,3 +201,19 @@ def _ddp_ring_hook(rank: int, world: int, out: str) -> None:
 def test_ring_as_a_ddp_communication_hook(tmp_path: Path) -> None:
     spawn(_ddp_ring_hook, 3, str(tmp_path))
     assert all(torch.load(tmp_path / f"rank{r}.pt") for r in range(3))
+
+
+def test_the_fp16_wire_finds_the_peak_in_one_pass_and_reuses_its_buffer() -> None:
+    assert peak_magnitude(torch.tensor([1.0, -3.0, 2.0])).tolist() == [3.0]
+    assert peak_magnitude(torch.tensor([1.0, float("nan")])).isnan().all()
+    assert peak_magnitude(torch.tensor([1.0, float("-inf")])).tolist() == [float("inf")]
+    scale = torch.tensor([4.0])
+    first, second = torch.randn(1000), torch.randn(1000)
+    original = second.clone()
+    a, b = compress(first, scale), compress(second, scale)
+    # scaled in fp32 and rounded once, into the wire buffer; the gradient itself is left alone
+    assert torch.equal(b, (original * 4).half()) and torch.equal(second, original)
+    # no fresh buffer per message (page faults on a CPU): the same storage, this thread's
+    assert a.data_ptr() == b.data_ptr()
+    with ThreadPoolExecutor(1) as pool:  # another thread (a communication thread) has its own
+        assert pool.submit(lambda: compress(torch.randn(1000), scale).data_ptr()).result() != b.data_ptr()

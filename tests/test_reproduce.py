@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,36 @@ def test_hierarchical_ring_runs_among_node_leaders() -> None:
     net = pm.Network(1e8, 1e-3, ranks_per_node=4, intra_bandwidth_Bps=1e9, intra_latency_s=0.0)
     cost = pm.allreduce_s(4e6, 16, net, "hierarchical")
     assert cost == pytest.approx(2 * 4e6 / 1e9 + 2 * 3 * (1e-3 + 4e6 / (4 * 1e8)))
+
+
+def test_an_emulated_links_burst_credit_is_spent_and_refilled() -> None:
+    # one 4 MB tensor after backward, a ring of 2 ranks: 2 (1 ms + 2 MB / 1e8 B/s) = 42 ms
+    one = pm.ModelProfile(0.010, 0.020, 0.005, (pm.TensorProfile(1_000_000, 0.020),))
+    ring = pm.Strategy("ring")
+    assert pm.predict_step(one, 2, pm.Network(1e8, 1e-3), ring).comm_s == pytest.approx(0.042)
+    # a 100 kB bucket refills in the 35 ms of compute between messages: 1 ms off every step
+    assert pm.predict_step(one, 2, pm.Network(1e8, 1e-3, burst_bytes=1e5), ring).comm_s == pytest.approx(0.041)
+    # a bucket deeper than the 4 MB the ring puts on the link: the steady state spends what 35 ms
+    # of idle link refill (3.5 MB), not the full bucket the first step had
+    assert pm.predict_step(one, 2, pm.Network(1e8, 1e-3, burst_bytes=1e7), ring).comm_s == pytest.approx(0.007)
+    # two messages back to back: the second finds the bucket empty
+    two = pm.ModelProfile(0.010, 0.020, 0.005, (pm.TensorProfile(1_000_000, 0.020),) * 2)
+    assert pm.predict_step(two, 2, pm.Network(1e8, 1e-3, burst_bytes=1e5), ring).comm_s == pytest.approx(0.083)
+    # local work keeps the link idle: CSC's (1 ns per element, 1 ms per part) refills 100 kB
+    # before each part; each of the two parts sends 100 chunks of 1000 elements (400 kB) by the ring
+    csc = pm.Strategy("csc", fusion="bucket", bucket_bytes=4e6, density=0.1, chunk_elements=1000,
+                      small_message_bytes=4096)
+    working = replace(two, sparsify_s_per_element=1e-9)
+    plain = pm.predict_step(working, 2, pm.Network(1e8, 1e-3), csc).comm_s
+    assert pm.predict_step(working, 2, pm.Network(1e8, 1e-3, burst_bytes=1e5), csc).comm_s == pytest.approx(
+        plain - 2 * 1e5 / 1e8)
+    # what crosses a link: 2(n-1)/n of the payload over all ranks, or over the node leaders
+    nodes = pm.Network(1e8, 1e-3, ranks_per_node=4, intra_bandwidth_Bps=1e10)
+    assert pm.uplink_bytes(4e6, 16, nodes, pm.Strategy("h", algorithm="hierarchical")) == pytest.approx(6e6)
+    assert pm.uplink_bytes(4e6, 16, nodes, ring) == pytest.approx(7.5e6)
+    # recursive doubling (2 nodes x 4): at distance 4 the node's 4 ranks cross its uplink at once
+    assert pm.uplink_bytes(4e3, 8, nodes, ring) == pytest.approx(4 * 4e3)
+    assert pm.uplink_bytes(4e3, 4, pm.Network(1e8, 1e-3), ring) == pytest.approx(2 * 4e3)  # 1 per node
 
 
 def test_paper_arithmetic_is_stated() -> None:

@@ -17,6 +17,7 @@ ring-equivalent 2(N-1)/N of the payload, so all strategies are compared on the s
 from __future__ import annotations
 
 import abc
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional, Union
@@ -41,6 +42,24 @@ class CommStats:
 
 # An in-place SUM over ranks that records what it sent: builtin, ring, hierarchical, fp16-wrapped.
 SumFn = Callable[[torch.Tensor, CommStats], None]
+
+
+_SCRATCH = threading.local()
+
+
+def scratch(purpose: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A buffer of ``numel`` elements kept between calls, one per purpose, type and device, and per
+    thread (the lazy pool's communication thread and the trainer's may both be summing). A fresh
+    allocation from a few hundred KiB up costs page faults on every call on a CPU: the receive
+    buffers of the ring and of recursive doubling and the fp16 wire's buffer are all reused. The
+    contents are whatever the last user left; the buffer is the caller's until the same thread asks
+    for the same purpose again."""
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    key = (purpose, dtype, device)
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel]
 
 
 def ring_bytes(payload_bytes: int, world: int) -> int:

@@ -89,6 +89,7 @@ from timm.optim import Lars
 from torch import nn
 
 from gradientflow_repro.comm.base import CommStats, GradScale, SumFn
+from gradientflow_repro.comm.compression import peak_magnitude
 from gradientflow_repro.comm.lazy import Bucket, LazyAllreduce
 from gradientflow_repro.comm.pool import csc_parts
 from gradientflow_repro.comm.recursive_doubling import small_sum
@@ -200,10 +201,10 @@ class BucketState:
         norms = chunk_l1_norms(accumulated)
         bounded = hasattr(sum_fn, "sum_bounded")  # an fp16 wire: its scale rides with the norms
         if bounded:
-            peak = accumulated.abs().amax()
+            peak = peak_magnitude(accumulated)
             if dense is not None and dense.numel():
-                peak = torch.maximum(peak, dense.abs().amax())
-            norms = torch.cat([norms, peak.reshape(1)])
+                peak = torch.maximum(peak, peak_magnitude(dense))
+            norms = torch.cat([norms, peak])
         norm_sum(norms, stats)  # every rank now ranks chunks by the same global norms
         bound = None
         if bounded:

@@ -34,39 +34,23 @@ there.)
 
 from __future__ import annotations
 
-import threading
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from gradientflow_repro.comm.base import CommStats, SumFn, ring_bytes
+from gradientflow_repro.comm.base import CommStats, SumFn, ring_bytes, scratch
 from gradientflow_repro.comm.knobs import SMALL_MESSAGE_BYTES  # the measured switch-over (torch-free there)
 from gradientflow_repro.comm.ring import global_rank
 
 OPS = ("sum", "max")
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-_LOCAL = threading.local()
-
-
-def _inbox(like: torch.Tensor) -> torch.Tensor:
-    """A receive buffer kept between calls, as the ring keeps one (a fresh allocation from a few
-    hundred KiB up costs page faults every call), but one per thread: the lazy pool's
-    communication thread and the trainer's may both reduce small messages."""
-    inboxes = _LOCAL.__dict__.setdefault("inboxes", {})
-    buffer = inboxes.get((like.dtype, like.device))
-    if buffer is None or buffer.numel() < like.numel():
-        buffer = inboxes[(like.dtype, like.device)] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
-    return buffer[:like.numel()]
 
 
 def _reduce_into(flat: torch.Tensor, first: torch.Tensor, second: torch.Tensor, op: str) -> None:
     """``flat = first (op) second``, in this argument order on both partners: the same expression,
-    so the same bits. Sums of fp16/bf16 are done in fp32 and rounded once."""
+    so the same bits. Sums of fp16/bf16 are done in fp32 and rounded once (PyTorch's kernels)."""
     if op == "max":
         torch.maximum(first, second, out=flat)
-    elif flat.dtype in _LOW_PRECISION:
-        flat.copy_(first.float() + second.float())
     else:
         torch.add(first, second, out=flat)
 
@@ -86,7 +70,7 @@ def recursive_doubling_allreduce_(tensor: torch.Tensor, group: Optional[dist.Pro
     rank = dist.get_rank(group)
     flat = tensor.view(-1)
     nbytes = flat.numel() * flat.element_size()
-    inbox = _inbox(flat)
+    inbox = scratch("recursive-doubling inbox", flat.numel(), flat.dtype, flat.device)
     p = 1 << (world.bit_length() - 1)
     rem = world - p
 

@@ -18,7 +18,8 @@ ring cuts its segments to at most ``EXCHANGE_SEGMENT_BYTES``; with three or more
 direction has its own peer, and 4 MiB segments ran at the link's rate.
 
 Low-precision tensors travel in their own type; each addition is done in fp32 and rounded once, as
-NCCL does.
+NCCL does (PyTorch's kernels for fp16 and bf16 compute in fp32, on the CPU as on CUDA:
+``add_`` gives bitwise what ``(a.float() + b.float()).half()`` gives, without three temporaries).
 
 Each step's send and receive of a segment are issued together, as one ``batch_isend_irecv`` group.
 That is what makes the ring safe under NCCL: there, point-to-point ops of a communicator run one
@@ -39,7 +40,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from gradientflow_repro.comm.base import CommStats, SumFn
+from gradientflow_repro.comm.base import CommStats, SumFn, scratch
 
 DEFAULT_SEGMENT_BYTES = 4 << 20
 EXCHANGE_SEGMENT_BYTES = 512 << 10  # at most this per segment in a ring of two ranks (see above)
@@ -54,17 +55,6 @@ def _pieces(start: int, end: int, count: int) -> list[tuple[int, int]]:
     """``[start, end)`` cut into ``count`` near-equal consecutive pieces (some empty if it is short)."""
     return [(start + (end - start) * i // count, start + (end - start) * (i + 1) // count)
             for i in range(count)]
-
-
-_INBOXES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _inbox(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A receive buffer kept between calls: a fresh large allocation costs page faults every time."""
-    buffer = _INBOXES.get((dtype, device))
-    if buffer is None or buffer.numel() < numel:
-        buffer = _INBOXES[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
-    return buffer[:numel]
 
 
 def ring_allreduce_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
@@ -90,7 +80,7 @@ def ring_allreduce_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = N
     largest = max(hi - lo for lo, hi in zip(bounds, bounds[1:]))
     segments = -(-largest // max(1, segment_bytes // flat.element_size()))
     right, left = global_rank(group, (rank + 1) % world), global_rank(group, (rank - 1) % world)
-    inboxes = _inbox(2 * largest, flat.dtype, flat.device).view(2, largest)
+    inboxes = scratch("ring inbox", 2 * largest, flat.dtype, flat.device).view(2, largest)
     steps, reducing_steps = 2 * (world - 1), world - 1
 
     def pieces(chunk: int) -> list[tuple[int, int]]:
@@ -124,10 +114,7 @@ def ring_allreduce_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = N
                     chunk = (rank - step) % world
                     lo, hi = pieces(chunk)[segment]
                     arrived = inboxes[(step - 1) % 2][lo - bounds[chunk]:hi - bounds[chunk]]
-                    if flat.dtype == torch.float32:
-                        flat[lo:hi].add_(arrived)
-                    else:
-                        flat[lo:hi].copy_(flat[lo:hi].float() + arrived.float())
+                    flat[lo:hi].add_(arrived)  # fp16/bf16: computed in fp32, rounded once
             previous[segment], nbytes = issue(step, segment)
             sent += nbytes
     for works in previous:  # the last step (all-gather: in place). Each work is waited once: a

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from gradientflow_repro.harness import REPO, netemu
-from gradientflow_repro.harness.cluster_check import markdown_lines, network_fields, with_local_work
+from gradientflow_repro.harness.cluster_check import markdown_lines, network_fields
 from gradientflow_repro.harness.launch import network, run_ranks
 from gradientflow_repro.harness.netbench import LARGE_BYTES, ring_figures, trimmed_mean
 
@@ -159,10 +159,13 @@ def make_replay(model: Any, order: Sequence[int], gradients: Sequence[Any]) -> A
 
 
 # ---------------------------------------------------------------------------------------- one rank
-def _timed(work: Callable[[], Any], calls: int, takes_part: bool, back_to_back: bool = False) -> float:
+def _timed(work: Callable[[], Any], calls: int, takes_part: bool, back_to_back: bool = False,
+           slowest: bool = False) -> float:
     """Trimmed mean seconds per call of ``work`` on the ranks that take part (the others only meet
     the barriers). Each call starts after a barrier of all ranks, or ``back_to_back`` after one
-    barrier, as a step issues its collectives."""
+    barrier, as a step issues its collectives. ``slowest``: each call's time is the slowest
+    rank's (work that every rank does at once, which the next collective waits for)."""
+    import torch
     import torch.distributed as dist
 
     dist.barrier()
@@ -176,6 +179,10 @@ def _timed(work: Callable[[], Any], calls: int, takes_part: bool, back_to_back: 
         if takes_part:
             work()
         times.append(time.perf_counter() - started)
+    if slowest:
+        each = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(each, op=dist.ReduceOp.MAX)
+        times = each.tolist()
     dist.barrier()
     return trimmed_mean(times)
 
@@ -222,6 +229,21 @@ def _measure_network(rank: int, world: int, per_node: int, full: bool) -> dict[s
             for size in sizes]
     measured["model_network"] = network_fields(measured)  # perfmodel.Network's fields, for readers of the JSON
     return measured
+
+
+def _local_work_in_step(elements: int) -> dict[str, float]:
+    """CSC's and the fp16 wire's local work per element as a step does it: every rank at once on
+    the shared cores (on the threads each rank trains with), the slowest rank's time, since the
+    collective after it waits for that one. One process alone times each rank's share of a core
+    fairly, but the scheduler does not: with 8 ranks on 2 cores the slowest of them took about
+    1.5x four times the one-process figure."""
+    from gradientflow_repro.harness.profile import sparsify_work, wire_cast_work
+
+    figures = {}
+    for key, (work, covered) in (("sparsify_s_per_element", sparsify_work(elements)),
+                                 ("wire_cast_s_per_element", wire_cast_work(elements))):
+        figures[key] = _timed(work, 9, True, slowest=True) / covered
+    return figures
 
 
 def _run_strategy(rank: int, spec: dict[str, Any], label: str, options: dict[str, Any], order: list[int],
@@ -277,6 +299,8 @@ def _measure(rank: int, world: int, out: Path, spec_file: Path) -> None:
         print(f"[network] measured in {time.perf_counter() - started:.0f}s", flush=True)
     model = build(spec["model"])
     params = [p for p in model.parameters() if p.requires_grad]
+    if measured:
+        measured["local_work_in_step"] = _local_work_in_step(sum(p.numel() for p in params))
     generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own fixed gradients
     gradients = [torch.randn(p.shape, generator=generator) for p in params]
     rows = []
@@ -339,11 +363,12 @@ def run_layout(world: int, ranks_per_node: int, rate_mbit: Optional[float], labe
     name = f"{world // ranks_per_node}x{ranks_per_node}"
     started = time.time()
     with network(world, rate_mbit, reason, ranks_per_node=ranks_per_node) as net:
-        payload_Bps = net.payload_Bps if net else None
+        payload_Bps, burst = (net.payload_Bps, net.burst_payload_bytes) if net else (None, 0.0)
         run_ranks(world, [str(out), str(run_dir / "spec.json")], run_dir, name, net, timeout_s, module=MODULE)
     measured = json.loads(out.read_text())
     facts = {"layout": name, "world": world, "nodes": world // ranks_per_node, "ranks_per_node": ranks_per_node,
-             "rate_mbit": rate_mbit if reason is None else None, "shaped_payload_Bps": payload_Bps}
+             "rate_mbit": rate_mbit if reason is None else None, "shaped_payload_Bps": payload_Bps,
+             "burst_payload_bytes": burst}
     return {**facts, "network": measured["network"], "launch_s": time.time() - started,
             "rows": [{**facts, **row} for row in measured["rows"]]}
 
@@ -382,7 +407,6 @@ def bench_cluster(out_md: Path = OUT_MD, out_json: Path = OUT_JSON, rate_mbit: f
              "steps": steps, "warmup": warmup, "model": model, "rate_check": rate_check,
              "layouts": [{k: v for k, v in r.items() if k != "rows"} for r in results],
              "rows": [row for r in results for row in r["rows"]]}
-    facts = with_local_work(facts)
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(facts, indent=1))
     text = markdown(facts)
@@ -541,11 +565,28 @@ def markdown(facts: dict[str, Any]) -> str:
                   "switch-over between recursive doubling and the ring (`comm.small_message_kb`, from the model "
                   "on the figures measured at the start of each launch: " + ", ".join(
                       f"{layout['layout']} {_switch_over_note(facts, layout['layout'])}" for layout in facts["layouts"])
-                  + "). CSC's and the fp16 wire's local work per element, measured in one process: "
-                  f"{facts['local_work']['sparsify_s_per_element'] * 1e9:.2f} and "
-                  f"{facts['local_work']['wire_cast_s_per_element'] * 1e9:.2f} ns, times the ranks per core.", "",
+                  + "). CSC's and the fp16 wire's local work per element, measured in each launch as a step does "
+                  "it (every rank at once on the shared cores, the slowest rank's time): " + ", ".join(
+                      f"{layout['layout']} {_local_work_note(layout)}" for layout in facts["layouts"])
+                  + ". Each emulated uplink also passes a burst at once after it has idled (tbf's bucket, "
+                  f"{netemu.BURST_BYTES >> 10} KiB: {_burst_ms(facts)} of the uplink's time), which the model "
+                  "spends and refills (`perfmodel.Network.burst_bytes`).", "",
                   *markdown_lines(facts), ""]
     return "\n".join(lines)
+
+
+def _local_work_note(layout: dict[str, Any]) -> str:
+    work = (layout["network"] or {}).get("local_work_in_step")
+    if not work:
+        return "not measured"
+    return (f"{work['sparsify_s_per_element'] * 1e9:.1f} and {work['wire_cast_s_per_element'] * 1e9:.1f} ns")
+
+
+def _burst_ms(facts: dict[str, Any]) -> str:
+    layout = facts["layouts"][0]
+    if not layout.get("shaped_payload_Bps"):
+        return "none unshaped"
+    return f"{layout.get('burst_payload_bytes', 0.0) / layout['shaped_payload_Bps'] * 1e3:.0f} ms"
 
 
 def _switch_over_note(facts: dict[str, Any], layout: str) -> str:

@@ -8,15 +8,14 @@ network is the one measured in the same launch (``network_fields``: per-message 
 node leaders, the uplink's bandwidth from the flat ring of all ranks, bandwidth and latency inside
 a node, gloo's own allreduce by message size), with the same placement rules that price the
 paper's cluster: small messages by recursive doubling with a node's ranks sharing its uplink when
-they cross it together, the two-level ring for ``hierarchical``. CSC's and the fp16 wire's local
-work are measured per element in this process, on one thread as each rank runs, and multiplied by
-the ranks sharing each core (all ranks do it at the same moment). Nothing is fitted to the
-benchmark's step times.
+they cross it together, the two-level ring for ``hierarchical``; and the uplink's burst credit
+(``netemu``'s token bucket). CSC's and the fp16 wire's local work per element are measured in
+the same launch as a step does them: every rank at once, the slowest rank's time. Nothing is
+fitted to the benchmark's step times.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 from typing import Any
 
@@ -27,20 +26,10 @@ GOAL_ERROR = 0.15  # the model within 15% of every measured strategy
 GOAL_RATIO = 0.5  # gradientflow (hierarchical) at most half of DDP-style bucketed builtin allreduce
 
 
-def local_work_per_element(elements: int) -> dict[str, float]:
-    """CSC's and the fp16 wire's local work per element on this machine, one process alone on one
-    thread, as each rank runs (the measurements pin themselves to one thread)."""
-    from gradientflow_repro.harness.profile import measure_sparsify_s_per_element, measure_wire_cast_s_per_element
-
-    return {"sparsify_s_per_element": measure_sparsify_s_per_element(elements),
-            "wire_cast_s_per_element": measure_wire_cast_s_per_element(elements)}
-
-
-def comm_only_profile(tensors: list[list[Any]], local_work: dict[str, float], ranks_per_core: float) -> pm.ModelProfile:
+def comm_only_profile(tensors: list[list[Any]], local_work: dict[str, float]) -> pm.ModelProfile:
     """Every gradient ready at time 0, no compute: the model's step is its communication."""
     return pm.ModelProfile(0.0, 0.0, 0.0, tuple(pm.TensorProfile(int(n), 0.0, bool(flat)) for n, flat in tensors),
-                           local_work["sparsify_s_per_element"] * ranks_per_core,
-                           local_work["wire_cast_s_per_element"] * ranks_per_core)
+                           local_work["sparsify_s_per_element"], local_work["wire_cast_s_per_element"])
 
 
 def network_fields(measured: dict[str, Any]) -> dict[str, Any]:
@@ -60,16 +49,18 @@ def network_fields(measured: dict[str, Any]) -> dict[str, Any]:
             "builtin_cost_by_size": measured.get("builtin_cost_by_size")}
 
 
-def model_network(measured: dict[str, Any]) -> pm.Network:
+def model_network(measured: dict[str, Any], burst_bytes: float = 0.0) -> pm.Network:
     """``perfmodel.Network`` from a launch's measured rings (``network_fields``, applied to the rings
-    themselves, so a launch recorded before the rule changed is priced by it too). The one-value
-    allreduce is left to the model (recursive doubling step by step, as the fp16 wire sends it), not
-    the one-value MAX timed in the launch."""
+    themselves, so a launch recorded before the rule changed is priced by it too) and its shaper's
+    burst (``netemu.EmulatedNetwork.burst_payload_bytes``). The one-value allreduce is left to the
+    model (recursive doubling step by step, as the fp16 wire sends it), not the one-value MAX timed
+    in the launch."""
     figures = network_fields(measured)
     table = figures.get("builtin_cost_by_size")
     return pm.Network(figures["bandwidth_Bps"], figures["latency_s"], figures["ranks_per_node"],
                       figures["intra_bandwidth_Bps"] or float("inf"), figures["intra_latency_s"] or 0.0,
-                      builtin_cost_by_size=tuple(map(tuple, table)) if table else None)
+                      builtin_cost_by_size=tuple(map(tuple, table)) if table else None,
+                      burst_bytes=burst_bytes)
 
 
 def strategy(label: str, options: dict[str, Any]) -> pm.Strategy:
@@ -78,17 +69,16 @@ def strategy(label: str, options: dict[str, Any]) -> pm.Strategy:
 
 def predictions(facts: dict[str, Any]) -> list[dict[str, Any]]:
     """Each measured row with the model's prediction beside it."""
-    local = facts.get("local_work") or local_work_per_element(facts["model"]["parameters"])
-    cores = facts["machine"].get("cpu_count") or os.cpu_count() or 1
-    networks = {layout["layout"]: model_network(layout["network"]) for layout in facts["layouts"]}
+    layouts = {layout["layout"]: layout for layout in facts["layouts"]}
     rows = []
     for row in facts["rows"]:
-        if row.get("error"):
+        layout = layouts[row["layout"]]
+        if row.get("error") or not (layout["network"] or {}).get("local_work_in_step"):
             continue
-        profile = comm_only_profile(facts["model"]["tensors_in_backward_order"], local,
-                                    max(1.0, row["world"] / cores))
-        predicted = pm.predict_step(profile, row["world"], networks[row["layout"]],
-                                    strategy(row["strategy"], row["options"]))
+        profile = comm_only_profile(facts["model"]["tensors_in_backward_order"],
+                                    layout["network"]["local_work_in_step"])
+        network = model_network(layout["network"], layout.get("burst_payload_bytes", 0.0))
+        predicted = pm.predict_step(profile, row["world"], network, strategy(row["strategy"], row["options"]))
         rows.append({**row, "predicted_s": predicted.comm_s,
                      "error": predicted.comm_s / row["comm_s_median"] - 1})
     return rows
@@ -116,11 +106,3 @@ def markdown_lines(facts: dict[str, Any]) -> list[str]:
                          f"{ddp['comm_s_median'] * 1e3:.0f} ms per step, side by side in one launch). Goal at "
                          f"most {GOAL_RATIO}x: {'met' if ratio <= GOAL_RATIO else 'NOT met'}.")
     return lines
-
-
-def with_local_work(facts: dict[str, Any]) -> dict[str, Any]:
-    """``facts`` with the local work per element measured now (kept, so a rewrite reuses it)."""
-    if "local_work" in facts:
-        return facts
-    return {**facts, "local_work": local_work_per_element(facts["model"]["parameters"])}
-

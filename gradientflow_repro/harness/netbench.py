@@ -47,7 +47,8 @@ def measure_network(world: int, net: Optional[netemu.EmulatedNetwork], run_dir: 
             for key, value in measured[0].items()}
     size = mean.pop("ring_large_bytes")
     figures = ring_figures(mean["tiny_ring_s"], mean["ring_large_s"], world, size)
-    return {**mean, "latency_s": figures["latency_s"], "bandwidth_Bps": figures["bandwidth_Bps"], "launches": launches}
+    return {**mean, "latency_s": figures["latency_s"], "bandwidth_Bps": figures["bandwidth_Bps"], "launches": launches,
+            "burst_bytes": net.burst_payload_bytes if net else 0.0}  # the shaper's, as configured
 
 
 def ring_figures(tiny_s: float, large_s: float, ranks: int, large_bytes: int = LARGE_BYTES) -> dict[str, float]:

@@ -33,6 +33,8 @@ PREFIX = "gfr"
 SUBNET = "10.77.0"
 # tbf counts whole Ethernet frames (1514 bytes carry 1448 of TCP payload at MTU 1500)
 FRAME_EFFICIENCY = 1448 / 1514
+# tbf's bucket: what a link idle long enough passes at once, before the rate holds (tc's "kb" is 1024 B)
+BURST_BYTES = 256 << 10
 
 
 def why_unavailable() -> Optional[str]:
@@ -93,6 +95,12 @@ class EmulatedNetwork:
         """What the shaped link carries of TCP payload, in bytes per second."""
         return float("inf") if not self.rate_mbit else self.rate_mbit * 1e6 / 8 * FRAME_EFFICIENCY
 
+    @property
+    def burst_payload_bytes(self) -> float:
+        """Payload a shaped link lets through at once after it has been idle (``perfmodel.Network
+        .burst_bytes``): tbf's bucket, in whole frames; 0 when unshaped."""
+        return BURST_BYTES * FRAME_EFFICIENCY if self.rate_mbit else 0.0
+
     def __enter__(self) -> "EmulatedNetwork":
         reason = why_unavailable()
         if reason:
@@ -115,7 +123,7 @@ class EmulatedNetwork:
                 _ip("-n", ns, "link", "set", "eth0", "up")
                 if self.rate_mbit:
                     _ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
-                        f"{self.rate_mbit}mbit", "burst", "256kb", "latency", "50ms")
+                        f"{self.rate_mbit}mbit", "burst", f"{BURST_BYTES >> 10}kb", "latency", "50ms")
         except BaseException:
             self.close()
             raise

@@ -3,7 +3,8 @@ device, and the local work per gradient element of CSC and of the fp16 wire.
 
 ``measure_profile`` times a training step with a hook on every parameter (when its gradient is
 complete); ``measure_sparsify_s_per_element`` and ``measure_wire_cast_s_per_element`` time the same
-operations as ``comm/csc.py`` and ``comm/compression.py``. ``profile_model`` does all three for a
+operations as ``comm/csc.py`` and ``comm/compression.py`` (``sparsify_work``, ``wire_cast_work``:
+the emulated cluster's benchmark times them on every rank at once). ``profile_model`` does all three for a
 configured model on the per-rank batch and writes them as JSON; `make reproduce` runs it in a
 process of its own:
 
@@ -61,13 +62,12 @@ def _median_seconds(work: Callable[[], None], repeats: int) -> float:
     return statistics.median(times[1:])
 
 
-def measure_sparsify_s_per_element(elements: int, chunk: int = 32768, density: float = 0.1,
-                                   repeats: int = 5) -> float:
-    """Seconds per gradient element of CSC's local work on this device: LARS's rescaling under
-    momentum correction (``csc.lars_rescale_``), ``csc.BucketState``'s own step (momentum, residual,
-    chunk norms with the fp16 peak, selection, packing, the ``gradientflow`` preset's release cap,
-    clearing, commit) and the write-back into the pool part, with summing functions that send
-    nothing."""
+def sparsify_work(elements: int, chunk: int = 32768, density: float = 0.1) -> tuple[Callable[[], None], int]:
+    """CSC's local work on this device as a call, and the gradient elements one call covers: LARS's
+    rescaling under momentum correction (``csc.lars_rescale_``), ``csc.BucketState``'s own step
+    (momentum, residual, chunk norms with the fp16 peak, selection, packing, the ``gradientflow``
+    preset's release cap, clearing, commit) and the write-back into the pool part, with summing
+    functions that send nothing."""
     import torch
 
     from gradientflow_repro.comm.base import CommStats
@@ -96,28 +96,41 @@ def measure_sparsify_s_per_element(elements: int, chunk: int = 32768, density: f
         pool.zero_().index_copy_(0, sent.chosen, sent.summed)
         state.commit()
 
-    return _median_seconds(local_work, repeats) / (chunks * chunk)
+    return local_work, chunks * chunk
 
 
-def measure_wire_cast_s_per_element(elements: int, repeats: int = 5) -> float:
-    """Seconds per element of the fp16 wire's local work on this device, timed on the same
-    operations as ``comm/compression.py`` and ``comm/ring.py`` (peak magnitude and its power-of-two
+def wire_cast_work(elements: int) -> tuple[Callable[[], None], int]:
+    """The fp16 wire's local work on this device as a call, and the elements it sends: the same
+    calls as ``comm/compression.py`` and ``comm/ring.py`` make (peak magnitude and its power-of-two
     scale, scale and cast to fp16, the ring's fp16 reduction, which adds in fp32 and rounds once:
     (N-1)/N of the elements, counted whole, cast back and unscale)."""
     import torch
 
-    from gradientflow_repro.comm.compression import compress, decompress, scale_for
+    from gradientflow_repro.comm.compression import compress, decompress, peak_magnitude, scale_for
 
     gradient = torch.randn(max(1, elements))
     arrived = torch.randn(gradient.numel()).to(torch.float16)
 
     def local_work() -> None:
-        scale = scale_for(4 * gradient.abs().max().double())
+        scale = scale_for(4 * peak_magnitude(gradient).double())
         wire = compress(gradient, scale)
-        wire.copy_(wire.float() + arrived.float())  # as ring.py reduces a low-precision segment
+        wire.add_(arrived)  # as ring.py reduces a low-precision segment
         decompress(wire, gradient, scale)
 
-    return _median_seconds(local_work, repeats) / gradient.numel()
+    return local_work, gradient.numel()
+
+
+def measure_sparsify_s_per_element(elements: int, chunk: int = 32768, density: float = 0.1,
+                                   repeats: int = 5) -> float:
+    """Seconds per gradient element of CSC's local work (``sparsify_work``), one process alone."""
+    work, covered = sparsify_work(elements, chunk, density)
+    return _median_seconds(work, repeats) / covered
+
+
+def measure_wire_cast_s_per_element(elements: int, repeats: int = 20) -> float:
+    """Seconds per element of the fp16 wire's local work (``wire_cast_work``), one process alone."""
+    work, covered = wire_cast_work(elements)
+    return _median_seconds(work, repeats) / covered
 
 
 def measure_profile(model: Any, images: Any, labels: Any, repeats: int = 5) -> ModelProfile:

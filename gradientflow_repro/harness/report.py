@@ -207,7 +207,7 @@ def plot_step_split(checks: dict[str, dict], path: Path, world: int) -> None:
 def _network(measured: dict) -> pm.Network:
     table = measured.get("builtin_cost_by_size")
     return pm.Network(measured["bandwidth_Bps"], measured["latency_s"],
-                      tiny_allreduce_s=measured.get("tiny_allreduce_s"),
+                      tiny_allreduce_s=measured.get("tiny_allreduce_s"), burst_bytes=measured.get("burst_bytes", 0.0),
                       builtin_cost_by_size=tuple(map(tuple, table)) if table else None)
 
 
