@@ -246,6 +246,49 @@ def _local_work_in_step(elements: int) -> dict[str, float]:
     return figures
 
 
+def _replay_in_step(spec: dict[str, Any], gradients: list[Any], steps: int = 7) -> dict[str, float]:
+    """Seconds the replayed backward takes when nothing is sent, as a step does it (every rank at
+    once, the slowest rank's; median of ``steps`` after one warm-up): ``bare``, autograd handing each
+    parameter its gradient (what a per-tensor strategy sums in place), and ``pool``, through the
+    lazy pool with a summing function that sends nothing (its hooks' copies into the pool and
+    ``synchronize()``'s write-back of the mean: the work a pooled strategy, lazy, CSC or DDP's
+    buckets, does around its messages). With 8 ranks on 2 cores this is several ms, which a
+    model whose gradients are all ready at once would miss."""
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow_repro.comm.lazy import LazyAllreduce
+
+    def nothing(tensor: torch.Tensor, stats: Any) -> None:
+        pass
+
+    figures = {}
+    for name in ("bare", "pool"):
+        torch.manual_seed(0)
+        replay = make_replay(build(spec["model"]), spec["order"], gradients)
+        comm = (LazyAllreduce(torch.device("cpu"), nothing, bucket_bytes=1 << 40, overlap=False)
+                if name == "pool" else None)
+        if comm is not None:
+            comm.attach(replay)
+        seconds = []
+        for step in range(1 + steps):
+            out = replay()
+            dist.barrier()
+            started = time.perf_counter()
+            out.backward()
+            if comm is not None:
+                comm.synchronize()
+            elapsed = torch.tensor([time.perf_counter() - started])
+            replay.zero_grad(set_to_none=True)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if step:
+                seconds.append(elapsed.item())
+        if comm is not None:
+            comm.close()
+        figures[name] = statistics.median(seconds)
+    return figures
+
+
 def _run_strategy(rank: int, spec: dict[str, Any], label: str, options: dict[str, Any], order: list[int],
                   gradients: list[Any]) -> dict[str, Any]:
     """``warmup`` + ``steps`` replayed steps of one strategy; per step the slowest rank's seconds
@@ -299,10 +342,11 @@ def _measure(rank: int, world: int, out: Path, spec_file: Path) -> None:
         print(f"[network] measured in {time.perf_counter() - started:.0f}s", flush=True)
     model = build(spec["model"])
     params = [p for p in model.parameters() if p.requires_grad]
-    if measured:
-        measured["local_work_in_step"] = _local_work_in_step(sum(p.numel() for p in params))
     generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own fixed gradients
     gradients = [torch.randn(p.shape, generator=generator) for p in params]
+    if measured:
+        measured["local_work_in_step"] = _local_work_in_step(sum(p.numel() for p in params))
+        measured["replay_in_step"] = _replay_in_step(spec, gradients)
     rows = []
     strategies = _with_switch_over(spec["strategies"], measured, world) if measured else spec["strategies"]
     for label, options in strategies:

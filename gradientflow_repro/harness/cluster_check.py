@@ -9,9 +9,10 @@ node leaders, the uplink's bandwidth from the flat ring of all ranks, bandwidth 
 a node, gloo's own allreduce by message size), with the same placement rules that price the
 paper's cluster: small messages by recursive doubling with a node's ranks sharing its uplink when
 they cross it together, the two-level ring for ``hierarchical``; and the uplink's burst credit
-(``netemu``'s token bucket). CSC's and the fp16 wire's local work per element are measured in
-the same launch as a step does them: every rank at once, the slowest rank's time. Nothing is
-fitted to the benchmark's step times.
+(``netemu``'s token bucket). CSC's and the fp16 wire's local work per element, and the replayed backward's own
+time (autograd's hand-over of the gradients, and for pooled strategies the pool's copies), are
+measured in the same launch as a step does them: every rank at once, the slowest rank's time.
+Nothing is fitted to the benchmark's step times.
 """
 
 from __future__ import annotations
@@ -26,9 +27,16 @@ GOAL_ERROR = 0.15  # the model within 15% of every measured strategy
 GOAL_RATIO = 0.5  # gradientflow (hierarchical) at most half of DDP-style bucketed builtin allreduce
 
 
-def comm_only_profile(tensors: list[list[Any]], local_work: dict[str, float]) -> pm.ModelProfile:
-    """Every gradient ready at time 0, no compute: the model's step is its communication."""
-    return pm.ModelProfile(0.0, 0.0, 0.0, tuple(pm.TensorProfile(int(n), 0.0, bool(flat)) for n, flat in tensors),
+def comm_only_profile(tensors: list[list[Any]], local_work: dict[str, float],
+                      backward_s: float = 0.0) -> pm.ModelProfile:
+    """No compute: a "backward" of ``backward_s`` (the replay's own work, measured) over which the
+    gradients become ready in proportion to their size; the model's step is then that and the
+    communication not done by its end."""
+    total, done, profiled = sum(int(n) for n, _ in tensors), 0, []
+    for elements, flat in tensors:
+        done += int(elements)
+        profiled.append(pm.TensorProfile(int(elements), backward_s * done / max(1, total), bool(flat)))
+    return pm.ModelProfile(0.0, backward_s, 0.0, tuple(profiled),
                            local_work["sparsify_s_per_element"], local_work["wire_cast_s_per_element"])
 
 
@@ -75,12 +83,14 @@ def predictions(facts: dict[str, Any]) -> list[dict[str, Any]]:
         layout = layouts[row["layout"]]
         if row.get("error") or not (layout["network"] or {}).get("local_work_in_step"):
             continue
+        chosen = strategy(row["strategy"], row["options"])
+        replay = layout["network"].get("replay_in_step") or {"bare": 0.0, "pool": 0.0}
         profile = comm_only_profile(facts["model"]["tensors_in_backward_order"],
-                                    layout["network"]["local_work_in_step"])
+                                    layout["network"]["local_work_in_step"],
+                                    replay["pool" if chosen.fusion == "bucket" else "bare"])
         network = model_network(layout["network"], layout.get("burst_payload_bytes", 0.0))
-        predicted = pm.predict_step(profile, row["world"], network, strategy(row["strategy"], row["options"]))
-        rows.append({**row, "predicted_s": predicted.comm_s,
-                     "error": predicted.comm_s / row["comm_s_median"] - 1})
+        predicted = pm.predict_step(profile, row["world"], network, chosen).step_s  # from backward's start
+        rows.append({**row, "predicted_s": predicted, "error": predicted / row["comm_s_median"] - 1})
     return rows
 
 
