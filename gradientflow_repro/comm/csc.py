@@ -88,7 +88,7 @@ import torch
 from timm.optim import Lars
 from torch import nn
 
-from gradientflow_repro.comm.base import CommStats, GradScale, SumFn
+from gradientflow_repro.comm.base import CommStats, GradScale, SumFn, scratch
 from gradientflow_repro.comm.compression import peak_magnitude
 from gradientflow_repro.comm.lazy import Bucket, LazyAllreduce
 from gradientflow_repro.comm.pool import csc_parts
@@ -96,8 +96,14 @@ from gradientflow_repro.comm.recursive_doubling import small_sum
 
 
 def chunk_l1_norms(chunks: torch.Tensor) -> torch.Tensor:
-    """L1 norm of every row of a [chunks, chunk_size] matrix."""
-    return torch.linalg.vector_norm(chunks, ord=1, dim=1, dtype=torch.float32)
+    """L1 norm of every row of a [chunks, chunk_size] matrix. On a GPU one fused reduction (4 bytes
+    read per element, as ``perfmodel`` counts it); on a CPU |x| into a buffer kept between calls,
+    then row sums: PyTorch's CPU 1-norm reduction is not vectorized (0.48 ns per element on one
+    thread against 0.10, a fifth of CSC's whole local work)."""
+    if chunks.device.type != "cpu":
+        return torch.linalg.vector_norm(chunks, ord=1, dim=1, dtype=torch.float32)
+    magnitudes = scratch("chunk magnitudes", chunks.numel(), chunks.dtype, chunks.device).view_as(chunks)
+    return torch.abs(chunks, out=magnitudes).sum(1, dtype=torch.float32)
 
 
 def select_chunks(global_norms: torch.Tensor, density: float,

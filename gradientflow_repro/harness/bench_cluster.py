@@ -557,8 +557,9 @@ def markdown(facts: dict[str, Any]) -> str:
               "ring's default) and, between leaders, also in 1 MiB segments (see `SEGMENT_BYTES` in "
               "`harness/bench_cluster.py`); a ring of two ranks, as the leaders' of 2 nodes, cuts both to "
               "512 KiB (`ring.EXCHANGE_SEGMENT_BYTES`: its two directions share one gloo connection). The model "
-              "takes the per-message latency from the leaders' ring and the uplink's bandwidth from the flat "
-              "ring, whose flows cross each uplink one way (`harness/cluster_check.py`).", "",
+              "takes the per-message latency from the leaders' ring and the uplink's bandwidth from the fastest "
+              "of the rings whose flows cross each uplink once each way, the flat ring and the leaders' (noise on "
+              "a shared host only slows a ring; `harness/cluster_check.py`).", "",
               "| layout | uplink payload rate | leaders: latency, bandwidth (1 MiB segments) "
               "| inside a node: latency, bandwidth | flat ring of all ranks: latency, bandwidth "
               "| one-value MAX allreduce (the fp16 scale) |",
