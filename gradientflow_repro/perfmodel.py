@@ -348,11 +348,11 @@ def uplink_bytes(payload_bytes: float, ranks: int, net: Network, strategy: Strat
     of it for a ring over n ranks, or over the node leaders (two-level); by recursive doubling (our
     algorithms' small messages), the message once per step that crosses it, times the node's ranks
     that cross together."""
-    if ranks <= 1:
+    per_node = min(net.ranks_per_node, ranks)
+    if ranks <= 1 or ranks <= per_node:  # one node: nothing crosses an uplink
         return 0.0
     if not strategy.builtin and payload_bytes <= strategy.small_message_bytes:
         return payload_bytes * sum(_uplink_sharers(ranks, net.ranks_per_node))
-    per_node = min(net.ranks_per_node, ranks)
     if comm_knobs.two_level(strategy.algorithm, ranks, per_node) and per_node > 1:
         ranks = -(-ranks // per_node)
     return 2 * (ranks - 1) / ranks * payload_bytes

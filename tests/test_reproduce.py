@@ -196,6 +196,7 @@ def test_an_emulated_links_burst_credit_is_spent_and_refilled() -> None:
     nodes = pm.Network(1e8, 1e-3, ranks_per_node=4, intra_bandwidth_Bps=1e10)
     assert pm.uplink_bytes(4e6, 16, nodes, pm.Strategy("h", algorithm="hierarchical")) == pytest.approx(6e6)
     assert pm.uplink_bytes(4e6, 16, nodes, ring) == pytest.approx(7.5e6)
+    assert pm.uplink_bytes(4e6, 4, nodes, ring) == 0  # one node: its ring stays off the uplink
     # recursive doubling (2 nodes x 4): at distance 4 the node's 4 ranks cross its uplink at once
     assert pm.uplink_bytes(4e3, 8, nodes, ring) == pytest.approx(4 * 4e3)
     assert pm.uplink_bytes(4e3, 4, pm.Network(1e8, 1e-3), ring) == pytest.approx(2 * 4e3)  # 1 per node

@@ -23,9 +23,8 @@ clamp). The scale is computed and applied on the device: nothing waits for the G
 Local work, per element sent: the peak, scaling and casting, casting back and unscaling, each one
 pass without a temporary, into and out of a wire buffer kept between calls. On a CPU a fresh
 fp32 temporary and half-size buffer per message cost page faults that made this work four times as
-long as its arithmetic (2.25M elements on one thread: 4.2-4.8 ns per element with fresh
-allocations, 1.0 without, 0.5 with the ring's fp16 additions also in place; ``harness/profile.py``
-times the same calls).
+long as its arithmetic (2.25M elements on one thread, the same calls as ``harness/profile.py``
+times: 4.2-4.8 ns per element with fresh allocations, 0.6-0.8 now).
 """
 
 from __future__ import annotations

@@ -43,8 +43,9 @@ MODULE = ("-m", "gradientflow_repro.harness.bench_cluster")
 # directions one after the other (a 2-rank exchange of 8 MiB took 1x or 2x the wire time, where
 # plain TCP sockets in the same namespaces take 1x). A two-rank ring now cuts its segments to
 # ``ring.EXCHANGE_SEGMENT_BYTES`` (512 KiB) itself, so with two nodes both rows measure that; with
-# more nodes this row shows 1 MiB segments beside the default 4 MiB. Reported beside the flat ring,
-# whose one-way flows give the model's uplink bandwidth (``cluster_check.network_fields``).
+# more nodes this row shows 1 MiB segments beside the default 4 MiB. With the flat ring, whose
+# flows also cross each uplink once each way, it gives the model's uplink bandwidth (the fastest of
+# them: ``cluster_check.network_fields``).
 SEGMENT_BYTES = 1 << 20
 # (world, ranks per node): 8 ranks as 2 nodes x 4 and 4 nodes x 2, 4 ranks as 2 nodes x 2
 LAYOUTS: tuple[tuple[int, int], ...] = ((8, 4), (8, 2), (4, 2))
@@ -252,8 +253,9 @@ def _replay_in_step(spec: dict[str, Any], gradients: list[Any], steps: int = 7) 
     parameter its gradient (what a per-tensor strategy sums in place), and ``pool``, through the
     lazy pool with a summing function that sends nothing (its hooks' copies into the pool and
     ``synchronize()``'s write-back of the mean: the work a pooled strategy, lazy, CSC or DDP's
-    buckets, does around its messages). With 8 ranks on 2 cores this is several ms, which a
-    model whose gradients are all ready at once would miss."""
+    buckets, does around its messages; DDP's own reducer is C++ and is priced by our pool's time,
+    an approximation). With 8 ranks on 2 cores this is several ms, which a model whose gradients
+    are all ready at once would miss."""
     import torch
     import torch.distributed as dist
 
@@ -558,8 +560,9 @@ def markdown(facts: dict[str, Any]) -> str:
               "`harness/bench_cluster.py`); a ring of two ranks, as the leaders' of 2 nodes, cuts both to "
               "512 KiB (`ring.EXCHANGE_SEGMENT_BYTES`: its two directions share one gloo connection). The model "
               "takes the per-message latency from the leaders' ring and the uplink's bandwidth from the fastest "
-              "of the rings whose flows cross each uplink once each way, the flat ring and the leaders' (noise on "
-              "a shared host only slows a ring; `harness/cluster_check.py`).", "",
+              "of the rings whose flows cross each uplink once each way, the flat ring and the leaders' (contention "
+              "on a shared host slows a ring by an amount that changes between launches), at most the shaped rate "
+              "(`harness/cluster_check.py`).", "",
               "| layout | uplink payload rate | leaders: latency, bandwidth (1 MiB segments) "
               "| inside a node: latency, bandwidth | flat ring of all ranks: latency, bandwidth "
               "| one-value MAX allreduce (the fp16 scale) |",

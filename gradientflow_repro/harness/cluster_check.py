@@ -18,7 +18,7 @@ Nothing is fitted to the benchmark's step times.
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import Any, Optional
 
 from gradientflow_repro import perfmodel as pm
 from gradientflow_repro.comm import knobs
@@ -45,9 +45,10 @@ def network_fields(measured: dict[str, Any]) -> dict[str, Any]:
     per-message latency of the node leaders' ring (each of its messages crosses an uplink), the
     node's own ring inside it, and the uplink's bandwidth as the fastest of the rings that carry
     what the model's B stands for, one flow per uplink and direction: the flat ring of all ranks
-    and the leaders' ring (in both segment sizes). Contention on a shared host only ever slows a
-    ring down, and by an amount that changes from launch to launch: the 8-rank flat ring measured
-    10.3-11.9 MB/s in five launches on uplinks shaped to 12.0."""
+    and the leaders' ring (in both segment sizes). Contention on a shared host slows a ring by an
+    amount that changes from launch to launch (the 8-rank flat ring measured 10.3-11.9 MB/s in five
+    launches on uplinks shaped to 12.0); what can make one faster than the link is the shaper's
+    burst, which the model spends itself, so ``model_network`` caps the figure at the shaped rate."""
     inter, intra, leaders = measured["flat"], measured.get("intra"), measured.get("leaders")
     crossing = [inter] + ([leaders, leaders.get("segmented") or {}] if leaders else [])
     return {"bandwidth_Bps": max(ring.get("bandwidth_Bps", 0.0) for ring in crossing),
@@ -58,15 +59,19 @@ def network_fields(measured: dict[str, Any]) -> dict[str, Any]:
             "builtin_cost_by_size": measured.get("builtin_cost_by_size")}
 
 
-def model_network(measured: dict[str, Any], burst_bytes: float = 0.0) -> pm.Network:
+def model_network(measured: dict[str, Any], burst_bytes: float = 0.0,
+                  shaped_Bps: Optional[float] = None) -> pm.Network:
     """``perfmodel.Network`` from a launch's measured rings (``network_fields``, applied to the rings
     themselves, so a launch recorded before the rule changed is priced by it too) and its shaper's
-    burst (``netemu.EmulatedNetwork.burst_payload_bytes``). The one-value allreduce is left to the
-    model (recursive doubling step by step, as the fp16 wire sends it), not the one-value MAX timed
-    in the launch."""
+    burst and payload rate (``netemu.EmulatedNetwork.burst_payload_bytes`` and ``payload_Bps``: no
+    measured ring is taken as faster than the shaper lets a long transfer go, since part of a
+    measured ring's speed may be burst credit, which the model spends on its own). The one-value
+    allreduce is left to the model (recursive doubling step by step, as the fp16 wire sends it),
+    not the one-value MAX timed in the launch."""
     figures = network_fields(measured)
     table = figures.get("builtin_cost_by_size")
-    return pm.Network(figures["bandwidth_Bps"], figures["latency_s"], figures["ranks_per_node"],
+    bandwidth = min(figures["bandwidth_Bps"], shaped_Bps) if shaped_Bps else figures["bandwidth_Bps"]
+    return pm.Network(bandwidth, figures["latency_s"], figures["ranks_per_node"],
                       figures["intra_bandwidth_Bps"] or float("inf"), figures["intra_latency_s"] or 0.0,
                       builtin_cost_by_size=tuple(map(tuple, table)) if table else None,
                       burst_bytes=burst_bytes)
@@ -89,7 +94,8 @@ def predictions(facts: dict[str, Any]) -> list[dict[str, Any]]:
         profile = comm_only_profile(facts["model"]["tensors_in_backward_order"],
                                     layout["network"]["local_work_in_step"],
                                     replay["pool" if chosen.fusion == "bucket" else "bare"])
-        network = model_network(layout["network"], layout.get("burst_payload_bytes", 0.0))
+        network = model_network(layout["network"], layout.get("burst_payload_bytes", 0.0),
+                                layout.get("shaped_payload_Bps"))
         predicted = pm.predict_step(profile, row["world"], network, chosen).step_s  # from backward's start
         rows.append({**row, "predicted_s": predicted, "error": predicted / row["comm_s_median"] - 1})
     return rows
@@ -102,6 +108,11 @@ def markdown_lines(facts: dict[str, Any]) -> list[str]:
     for row in rows:
         lines.append(f"| {row['layout']} | {row['strategy']} | {row['comm_s_median'] * 1e3:.1f} "
                      f"| {row['predicted_s'] * 1e3:.1f} | {row['error'] * 100:+.0f}% |")
+    unmodelled = sorted({layout["layout"] for layout in facts["layouts"]
+                         if not (layout["network"] or {}).get("local_work_in_step")})
+    if unmodelled:
+        lines += ["", f"Not modelled: {', '.join(unmodelled)} (no local work measured in the launch: recorded "
+                  "before it was, or without the network measurement)."]
     errors = [abs(r["error"]) for r in rows]
     if errors:
         lines += ["", f"Goal: the model within {GOAL_ERROR:.0%} of each. {sum(e <= GOAL_ERROR for e in errors)} "
