@@ -320,14 +320,22 @@ def message_s(message: Message, ranks: int, net: Network, strategy: Strategy) ->
     """Seconds one message keeps the communication path busy: its local work, its small allreduce
     (always recursive doubling or NCCL's tree, whatever the algorithm; the measured one-value cost
     for a bare fp16 scale, when known) and its payload."""
+    return _lead_s(message, ranks, net, strategy) + _payload_s(message, ranks, net, strategy)
+
+
+def _lead_s(message: Message, ranks: int, net: Network, strategy: Strategy) -> float:
+    """What comes before a message's payload, with the link idle: its local work and small allreduce."""
     if message.small_bytes == 4.0 and net.tiny_allreduce_s is not None:
         small = net.tiny_allreduce_s
     elif net.nccl:
         small = allreduce_s(message.small_bytes, ranks, net, strategy.algorithm, strategy.small_message_bytes)
     else:
         small = small_allreduce_s(message.small_bytes, ranks, net)
-    return message.local_work_s + small + allreduce_s(message.payload_bytes, ranks, net, strategy.algorithm,
-                                                      strategy.small_message_bytes)
+    return message.local_work_s + small
+
+
+def _payload_s(message: Message, ranks: int, net: Network, strategy: Strategy) -> float:
+    return allreduce_s(message.payload_bytes, ranks, net, strategy.algorithm, strategy.small_message_bytes)
 
 
 def sent_bytes(payload_bytes: float, ranks: int, strategy: Strategy, small: bool = False) -> float:
@@ -375,11 +383,10 @@ def _timeline(profile: ModelProfile, ranks: int, net: Network, strategy: Strateg
     link_free = first_payload = None
     for message in messages(profile, strategy):
         start = max(clock, message.ready_s if strategy.overlap else profile.backward_s)
-        cost = message_s(message, ranks, net, strategy)
+        lead, payload_s = _lead_s(message, ranks, net, strategy), _payload_s(message, ranks, net, strategy)
+        cost = lead + payload_s
         if net.burst_bytes:  # the payload goes last: the link is idle until then
-            payload_s = allreduce_s(message.payload_bytes, ranks, net, strategy.algorithm,
-                                    strategy.small_message_bytes)
-            payload_start = start + cost - payload_s
+            payload_start = start + lead
             if link_free is not None:
                 credit = min(net.burst_bytes, credit + (payload_start - link_free) * net.bandwidth_Bps)
             first_payload = payload_start if first_payload is None else first_payload

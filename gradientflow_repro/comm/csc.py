@@ -149,7 +149,6 @@ class BucketState:
         self._staged_velocity: Optional[torch.Tensor] = None
         self.last_selection: Optional[torch.Tensor] = None  # chunks sent by the last sparsify (tests)
         self._payload: Optional[torch.Tensor] = None  # chosen chunks + dense tail, kept between steps
-        self._held: Optional[torch.Tensor] = None  # the part of the chosen chunks a release cap holds back
 
     @classmethod
     def zeros(cls, chunks: int, chunk_size: int, device: torch.device, velocity_elements: int = 0) -> "BucketState":
@@ -222,7 +221,7 @@ class BucketState:
         chosen = select_chunks(norms, density, always)
         chunk_size, tail = accumulated.shape[1], 0 if dense is None else dense.numel()
         sent_elements = chosen.numel() * chunk_size  # a shape: known on the host without waiting
-        payload = self._buffer("_payload", sent_elements + tail, accumulated)
+        payload = self._payload_buffer(sent_elements + tail, accumulated)
         summed = payload[:sent_elements].view(-1, chunk_size)
         torch.index_select(accumulated, 0, chosen, out=summed)
         held = self._hold_back(summed, chosen, release_cap) if release_cap > 0 else None
@@ -246,9 +245,9 @@ class BucketState:
     def _hold_back(self, chosen_rows: torch.Tensor, chosen: torch.Tensor, cap: float) -> torch.Tensor:
         """Scale each of ``chosen_rows`` (residual + this step's addition, about to be sent) down to at
         most ``cap`` times the L2 norm of this step's addition, in place; return what was held back
-        (a buffer kept between steps), which stays in the residual. Nothing is dropped: held back +
-        sent is the chunk."""
-        held = self._buffer("_held", chosen_rows.numel(), chosen_rows).view_as(chosen_rows)
+        (this thread's scratch buffer, valid until the next sparsify), which stays in the residual.
+        Nothing is dropped: held back + sent is the chunk."""
+        held = scratch("csc held back", chosen_rows.numel(), chosen_rows.dtype, chosen_rows.device).view_as(chosen_rows)
         torch.index_select(self.residual, 0, chosen, out=held)
         step_norms = torch.sub(chosen_rows, held, out=held).norm(dim=1, keepdim=True)  # this step's rows
         tiny = torch.finfo(chosen_rows.dtype).tiny
@@ -260,14 +259,13 @@ class BucketState:
         chosen_rows.sub_(held)
         return held
 
-    def _buffer(self, name: str, elements: int, like: torch.Tensor) -> torch.Tensor:
-        """The first ``elements`` of the buffer ``name``, kept between steps (allocated once, at the
-        largest size seen: a fresh one would page-fault every step)."""
-        buffer = getattr(self, name)
-        if buffer is None or buffer.numel() < elements or buffer.device != like.device:
-            buffer = torch.empty(elements, dtype=like.dtype, device=like.device)
-            setattr(self, name, buffer)
-        return buffer[:elements]
+    def _payload_buffer(self, elements: int, like: torch.Tensor) -> torch.Tensor:
+        """The first ``elements`` of a payload buffer kept between steps (allocated once, at the
+        largest size seen: a fresh one would page-fault every step). Per state, not per thread:
+        ``Sent.summed`` views it after ``sparsify`` returns."""
+        if self._payload is None or self._payload.numel() < elements or self._payload.device != like.device:
+            self._payload = torch.empty(elements, dtype=like.dtype, device=like.device)
+        return self._payload[:elements]
 
     def commit(self, when: Optional[torch.Tensor] = None) -> None:
         """Make the staged updates the state. ``when`` (a 0-d bool tensor): only if it is true,

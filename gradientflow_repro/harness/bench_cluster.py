@@ -232,6 +232,21 @@ def _measure_network(rank: int, world: int, per_node: int, full: bool) -> dict[s
     return measured
 
 
+def _slowest_backward_s(out: Any, synchronize: Callable[[], None]) -> float:
+    """Seconds from backward's start to the end of ``synchronize()`` on the slowest rank, every
+    rank starting together after a barrier: a replayed step ends when the slowest rank is done."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    started = time.perf_counter()
+    out.backward()
+    synchronize()
+    elapsed = torch.tensor([time.perf_counter() - started])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
 def _local_work_in_step(elements: int) -> dict[str, float]:
     """CSC's and the fp16 wire's local work per element as a step does it: every rank at once on
     the shared cores (on the threads each rank trains with), the slowest rank's time, since the
@@ -257,7 +272,6 @@ def _replay_in_step(spec: dict[str, Any], gradients: list[Any], steps: int = 7) 
     an approximation). With 8 ranks on 2 cores this is several ms, which a model whose gradients
     are all ready at once would miss."""
     import torch
-    import torch.distributed as dist
 
     from gradientflow_repro.comm.lazy import LazyAllreduce
 
@@ -274,17 +288,10 @@ def _replay_in_step(spec: dict[str, Any], gradients: list[Any], steps: int = 7) 
             comm.attach(replay)
         seconds = []
         for step in range(1 + steps):
-            out = replay()
-            dist.barrier()
-            started = time.perf_counter()
-            out.backward()
-            if comm is not None:
-                comm.synchronize()
-            elapsed = torch.tensor([time.perf_counter() - started])
+            elapsed = _slowest_backward_s(replay(), comm.synchronize if comm is not None else lambda: None)
             replay.zero_grad(set_to_none=True)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if step:
-                seconds.append(elapsed.item())
+                seconds.append(elapsed)
         if comm is not None:
             comm.close()
         figures[name] = statistics.median(seconds)
@@ -296,7 +303,6 @@ def _run_strategy(rank: int, spec: dict[str, Any], label: str, options: dict[str
     """``warmup`` + ``steps`` replayed steps of one strategy; per step the slowest rank's seconds
     from backward start to the end of ``synchronize()``, and this rank's bytes and collectives."""
     import torch
-    import torch.distributed as dist
 
     from gradientflow_repro.comm import build_communicator
 
@@ -310,17 +316,12 @@ def _run_strategy(rank: int, spec: dict[str, Any], label: str, options: dict[str
         for step in range(spec["warmup"] + spec["steps"]):
             comm.begin_step(epoch=10.0)  # CSC: past its one-epoch dense warm-up
             out = train()  # builds the chain (and under DDP, its forward bookkeeping)
-            dist.barrier()
-            started = time.perf_counter()
-            out.backward()
-            comm.synchronize()
-            elapsed = torch.tensor([time.perf_counter() - started])
+            elapsed = _slowest_backward_s(out, comm.synchronize)
             comm.end_step(True)
             stats = comm.stats.take()
             optimizer.zero_grad(set_to_none=True)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank is done
             if step >= spec["warmup"]:
-                seconds.append(elapsed.item())
+                seconds.append(elapsed)
                 sent.append(stats["bytes"])
                 collectives.append(stats["collectives"])
                 waits.append(stats["wait_s"])
