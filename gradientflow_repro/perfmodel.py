@@ -24,7 +24,8 @@ ladder of `make reproduce` is derived from ``knobs.LADDER``, not retyped):
 - ``overlap``: a message may start as soon as its data is ready (backward continues meanwhile);
   without it every message starts after backward. Messages go one at a time, in order;
 - ``wire_bytes``: 4 for fp32, 2 for the fp16 wire (plus one small allreduce per message for the
-  shared scale, and the local work of finding the peak, scaling, casting, reducing in fp32 and
+  shared scale, except for a small message of our own recursive doubling, which carries its own
+  scale: ``self_scaled``; and the local work of finding the peak, scaling, casting, reducing in fp32 and
   rounding once (as the ring adds fp16 segments), casting back: a cost per element sent, on the
   communication path);
 - ``density`` < 1 (CSC): each pool part (``pool.csc_parts``) sends ceil(density x chunks) whole
@@ -323,9 +324,28 @@ def message_s(message: Message, ranks: int, net: Network, strategy: Strategy) ->
     return _lead_s(message, ranks, net, strategy) + _payload_s(message, ranks, net, strategy)
 
 
+def self_scaled(message: Message, net: Network, strategy: Strategy) -> bool:
+    """Whether the fp16 wire sends ``message`` with its scale inside (``compression.self_scaled_sum_``):
+    a small payload of our own recursive doubling (not the backend's, not NCCL's) with nothing but
+    the wire's scale before it. Then there is no scale to agree on: no small allreduce, and the
+    payload is one fp16 value (the scale's exponent) longer."""
+    return (strategy.wire_bytes < 4 and message.small_bytes == 4.0 and not net.nccl and not strategy.builtin
+            and message.payload_bytes <= strategy.small_message_bytes)
+
+
+def _sent(message: Message, ranks: int, net: Network, strategy: Strategy) -> tuple[float, float]:
+    """(payload bytes, small allreduce bytes) as the message goes on ``net`` (the exponent's two
+    bytes are counted, not timed)."""
+    if self_scaled(message, net, strategy):
+        return message.payload_bytes + 2.0, 0.0
+    return message.payload_bytes, message.small_bytes
+
+
 def _lead_s(message: Message, ranks: int, net: Network, strategy: Strategy) -> float:
     """What comes before a message's payload, with the link idle: its local work and small allreduce."""
-    if message.small_bytes == 4.0 and net.tiny_allreduce_s is not None:
+    if self_scaled(message, net, strategy):
+        small = 0.0
+    elif message.small_bytes == 4.0 and net.tiny_allreduce_s is not None:
         small = net.tiny_allreduce_s
     elif net.nccl:
         small = allreduce_s(message.small_bytes, ranks, net, strategy.algorithm, strategy.small_message_bytes)
@@ -395,8 +415,8 @@ def _timeline(profile: ModelProfile, ranks: int, net: Network, strategy: Strateg
             cost -= min(used / net.bandwidth_Bps, payload_s)
         clock = link_free = start + cost
         busy += cost
-        sent += (sent_bytes(message.payload_bytes, ranks, strategy)
-                 + sent_bytes(message.small_bytes, ranks, strategy, small=True))
+        payload_bytes, small_bytes = _sent(message, ranks, net, strategy)
+        sent += sent_bytes(payload_bytes, ranks, strategy) + sent_bytes(small_bytes, ranks, strategy, small=True)
     return _Timeline(clock, busy, sent, clock if first_payload is None else first_payload, credit)
 
 

@@ -1,7 +1,8 @@
 """Recursive doubling against ``dist.all_reduce``, in real gloo processes: world sizes 2, 3, 5 and 8
 (powers of two and the MPICH fold with one, two and three folded pairs through a subgroup of all but
 rank 0), odd lengths, sum and max, fp32, fp16 and bf16; every rank bitwise equal to the others; the
-bytes it reports; ``small_sum`` and ``SizedSum``; and the small-message benchmark on tiny sizes."""
+bytes it reports; ``small_sum`` and ``SizedSum``; the fp16 wire's self-scaled small messages; and
+the small-message benchmark on tiny sizes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from gradientflow_repro.comm import recursive_doubling
 from gradientflow_repro.comm.base import CommStats, ring_bytes
+from gradientflow_repro.comm.compression import Fp16Wire, self_scaled_sum_
 from gradientflow_repro.comm.recursive_doubling import SizedSum, recursive_doubling_allreduce_, small_sum
 from gradientflow_repro.comm.ring import ring_allreduce_, ring_sum
 
@@ -77,12 +79,80 @@ def _check(group: dist.ProcessGroup | None, label: str) -> list[str]:
     return failures
 
 
+def _check_self_scaled(group: dist.ProcessGroup | None, label: str) -> list[str]:
+    """The fp16 wire's self-scaled recursive doubling over ``group`` against ``dist.all_reduce`` of
+    fp32: far below and far above fp16's range (each message scaled by its own peak), every rank the
+    same bits, the bytes it reports, and an inf or a NaN on one rank reaching every rank."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    failures = []
+    for size in SIZES:
+        for magnitude in (1e-9, 1.0, 1e9):
+            case = f"{label} self-scaled size {size} x{magnitude:g}"
+            local = _local(size, torch.float32, dist.get_rank(), salt=7) * magnitude
+            reference, total = local.clone(), local.abs()
+            dist.all_reduce(reference, group=group)
+            dist.all_reduce(total, group=group)
+            mine = local.clone()
+            sent = self_scaled_sum_(mine, group)
+            if sent != expected_sent(rank, world, 2 * (size + 1)):  # fp16, and the scale's exponent
+                failures.append(f"{case}: sent {sent} bytes")
+            # one fp16 rounding per step and the last decoding, each at most 2^-11 of a partial sum
+            # <= sum_i |x_i| (a message's smallest entries are subnormal: 2^-40 of its peak)
+            rounds = world.bit_length() + 2
+            bound = rounds * 2.0 ** -11 * total + rounds * 2.0 ** -40 * total.max()
+            error = (mine - reference).abs()
+            if mine.dtype != torch.float32 or not (error <= bound).all():
+                failures.append(f"{case}: max error {error.max():.3g} (bound {bound.max():.3g})")
+            if magnitude != 1.0 and not (mine.abs() > 0).any():
+                failures.append(f"{case}: flushed to zero")
+            bits = mine.view(torch.int32)
+            gathered = [torch.empty_like(bits) for _ in range(world)]
+            dist.all_gather(gathered, bits, group=group)
+            if not all(torch.equal(g, gathered[0]) for g in gathered):
+                failures.append(f"{case}: ranks differ bitwise")
+    for poison in (float("inf"), float("nan")):
+        tensor = torch.ones(9)
+        if rank == world - 1:
+            tensor[4] = poison
+        self_scaled_sum_(tensor, group)
+        if torch.isfinite(tensor[4]) or not torch.isfinite(torch.cat([tensor[:4], tensor[5:]])).all():
+            failures.append(f"{label} self-scaled: a {poison} on one rank came back as {tensor.tolist()}")
+    return failures
+
+
+def _wire_routes(rank: int, world: int) -> list[str]:
+    """The fp16 wire around a size-switching sum: a small message goes self-scaled in one
+    collective; a large one agrees on a scale first (two); on NCCL even a small one agrees (NCCL's
+    allreduce carries it and cannot rescale between steps)."""
+    failures = []
+    sized = Fp16Wire(SizedSum(ring_sum(), threshold_bytes=64), world)
+    for size, collectives, sent in ((32, 1, expected_sent(rank, world, 66)),
+                                    (33, 2, expected_sent(rank, world, 4) + ring_allreduce_(torch.ones(33).half()))):
+        stats, tensor = CommStats(), torch.full((size,), float(rank))
+        sized(tensor, stats)
+        if (stats.collectives, stats.bytes) != (collectives, sent):
+            failures.append(f"fp16 wire, {size} elements: {stats}, not {collectives} collective(s), {sent} bytes")
+        if not torch.equal(tensor, torch.full((size,), float(sum(range(world))))):
+            failures.append(f"fp16 wire, {size} elements: wrong sum")
+    real_backend = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl"
+    try:
+        stats = CommStats()
+        sized(torch.ones(8), stats)
+    finally:
+        dist.get_backend = real_backend
+    if stats.collectives != 2:
+        failures.append(f"fp16 wire on NCCL: {stats.collectives} collective(s), not the agreed scale and the sum")
+    return failures
+
+
 def _cases(rank: int, world: int, out: str) -> None:
-    failures = _check(None, f"world {world}")
+    failures = _check(None, f"world {world}") + _check_self_scaled(None, f"world {world}")
+    failures += _wire_routes(rank, world)
     # a subgroup of all but rank 0 (sizes 1, 2, 4, 7): group ranks are not global ranks
     subgroup = dist.new_group(list(range(1, world)))
     if rank > 0:
-        failures += _check(subgroup, f"ranks 1..{world - 1}")
+        failures += _check(subgroup, f"ranks 1..{world - 1}") + _check_self_scaled(subgroup, f"ranks 1..{world - 1}")
     # a group of one rank: nothing to do, nothing sent
     solo = dist.new_group([0])
     if rank == 0:

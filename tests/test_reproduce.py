@@ -92,7 +92,23 @@ def test_fp16_wire_and_csc_shrink_the_bytes() -> None:
     net = pm.Network(1e8, 0.0)
     dense = pm.predict_step(PROFILE, 2, net, pm.Strategy("ring"))
     half = pm.predict_step(PROFILE, 2, net, pm.Strategy("ring+fp16", wire_bytes=2))
-    assert half.bytes_per_rank == pytest.approx(dense.bytes_per_rank / 2 + 3 * 4)  # + one fp32 scale per message
+    # + the agreed scale (one fp32 value) of each message the ring carries; the small 1-D tensor
+    # goes by recursive doubling with its scale's exponent inside (one fp16 value), agreeing on none
+    assert half.bytes_per_rank == pytest.approx(dense.bytes_per_rank / 2 + 2 * 4 + 2, abs=1e-6)
+    latent = pm.Network(1e8, 1e-3)
+    (first, small, last) = pm.messages(PROFILE, pm.Strategy("ring+fp16", wire_bytes=2))
+    assert [pm.self_scaled(m, latent, pm.Strategy("ring+fp16", wire_bytes=2)) for m in (first, small, last)] == \
+        [False, True, False]
+    # the two agreements cost log2(2) = 1 latency each; the self-scaled message none (gloo), but on
+    # NCCL, whose allreduce carries small messages, it agrees too
+    agree = 1e-3 + 4 / 1e8
+    rings = 2 * (1e-3 + 2e6 / 2e8) + 2 * (1e-3 + 6e6 / 2e8)  # 2(N-1) messages of S/N
+    half_fp16 = pm.Strategy("ring+fp16", wire_bytes=2)
+    assert pm.predict_step(PROFILE, 2, latent, half_fp16).comm_s == pytest.approx(
+        rings + 2 * agree + (1e-3 + 2000 / 1e8))
+    nccl = replace(latent, nccl=True)
+    assert not pm.self_scaled(small, nccl, half_fp16)
+    assert pm.predict_step(PROFILE, 2, nccl, half_fp16).comm_s == pytest.approx(rings + 3 * agree + (1e-3 + 2000 / 1e8))
     csc = pm.predict_step(PROFILE, 2, net, pm.Strategy("csc", density=0.1, chunk_elements=1000))
     expected = (4_000_000 * 0.1 * 4 + 4_000_000 / 1000 * 4 + 1000 * 4)  # sent + norms + 1-D dense
     assert csc.bytes_per_rank == pytest.approx(expected)

@@ -10,6 +10,17 @@ Range. fp16 holds magnitudes from about 6e-8 (subnormal) to 65504. Two things ke
   2^15. Power-of-two scaling is exact. A caller that already knows a bound on the sum (CSC sums each
   rank's peak together with its chunk norms: the sum of the peaks bounds every partial sum) passes
   it to ``sum_bounded`` and saves that collective.
+- A small message of our own recursive doubling (``SizedSum``'s small side, on gloo) needs no
+  agreement at all: it carries its own scale (``self_scaled_sum_``). Each rank sends its data
+  scaled by the power of two of its own peak, followed by that power's exponent as one more fp16
+  value; partners decode both messages, add in fp32 (rounded once) and encode the sum with its own
+  peak's scale for the next step. So the message never overflows, small values are lifted as
+  above, and every rank still ends with the same bits (partners compute the same expression). On
+  the ranks of `make reproduce` (two cores, an emulated 1 Gbit/s link, one sum per gradient of its
+  model back to back) the agreement cost 0.8 ms per message at two ranks and 2.6 ms at four, where
+  a one-value allreduce alone takes 0.2 and 1.1: ranks that meet twice per message wait for each
+  other twice. Under NCCL small messages go by NCCL's own allreduce,
+  which cannot rescale between its steps: there the scale is agreed first.
 - Underflow: the same scale lifts small gradients up towards fp16's top range, so a message whose
   largest entry is g_max keeps entries down to about g_max * 2^-25 (fp16's 11-bit mantissa plus its
   subnormal range) instead of flushing everything below 6e-8 to zero.
@@ -35,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from gradientflow_repro.comm.base import CommStats, SumFn, scratch
-from gradientflow_repro.comm.recursive_doubling import small_sum
+from gradientflow_repro.comm.recursive_doubling import SizedSum, recursive_doubling_allreduce_, small_sum
 
 FP16_SAFE_MAX = 2.0 ** 15
 
@@ -78,19 +89,67 @@ def agreed_scale(tensor: torch.Tensor, world: int, max_fn: SumFn, stats: CommSta
     return scale_for(world * peak.double())
 
 
+def encode_self_scaled(values: torch.Tensor, message: torch.Tensor) -> None:
+    """``message`` (fp16, one element longer than ``values``) = ``values`` times the power of two
+    2^k that puts their own peak just below ``FP16_SAFE_MAX`` (``scale_for``), then k: a message
+    that carries its own scale, so no rank needs to agree on one first."""
+    n = values.numel()
+    scale = scale_for(peak_magnitude(values))
+    torch.mul(values.reshape(-1), scale, out=message[:n])
+    message[n:].copy_(torch.log2(scale))  # k is an integer of at most 127 in magnitude: exact in fp16
+
+
+def decode_self_scaled(message: torch.Tensor, out: torch.Tensor) -> None:
+    n = message.numel() - 1
+    torch.div(message[:n], torch.exp2(message[n:].float()), out=out.view(-1))
+
+
+def self_scaled_combine(out: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> None:
+    """Recursive doubling's reduction of two self-scaled messages into ``out`` (either of them):
+    both decoded and added in fp32 (division by a power of two is exact, so the sum is rounded
+    once), then encoded with the scale of the sum's own peak. Partners compute the same expression
+    from the same two messages, so they hold the same bits."""
+    acc = scratch("self-scaled sum", out.numel() - 1, torch.float32, out.device)
+    decode_self_scaled(first, acc)
+    n = acc.numel()
+    torch.addcdiv(acc, second[:n], torch.exp2(second[n:].float()), out=acc)
+    encode_self_scaled(acc, out)
+
+
+def self_scaled_sum_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> int:
+    """Sum ``tensor`` over ``group`` in place by recursive doubling, fp16 on the wire, each message
+    with its own scale (``encode_self_scaled``): one collective where a shared scale takes two.
+    Every rank ends with the same bits. Returns the bytes this rank sent."""
+    message = scratch("self-scaled message", tensor.numel() + 1, torch.float16, tensor.device)
+    encode_self_scaled(tensor, message)
+    sent = recursive_doubling_allreduce_(message, group, op=self_scaled_combine)
+    decode_self_scaled(message, tensor)
+    return sent
+
+
 class Fp16Wire:
     """Wraps a summing function: ``Fp16Wire(inner)(tensor, stats)`` sums ``tensor`` in place over
     ranks with fp16 on the wire."""
 
     def __init__(self, inner: SumFn, world: int, group: Optional[dist.ProcessGroup] = None) -> None:
-        self.inner, self.world = inner, world
+        self.inner, self.world, self.group = inner, world, group
         self.max_fn = small_sum(group, op="max")  # the shared scale: a one-value MAX-allreduce
 
     def __call__(self, tensor: torch.Tensor, stats: CommStats) -> None:
         if tensor.dtype == torch.float16 or tensor.numel() == 0:
             self.inner(tensor, stats)
-            return
-        self._send(tensor, agreed_scale(tensor, self.world, self.max_fn, stats), stats)
+        elif self._self_scaled(tensor):
+            stats.bytes += self_scaled_sum_(tensor, self.group)
+            stats.collectives += 1
+        else:
+            self._send(tensor, agreed_scale(tensor, self.world, self.max_fn, stats), stats)
+
+    def _self_scaled(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` goes by our recursive doubling with its scale in the message: a small
+        message of a size-switching sum on a backend other than NCCL (whose own allreduce carries
+        small messages there, and cannot rescale between steps)."""
+        return (isinstance(self.inner, SizedSum) and self.inner.is_small(2 * tensor.numel())
+                and dist.get_backend(self.group) != "nccl")
 
     def sum_bounded(self, tensor: torch.Tensor, bound: torch.Tensor, stats: CommStats) -> None:
         """Sum ``tensor`` given ``bound``, a one-element tensor already agreed by every rank that no

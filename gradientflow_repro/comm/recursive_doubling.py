@@ -34,7 +34,7 @@ there.)
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -44,23 +44,29 @@ from gradientflow_repro.comm.knobs import SMALL_MESSAGE_BYTES  # the measured sw
 from gradientflow_repro.comm.ring import global_rank
 
 OPS = ("sum", "max")
+# ``combine(out, first, second)``: writes the reduction of two messages into ``out`` (which may be
+# either of them), the same expression on both partners (``compression.self_scaled_combine``)
+Combine = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-def _reduce_into(flat: torch.Tensor, first: torch.Tensor, second: torch.Tensor, op: str) -> None:
+def _reduce_into(flat: torch.Tensor, first: torch.Tensor, second: torch.Tensor, op: Union[str, Combine]) -> None:
     """``flat = first (op) second``, in this argument order on both partners: the same expression,
     so the same bits. Sums of fp16/bf16 are done in fp32 and rounded once (PyTorch's kernels)."""
-    if op == "max":
+    if callable(op):
+        op(flat, first, second)
+    elif op == "max":
         torch.maximum(first, second, out=flat)
     else:
         torch.add(first, second, out=flat)
 
 
 def recursive_doubling_allreduce_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
-                                  op: str = "sum") -> int:
-    """Reduce ``tensor`` over ``group`` (None: the world) in place with ``op`` ("sum" or "max").
-    Returns the bytes this rank sent: log2(p) times the tensor for the p ranks that double, plus
-    one tensor more for those that fold (see the module docstring)."""
-    if op not in OPS:
+                                  op: Union[str, Combine] = "sum") -> int:
+    """Reduce ``tensor`` over ``group`` (None: the world) in place with ``op`` ("sum", "max", or a
+    ``Combine`` of two whole messages, such as the fp16 wire's self-scaled sum). Returns the bytes
+    this rank sent: log2(p) times the tensor for the p ranks that double, plus one tensor more for
+    those that fold (see the module docstring)."""
+    if not callable(op) and op not in OPS:
         raise ValueError(f"recursive_doubling_allreduce_: op must be one of {OPS}, not {op!r}")
     if not tensor.is_contiguous():
         raise ValueError("recursive_doubling_allreduce_ needs a contiguous tensor")
@@ -146,8 +152,12 @@ class SizedSum:
                  threshold_bytes: int = SMALL_MESSAGE_BYTES) -> None:
         self.large, self.small, self.threshold_bytes = large, small_sum(group), threshold_bytes
 
+    def is_small(self, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` goes by ``small_sum``."""
+        return nbytes <= self.threshold_bytes
+
     def __call__(self, tensor: torch.Tensor, stats: CommStats) -> None:
-        fn = self.small if tensor.numel() * tensor.element_size() <= self.threshold_bytes else self.large
+        fn = self.small if self.is_small(tensor.numel() * tensor.element_size()) else self.large
         fn(tensor, stats)
 
 
