@@ -40,6 +40,7 @@ times: 4.2-4.8 ns per element with fresh allocations, 0.6-0.8 now).
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -89,30 +90,47 @@ def agreed_scale(tensor: torch.Tensor, world: int, max_fn: SumFn, stats: CommSta
     return scale_for(world * peak.double())
 
 
+def exponent_for(peak: float) -> int:
+    """``scale_for`` on the host: the k of the largest 2^k that keeps ``peak`` times it at most
+    ``FP16_SAFE_MAX`` (at most 127, fp32's largest power of two); 0 when ``peak`` is zero or not
+    finite (the message then carries its inf or NaN as it is)."""
+    if not math.isfinite(peak) or peak <= 0:
+        return 0
+    k = math.floor(math.log2(FP16_SAFE_MAX / peak))
+    while peak * 2.0 ** k > FP16_SAFE_MAX:  # log2 rounding
+        k -= 1
+    return min(k, 127)
+
+
 def encode_self_scaled(values: torch.Tensor, message: torch.Tensor) -> None:
     """``message`` (fp16, one element longer than ``values``) = ``values`` times the power of two
-    2^k that puts their own peak just below ``FP16_SAFE_MAX`` (``scale_for``), then k: a message
-    that carries its own scale, so no rank needs to agree on one first."""
+    2^k that puts their own peak just below ``FP16_SAFE_MAX``, then k: a message that carries its
+    own scale, so no rank needs to agree on one first. For CPU tensors only: the peak is read on
+    the host (free there), since a message of a few hundred elements costs mostly the calls around
+    its arithmetic, and host arithmetic on one number is the cheapest."""
     n = values.numel()
-    scale = scale_for(peak_magnitude(values))
-    torch.mul(values.reshape(-1), scale, out=message[:n])
-    message[n:].copy_(torch.log2(scale))  # k is an integer of at most 127 in magnitude: exact in fp16
+    low, high = (bound.item() for bound in torch.aminmax(values.reshape(-1)))
+    k = exponent_for(max(high, -low) if math.isfinite(low) and math.isfinite(high) else math.inf)
+    torch.mul(values.reshape(-1), 2.0 ** k, out=message[:n])
+    message[n] = k  # an integer of at most 127 in magnitude: exact in fp16
 
 
 def decode_self_scaled(message: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` (fp32) = the values ``message`` carries; exact (a power of two undone)."""
     n = message.numel() - 1
-    torch.div(message[:n], torch.exp2(message[n:].float()), out=out.view(-1))
+    values = out.view(-1)
+    values.copy_(message[:n])
+    values.mul_(2.0 ** -int(message[n].item()))
 
 
 def self_scaled_combine(out: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> None:
     """Recursive doubling's reduction of two self-scaled messages into ``out`` (either of them):
-    both decoded and added in fp32 (division by a power of two is exact, so the sum is rounded
-    once), then encoded with the scale of the sum's own peak. Partners compute the same expression
-    from the same two messages, so they hold the same bits."""
+    both decoded and added in fp32 (undoing a power of two is exact, so the sum is rounded once),
+    then encoded with the scale of the sum's own peak. Partners compute the same expression from
+    the same two messages, so they hold the same bits."""
     acc = scratch("self-scaled sum", out.numel() - 1, torch.float32, out.device)
     decode_self_scaled(first, acc)
-    n = acc.numel()
-    torch.addcdiv(acc, second[:n], torch.exp2(second[n:].float()), out=acc)
+    acc.add_(second[:-1], alpha=2.0 ** -int(second[-1].item()))
     encode_self_scaled(acc, out)
 
 
@@ -146,10 +164,11 @@ class Fp16Wire:
 
     def _self_scaled(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` goes by our recursive doubling with its scale in the message: a small
-        message of a size-switching sum on a backend other than NCCL (whose own allreduce carries
-        small messages there, and cannot rescale between steps)."""
+        CPU message of a size-switching sum on a backend other than NCCL (whose own allreduce
+        carries small messages there, and cannot rescale between steps; a GPU tensor would make the
+        host wait for the device to read each step's peak)."""
         return (isinstance(self.inner, SizedSum) and self.inner.is_small(2 * tensor.numel())
-                and dist.get_backend(self.group) != "nccl")
+                and tensor.device.type == "cpu" and dist.get_backend(self.group) != "nccl")
 
     def sum_bounded(self, tensor: torch.Tensor, bound: torch.Tensor, stats: CommStats) -> None:
         """Sum ``tensor`` given ``bound``, a one-element tensor already agreed by every rank that no
