@@ -225,7 +225,8 @@ def _network_table(network_by_world: dict[int, dict]) -> list[str]:
         lines.append(f"| {world} | {measured['bandwidth_Bps'] / 1e6:.1f} | {measured['latency_s'] * 1e6:.0f} "
                      f"| {measured.get('tiny_allreduce_s', float('nan')) * 1e3:.2f} |")
     lines += ["", "Ring: latency from a one-element-per-rank ring allreduce over its 2(N-1) messages, bandwidth "
-              "from an 8 MiB one. The one-value allreduce is the fp16 wire's shared scale (recursive doubling); "
+              "from an 8 MiB one. The one-value allreduce is the fp16 wire's shared scale (recursive doubling) "
+              "before each message the ring carries (small messages carry their own scale); "
               "CSC's chunk norms (one value per chunk, with the fp16 peak) go by recursive doubling too, priced "
               "at log2(N) steps of the ring's latency."]
     worlds = [w for w, m in sorted(network_by_world.items()) if m.get("builtin_cost_by_size")]
@@ -313,9 +314,9 @@ def _per_tensor_alone(profile: pm.ModelProfile, network_by_world: dict[int, dict
         rows.append(f"| {world} | {' | '.join(cells)} |")
     if not rows:
         return []
-    return ["", "One allreduce per gradient of this model (in backward order; with the fp16 wire, its one-value "
-            "scale allreduce first), back to back and alone on the network, against the model's communication "
-            "time for the same messages:", "",
+    return ["", "One allreduce per gradient of this model (in backward order; with the fp16 wire, a large "
+            "gradient's one-value scale allreduce first, a small one's scale inside its message), back to "
+            "back and alone on the network, against the model's communication time for the same messages:", "",
             "| world | builtin: measured (ms) | builtin: model (ms) | ring: measured (ms) | ring: model (ms) "
             "| ring+fp16: measured (ms) | ring+fp16: model (ms) |", "|---|---|---|---|---|---|---|", *rows]
 
