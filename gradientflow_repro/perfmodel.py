@@ -319,8 +319,8 @@ def messages(profile: ModelProfile, strategy: Strategy) -> list[Message]:
 
 def message_s(message: Message, ranks: int, net: Network, strategy: Strategy) -> float:
     """Seconds one message keeps the communication path busy: its local work, its small allreduce
-    (always recursive doubling or NCCL's tree, whatever the algorithm; the measured one-value cost
-    for a bare fp16 scale, when known) and its payload."""
+    if any (always recursive doubling or NCCL's tree, whatever the algorithm; the measured one-value
+    cost for a bare fp16 scale, when known; none for a ``self_scaled`` message) and its payload."""
     return _lead_s(message, ranks, net, strategy) + _payload_s(message, ranks, net, strategy)
 
 
@@ -333,12 +333,13 @@ def self_scaled(message: Message, net: Network, strategy: Strategy) -> bool:
             and message.payload_bytes <= strategy.small_message_bytes)
 
 
-def _sent(message: Message, ranks: int, net: Network, strategy: Strategy) -> tuple[float, float]:
-    """(payload bytes, small allreduce bytes) as the message goes on ``net`` (the exponent's two
-    bytes are counted, not timed)."""
+def _sent_bytes(message: Message, ranks: int, net: Network, strategy: Strategy) -> float:
+    """Bytes rank 0 sends for ``message`` on ``net``: a self-scaled one by recursive doubling with
+    its exponent's two bytes (counted, not timed), any other its small allreduce and payload."""
     if self_scaled(message, net, strategy):
-        return message.payload_bytes + 2.0, 0.0
-    return message.payload_bytes, message.small_bytes
+        return sent_bytes(message.payload_bytes + 2.0, ranks, strategy, small=True)
+    return (sent_bytes(message.payload_bytes, ranks, strategy)
+            + sent_bytes(message.small_bytes, ranks, strategy, small=True))
 
 
 def _lead_s(message: Message, ranks: int, net: Network, strategy: Strategy) -> float:
@@ -415,8 +416,7 @@ def _timeline(profile: ModelProfile, ranks: int, net: Network, strategy: Strateg
             cost -= min(used / net.bandwidth_Bps, payload_s)
         clock = link_free = start + cost
         busy += cost
-        payload_bytes, small_bytes = _sent(message, ranks, net, strategy)
-        sent += sent_bytes(payload_bytes, ranks, strategy) + sent_bytes(small_bytes, ranks, strategy, small=True)
+        sent += _sent_bytes(message, ranks, net, strategy)
     return _Timeline(clock, busy, sent, clock if first_payload is None else first_payload, credit)
 
 

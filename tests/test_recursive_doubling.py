@@ -14,7 +14,15 @@ import torch.distributed as dist
 
 from gradientflow_repro.comm import recursive_doubling
 from gradientflow_repro.comm.base import CommStats, ring_bytes
-from gradientflow_repro.comm.compression import Fp16Wire, self_scaled_sum_
+from gradientflow_repro.comm.compression import (
+    FP16_SAFE_MAX,
+    Fp16Wire,
+    decode_self_scaled,
+    encode_self_scaled,
+    exponent_for,
+    self_scaled_combine,
+    self_scaled_sum_,
+)
 from gradientflow_repro.comm.recursive_doubling import SizedSum, recursive_doubling_allreduce_, small_sum
 from gradientflow_repro.comm.ring import ring_allreduce_, ring_sum
 
@@ -88,7 +96,8 @@ def _check_self_scaled(group: dist.ProcessGroup | None, label: str) -> list[str]
     for size in SIZES:
         for magnitude in (1e-9, 1.0, 1e9):
             case = f"{label} self-scaled size {size} x{magnitude:g}"
-            local = _local(size, torch.float32, dist.get_rank(), salt=7) * magnitude
+            # ranks differ by orders of magnitude, so partners' messages carry different exponents
+            local = _local(size, torch.float32, dist.get_rank(), salt=7) * magnitude * 10.0 ** (3 * dist.get_rank())
             reference, total = local.clone(), local.abs()
             dist.all_reduce(reference, group=group)
             dist.all_reduce(total, group=group)
@@ -120,6 +129,40 @@ def _check_self_scaled(group: dist.ProcessGroup | None, label: str) -> list[str]
     return failures
 
 
+def test_self_scaled_messages_encode_exactly_at_the_edges() -> None:
+    """One process: the exponent is the largest that keeps the peak at most 2^15 (never above
+    126, so undoing it needs no subnormal fp32); decoding undoes it exactly; zero, -0, inf and NaN
+    travel as they are; two messages combine to the same bits whichever one is overwritten."""
+    fp32_max, fp32_tiny = torch.finfo(torch.float32).max, 2.0 ** -149
+    for peak, k in ((2.0 ** 15, 0), (2.0 ** 15 + 1, -1), (1.0, 15), (0.75, 15), (0.5, 16), (fp32_max, -113),
+                    (fp32_tiny, 126), (0.0, 0), (float("inf"), 0), (float("nan"), 0)):
+        assert exponent_for(peak) == k, (peak, exponent_for(peak), k)
+    for peak in (3.0, 1e-30, 7e4, 1e38, 2.0 ** -100):
+        assert peak * 2.0 ** exponent_for(peak) <= FP16_SAFE_MAX < peak * 2.0 ** (exponent_for(peak) + 1)
+    values = torch.tensor([0.0, -0.0, 1.5, -3e-5, 6e4, 2.0 ** -140])
+    message = torch.empty(values.numel() + 1, dtype=torch.float16)
+    encode_self_scaled(values, message)
+    decoded = torch.empty_like(values)
+    decode_self_scaled(message, decoded)
+    assert message[-1].item() == exponent_for(6e4)
+    assert torch.equal(decoded, (values * 2.0 ** message[-1].item()).half().float() / 2.0 ** message[-1].item())
+    assert torch.signbit(decoded[1]) and decoded[0] == 0
+    for poison in (float("inf"), float("-inf"), float("nan")):
+        encode_self_scaled(torch.tensor([1.0, poison]), message[:3])
+        decode_self_scaled(message[:3], decoded[:2])
+        assert decoded[0] == 1.0 and (torch.isnan(decoded[1]) if poison != poison else decoded[1] == poison)
+    first, second = torch.empty(4, dtype=torch.float16), torch.empty(4, dtype=torch.float16)
+    encode_self_scaled(torch.tensor([1.0, -2.0, 3e-3]), first)
+    encode_self_scaled(torch.tensor([5e3, 7.0, -1e-4]), second)
+    into_first, into_second = first.clone(), second.clone()
+    self_scaled_combine(into_first, into_first, second)
+    self_scaled_combine(into_second, first, into_second)
+    assert torch.equal(into_first, into_second)
+    summed = torch.empty(3)
+    decode_self_scaled(into_first, summed)
+    assert torch.allclose(summed, torch.tensor([5001.0, 5.0, 2.9e-3]), rtol=2.0 ** -10)
+
+
 def _wire_routes(rank: int, world: int) -> list[str]:
     """The fp16 wire around a size-switching sum: a small message goes self-scaled in one
     collective; a large one agrees on a scale first (two); on NCCL even a small one agrees (NCCL's
@@ -134,6 +177,11 @@ def _wire_routes(rank: int, world: int) -> list[str]:
             failures.append(f"fp16 wire, {size} elements: {stats}, not {collectives} collective(s), {sent} bytes")
         if not torch.equal(tensor, torch.full((size,), float(sum(range(world))))):
             failures.append(f"fp16 wire, {size} elements: wrong sum")
+    strided = torch.full((4, 6), float(rank)).t()  # a transposed view: summed by the agreed scale
+    stats = CommStats()
+    sized(strided, stats)
+    if stats.collectives != 2 or not torch.equal(strided, torch.full((6, 4), float(sum(range(world))))):
+        failures.append(f"fp16 wire, a strided view: {stats}, {strided.flatten().tolist()[:4]}")
     real_backend = dist.get_backend
     dist.get_backend = lambda group=None: "nccl"
     try:

@@ -106,6 +106,11 @@ def test_fp16_wire_and_csc_shrink_the_bytes() -> None:
     half_fp16 = pm.Strategy("ring+fp16", wire_bytes=2)
     assert pm.predict_step(PROFILE, 2, latent, half_fp16).comm_s == pytest.approx(
         rings + 2 * agree + (1e-3 + 2000 / 1e8))
+    # at world size 4, a message of exactly the threshold still goes by recursive doubling (two
+    # steps), with its exponent: as SizedSum decides, by the fp16 payload
+    at_threshold = pm.Strategy("ring+fp16", wire_bytes=2, small_message_bytes=2000)
+    assert pm.predict_step(PROFILE, 4, latent, at_threshold).bytes_per_rank == pytest.approx(
+        1.5 * (2e6 + 6e6) + 2 * (2 * 4) + 2 * 2002, abs=1e-6)
     nccl = replace(latent, nccl=True)
     assert not pm.self_scaled(small, nccl, half_fp16)
     assert pm.predict_step(PROFILE, 2, nccl, half_fp16).comm_s == pytest.approx(rings + 3 * agree + (1e-3 + 2000 / 1e8))

@@ -27,12 +27,14 @@ Range. fp16 holds magnitudes from about 6e-8 (subnormal) to 65504. Two things ke
 With fp16 training, ``p.grad`` holds gradients multiplied by the GradScaler's loss scale when they
 are communicated. The wire scale is chosen per message after that, so the two compose: the loss
 scale is undone later by ``GradScaler.unscale_`` as usual. A non-finite gradient on any rank makes
-the agreed maximum non-finite; the message is then sent unscaled, the sum carries the inf/NaN to
-every rank, and the trainer's agreed overflow check skips the step everywhere (never a silent
-clamp). The scale is computed and applied on the device: nothing waits for the GPU.
+the agreed maximum non-finite (or, self-scaled, that rank's message and every sum after it); the
+message is then sent unscaled, the sum carries the inf/NaN to every rank, and the trainer's agreed
+overflow check skips the step everywhere (never a silent clamp). The agreed scale is computed and
+applied on the device: nothing waits for the GPU (the self-scaled messages are CPU tensors).
 
 Local work, per element sent: the peak, scaling and casting, casting back and unscaling, each one
-pass without a temporary, into and out of a wire buffer kept between calls. On a CPU a fresh
+pass without a temporary, into and out of a wire buffer kept between calls (self-scaled: at every
+step of the recursive doubling, a decode, an add and an encode). On a CPU a fresh
 fp32 temporary and half-size buffer per message cost page faults that made this work four times as
 long as its arithmetic (2.25M elements on one thread, the same calls as ``harness/profile.py``
 times: 4.2-4.8 ns per element with fresh allocations, 0.6-0.8 now).
@@ -92,22 +94,22 @@ def agreed_scale(tensor: torch.Tensor, world: int, max_fn: SumFn, stats: CommSta
 
 def exponent_for(peak: float) -> int:
     """``scale_for`` on the host: the k of the largest 2^k that keeps ``peak`` times it at most
-    ``FP16_SAFE_MAX`` (at most 127, fp32's largest power of two); 0 when ``peak`` is zero or not
-    finite (the message then carries its inf or NaN as it is)."""
+    ``FP16_SAFE_MAX`` = 2^15, at most 126 (so 2^-k, which undoes it, is a normal fp32 number and
+    survives flush-to-zero); 0 when ``peak`` is zero or not finite (the message then carries its
+    inf or NaN as it is). Exact, from the binary exponent (``frexp``: peak = m 2^e, m in [0.5, 1)),
+    so every rank computes the same k whatever its libm."""
     if not math.isfinite(peak) or peak <= 0:
         return 0
-    k = math.floor(math.log2(FP16_SAFE_MAX / peak))
-    while peak * 2.0 ** k > FP16_SAFE_MAX:  # log2 rounding
-        k -= 1
-    return min(k, 127)
+    mantissa, exponent = math.frexp(peak)
+    return min((16 if mantissa == 0.5 else 15) - exponent, 126)
 
 
 def encode_self_scaled(values: torch.Tensor, message: torch.Tensor) -> None:
     """``message`` (fp16, one element longer than ``values``) = ``values`` times the power of two
     2^k that puts their own peak just below ``FP16_SAFE_MAX``, then k: a message that carries its
     own scale, so no rank needs to agree on one first. For CPU tensors only: the peak is read on
-    the host (free there), since a message of a few hundred elements costs mostly the calls around
-    its arithmetic, and host arithmetic on one number is the cheapest."""
+    the host (free there), since most small messages (a bias, a norm layer's weights) cost mostly
+    the calls around their arithmetic, and host arithmetic on one number is the cheapest."""
     n = values.numel()
     low, high = (bound.item() for bound in torch.aminmax(values.reshape(-1)))
     k = exponent_for(max(high, -low) if math.isfinite(low) and math.isfinite(high) else math.inf)
@@ -150,14 +152,14 @@ class Fp16Wire:
     ranks with fp16 on the wire."""
 
     def __init__(self, inner: SumFn, world: int, group: Optional[dist.ProcessGroup] = None) -> None:
-        self.inner, self.world, self.group = inner, world, group
+        self.inner, self.world = inner, world
         self.max_fn = small_sum(group, op="max")  # the shared scale: a one-value MAX-allreduce
 
     def __call__(self, tensor: torch.Tensor, stats: CommStats) -> None:
         if tensor.dtype == torch.float16 or tensor.numel() == 0:
             self.inner(tensor, stats)
         elif self._self_scaled(tensor):
-            stats.bytes += self_scaled_sum_(tensor, self.group)
+            stats.bytes += self_scaled_sum_(tensor, self.inner.group)  # the sum's own ranks
             stats.collectives += 1
         else:
             self._send(tensor, agreed_scale(tensor, self.world, self.max_fn, stats), stats)
@@ -168,7 +170,8 @@ class Fp16Wire:
         carries small messages there, and cannot rescale between steps; a GPU tensor would make the
         host wait for the device to read each step's peak)."""
         return (isinstance(self.inner, SizedSum) and self.inner.is_small(2 * tensor.numel())
-                and tensor.device.type == "cpu" and dist.get_backend(self.group) != "nccl")
+                and tensor.device.type == "cpu" and tensor.is_contiguous() and self.world > 1
+                and dist.is_initialized() and dist.get_backend(self.inner.group) != "nccl")
 
     def sum_bounded(self, tensor: torch.Tensor, bound: torch.Tensor, stats: CommStats) -> None:
         """Sum ``tensor`` given ``bound``, a one-element tensor already agreed by every rank that no

@@ -150,7 +150,7 @@ class SizedSum:
 
     def __init__(self, large: SumFn, group: Optional[dist.ProcessGroup] = None,
                  threshold_bytes: int = SMALL_MESSAGE_BYTES) -> None:
-        self.large, self.small, self.threshold_bytes = large, small_sum(group), threshold_bytes
+        self.large, self.small, self.threshold_bytes, self.group = large, small_sum(group), threshold_bytes, group
 
     def is_small(self, nbytes: int) -> bool:
         """Whether a message of ``nbytes`` goes by ``small_sum``."""
