@@ -3,24 +3,24 @@
 The paper's mixed-precision training also halves the communication volume: fp32 master gradients
 are cast to fp16 for the allreduce and cast back after. Any summing algorithm can be wrapped.
 
-Range. fp16 holds magnitudes from about 6e-8 (subnormal) to 65504. Two things keep values inside:
+Range. fp16 holds magnitudes from about 6e-8 (subnormal) to 65504. What keeps values inside:
 - Overflow of the *sum*: each message is scaled by a power of two 2^k chosen from the largest
   magnitude on any rank (one MAX-allreduce of a scalar per message, a small collective: recursive
   doubling or NCCL's tree; so all ranks use the same k) such that N times that magnitude stays below
   2^15. Power-of-two scaling is exact. A caller that already knows a bound on the sum (CSC sums each
   rank's peak together with its chunk norms: the sum of the peaks bounds every partial sum) passes
   it to ``sum_bounded`` and saves that collective.
-- A small message of our own recursive doubling (``SizedSum``'s small side, on gloo) needs no
-  agreement at all: it carries its own scale (``self_scaled_sum_``). Each rank sends its data
-  scaled by the power of two of its own peak, followed by that power's exponent as one more fp16
-  value; partners decode both messages, add in fp32 (rounded once) and encode the sum with its own
-  peak's scale for the next step. So the message never overflows, small values are lifted as
-  above, and every rank still ends with the same bits (partners compute the same expression). On
-  the ranks of `make reproduce` (two cores, an emulated 1 Gbit/s link, one sum per gradient of its
-  model back to back) the agreement cost 0.8 ms per message at two ranks and 2.6 ms at four, where
-  a one-value allreduce alone takes 0.2 and 1.1: ranks that meet twice per message wait for each
-  other twice. Under NCCL small messages go by NCCL's own allreduce,
-  which cannot rescale between its steps: there the scale is agreed first.
+- A small message of our own recursive doubling (``SizedSum``'s small side; CPU tensors, any
+  backend but NCCL) needs no agreement at all: it carries its own scale (``self_scaled_sum_``).
+  Each rank sends its data scaled by the power of two of its own peak, followed by that power's
+  exponent as one more fp16 value; partners decode both messages, add in fp32 (rounded once) and
+  encode the sum with its own peak's scale for the next step. So the message never overflows,
+  small values are lifted as below, and every rank still ends with the same bits (partners compute
+  the same expression). On the ranks of `make reproduce` (two cores, an emulated 1 Gbit/s link,
+  one sum per gradient of its model back to back) the agreement cost 0.8 ms per message at two
+  ranks and 2.6 ms at four, where a one-value allreduce timed alone took 0.2 and 1.1: ranks that
+  meet twice per message wait for each other twice. Under NCCL small messages go by NCCL's own
+  allreduce, which cannot rescale between its steps: there the scale is agreed first.
 - Underflow: the same scale lifts small gradients up towards fp16's top range, so a message whose
   largest entry is g_max keeps entries down to about g_max * 2^-25 (fp16's 11-bit mantissa plus its
   subnormal range) instead of flushing everything below 6e-8 to zero.
