@@ -114,7 +114,7 @@ def encode_self_scaled(values: torch.Tensor, message: torch.Tensor) -> None:
     low, high = (bound.item() for bound in torch.aminmax(values.reshape(-1)))
     k = exponent_for(max(high, -low) if math.isfinite(low) and math.isfinite(high) else math.inf)
     torch.mul(values.reshape(-1), 2.0 ** k, out=message[:n])
-    message[n] = k  # an integer of at most 127 in magnitude: exact in fp16
+    message[n] = k  # an integer of magnitude below 2048 (fp64 peaks included): exact in fp16
 
 
 def decode_self_scaled(message: torch.Tensor, out: torch.Tensor) -> None:
