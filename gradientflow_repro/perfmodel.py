@@ -345,8 +345,12 @@ def _sent_bytes(message: Message, ranks: int, net: Network, strategy: Strategy) 
 def _lead_s(message: Message, ranks: int, net: Network, strategy: Strategy) -> float:
     """What comes before a message's payload, with the link idle: its local work and small allreduce."""
     if self_scaled(message, net, strategy):
-        small = 0.0
-    elif message.small_bytes == 4.0 and net.tiny_allreduce_s is not None:
+        # no agreement; but each step that combines decodes, adds and re-encodes: the wire's work
+        # (peak, scale and cast, cast back) once more per step, on top of the first encode
+        power = 1 << (ranks.bit_length() - 1)
+        steps = power.bit_length() - 1 + (1 if ranks > power else 0)
+        return message.local_work_s * (1 + steps)
+    if message.small_bytes == 4.0 and net.tiny_allreduce_s is not None:
         small = net.tiny_allreduce_s
     elif net.nccl:
         small = allreduce_s(message.small_bytes, ranks, net, strategy.algorithm, strategy.small_message_bytes)
