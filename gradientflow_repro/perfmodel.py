@@ -118,12 +118,16 @@ class Strategy:
     chunk_elements: int = 32768
     algorithm: str = "ring"  # builtin | ring | hierarchical | auto, as ``comm.algorithm``
     small_message_bytes: float = comm_knobs.SMALL_MESSAGE_BYTES  # recursive doubling up to here
+    # CSC's trust-ratio noise sketches ride with the chunk norms (momentum correction under LARS)
+    noise_sketch: bool = False
 
     @classmethod
-    def from_knobs(cls, name: str, knobs: comm_knobs.CommConfig) -> "Strategy":
+    def from_knobs(cls, name: str, knobs: comm_knobs.CommConfig, lars: bool = True) -> "Strategy":
         """The model's view of a resolved ``comm`` configuration (``comm.knobs.resolve``), as
         ``comm/factory.py`` builds it: DDP and the lazy pool fuse into buckets (DDP of
-        ``ddp_bucket_mb``, always overlapped; the pool of ``bucket_mb``, overlapped if ``overlap``)."""
+        ``ddp_bucket_mb``, always overlapped; the pool of ``bucket_mb``, overlapped if ``overlap``).
+        ``lars``: the optimizer is LARS (the paper's), so CSC under momentum correction sends the
+        noise sketches of its trust ratios (``comm/csc.py``, ``TrustNoise``)."""
         fusion = "bucket" if knobs.fusion in ("lazy", "ddp") else "per_tensor"
         bucket_mb = knobs.ddp_bucket_mb if knobs.fusion == "ddp" else knobs.bucket_mb
         return cls(name, fusion=fusion,
@@ -132,7 +136,9 @@ class Strategy:
                    wire_bytes=2 if knobs.wire == "fp16" else 4,
                    density=knobs.density if knobs.sparsity == "csc" else 1.0,
                    chunk_elements=knobs.chunk_size, algorithm=knobs.algorithm,
-                   small_message_bytes=comm_knobs.small_message_bytes(knobs))
+                   small_message_bytes=comm_knobs.small_message_bytes(knobs),
+                   noise_sketch=(lars and knobs.sparsity == "csc" and knobs.momentum_correction
+                                 and knobs.trust_noise_correction))
 
     @property
     def builtin(self) -> bool:
@@ -303,9 +309,12 @@ def _message(tensors: list[TensorProfile], elements: int, sparse_elements: int, 
     cast = profile.wire_cast_s_per_element if fp16 else 0.0
     chunks = sparse_elements // strategy.chunk_elements
     # as csc.py: ceil(density x chunks) chunks of the sparse section, then the dense tail, in one
-    # payload; the norms and the fp16 peak in one small allreduce before it
+    # payload; the norms, any trust-ratio noise sketches (one squared norm and the buckets per
+    # layer LARS adapts: the multi-dimensional ones) and the fp16 peak in one small allreduce before it
     sent = (elements - sparse_elements) + math.ceil(strategy.density * chunks) * strategy.chunk_elements
-    small = 4.0 * (chunks + (1 if fp16 else 0)) if chunks else (4.0 if fp16 else 0.0)
+    sketches = (sum(1 + min(comm_knobs.TRUST_SKETCH_BUCKETS, t.elements) for t in tensors if not t.one_dimensional)
+                if strategy.noise_sketch and strategy.density < 1 else 0)
+    small = 4.0 * (chunks + sketches + (1 if fp16 else 0)) if chunks else (4.0 if fp16 else 0.0)
     return Message(ready_s=max(t.ready_s for t in tensors), payload_bytes=sent * strategy.wire_bytes,
                    small_bytes=small,
                    local_work_s=sparse_elements * profile.sparsify_s_per_element + sent * cast)
@@ -483,8 +492,10 @@ ASSUMED_GPU_MEMORY_BPS = 800e9
 # 8, g + wd w 12, times the ratio 8: 28), momentum u <- m u + g (12), v + u into the spare (12),
 # chunk norms (4), peak (4), re-scale the part (8), zero the section (4), ~density x 20 for
 # packing, clearing and writing back the chosen chunks, and ~density x 48 for the release cap on
-# them (their residual rows 8, this step's rows 12, two norms 8, the split 20): about 87 at density 0.1.
-CSC_BYTES_PER_ELEMENT = 87
+# them (their residual rows 8, this step's rows 12, two norms 8, the split 20), and the trust ratio's
+# noise sketch (g times the signs into a buffer 4 + 1 + 4, summed into buckets 4: 13): about 100 at
+# density 0.1.
+CSC_BYTES_PER_ELEMENT = 100
 # Per element the fp16 wire sends: scale and cast (read 4, write 2), cast back and unscale (read 2,
 # write 4).
 FP16_WIRE_BYTES_PER_ELEMENT = 12

@@ -15,7 +15,7 @@ from timm.optim import Lars
 from torch import nn
 
 from gradientflow_repro.comm.base import CommStats, builtin_sum
-from gradientflow_repro.comm.csc import BucketState, CSCCommunicator, chunk_l1_norms, select_chunks
+from gradientflow_repro.comm.csc import BucketState, CSCCommunicator, chunk_l1_norms, lars_rescale_, select_chunks
 from gradientflow_repro.comm.lazy import LazyAllreduce
 from gradientflow_repro.comm.ring import ring_sum
 from gradientflow_repro.optim import parameter_groups
@@ -271,9 +271,14 @@ def test_momentum_correction_refuses_what_it_would_run_wrongly(optimizer) -> Non
     csc(density=0.25, momentum_correction=False, overlap=False).attach(model, optimizer(model.parameters()))
 
 
+def _lars(model: nn.Module) -> Lars:
+    return Lars(parameter_groups(model, 5e-4), lr=0.1, momentum=0.9, trust_coeff=0.06)
+
+
 def _checkpoint_and_skip(rank: int, world: int, out: str) -> None:
+    """Under Lars, so the trust ratio's noise estimate is part of the state."""
     model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = _lars(model)
     comm = csc(density=0.25, momentum_correction=True)
     comm.attach(model, optimizer)
     for step in range(3):
@@ -291,8 +296,13 @@ def _checkpoint_and_skip(rank: int, world: int, out: str) -> None:
     restored_model = Net()
     restored_model.load_state_dict(model.state_dict())
     restored = csc(density=0.25, momentum_correction=True)
-    restored.attach(restored_model, torch.optim.SGD(restored_model.parameters(), lr=0.1, momentum=0.9))
+    restored.attach(restored_model, _lars(restored_model))
     restored.load_state_dict(torch.load(buffer, weights_only=False))
+    noise = [part.noise for part in comm.parts if part.noise is not None]
+    if not noise or not all((n > 0).all() for n in noise):
+        failures.append("the test does not exercise the noise estimate")
+    if not all(torch.equal(a.noise, b.noise) for a, b in zip(comm.parts, restored.parts) if a.noise is not None):
+        failures.append("noise estimate not restored exactly")
     for i in comm.residual:
         if not torch.equal(comm.residual[i], restored.residual[i]):
             failures.append(f"residual {i} not restored exactly")
@@ -309,6 +319,7 @@ def _checkpoint_and_skip(rank: int, world: int, out: str) -> None:
         failures.append("restored communicator does not step in lockstep")
     # a skipped step (fp16 overflow on some rank) leaves residuals and velocities untouched
     before = {i: t.clone() for i, t in comm.residual.items()}
+    noise_before = [None if part.noise is None else part.noise.clone() for part in comm.parts]
     comm.begin_step(epoch=1.0, grad_scale=1024.0)
     if rank == world - 1:  # the gradient overflows inside backward, on one rank only
         hook = model.a.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
@@ -321,6 +332,8 @@ def _checkpoint_and_skip(rank: int, world: int, out: str) -> None:
     comm.end_step(applied=False)
     if any(not torch.equal(before[i], comm.residual[i]) for i in before):
         failures.append("a skipped step changed the residuals")
+    if any(b is not None and not torch.equal(b, part.noise) for b, part in zip(noise_before, comm.parts)):
+        failures.append("a skipped step changed the noise estimate")
     comm.close()
     restored.close()
     torch.save(failures, Path(out) / f"rank{rank}.pt")
@@ -425,8 +438,10 @@ def _two_collectives_per_part(rank: int, world: int, out: str) -> None:
                            overlap=True, chunk_size=100, density=0.3, warmup_epochs=0.0, momentum_correction=True)
     full = CSCCommunicator(CPU, ring_sum(segment_bytes=1024), bucket_bytes=4096, overlap=True, chunk_size=100,
                            density=0.3, warmup_epochs=0.0, momentum_correction=True)
-    half.attach(half_model, torch.optim.SGD(half_model.parameters(), lr=0.1, momentum=0.9))
-    full.attach(full_model, torch.optim.SGD(full_model.parameters(), lr=0.1, momentum=0.9))
+    half.attach(half_model, _lars(half_model))  # under Lars: the noise sketches ride with the norms
+    full.attach(full_model, _lars(full_model))
+    if not any(part.noise is not None for part in half.parts):
+        failures.append("no pool part sends noise sketches")
     if not any(b.sparse_elements and b.sparse_elements < b.flat.numel() for b in half.buckets):
         failures.append("no pool part holds both chunks and a dense tail")
     for model, comm in ((half_model, half), (full_model, full)):  # the first sparse step: same residuals
@@ -473,3 +488,101 @@ def _two_collectives_per_part(rank: int, world: int, out: str) -> None:
 def test_csc_sends_two_collectives_per_pool_part(world: int, tmp_path: Path) -> None:
     spawn(_two_collectives_per_part, world, str(tmp_path))
     assert_no_failures(tmp_path, world)
+
+
+def _trust_noise(rank: int, world: int, out: str) -> None:
+    """The trust ratio's noise estimate (``TrustNoise``) against references computed from every
+    rank's whole gradient (``dist.all_reduce``, ``dist.all_gather``)."""
+    failures = []
+    model = Net()
+    comm = CSCCommunicator(CPU, ring_sum(segment_bytes=1024), bucket_bytes=4096, overlap=False, chunk_size=100,
+                           density=0.5, warmup_epochs=0.0, momentum_correction=True)
+    comm.attach(model, _lars(model))
+    noise = comm.local_step.noise
+    buckets = [b for b in comm.buckets if noise.layers_in(b.index)]
+    if sum(noise.layers_in(b.index) for b in buckets) != 2:
+        failures.append("the two weight matrices are not both sketched")
+    # 1. linear: the ranks' sketches summed (as the norms' message sums them) are the sketch of the
+    # summed gradients, and the squared norms are each rank's own
+    for bucket in buckets:
+        layers = noise.layers_in(bucket.index)
+        gradient = torch.randn(bucket.flat.numel(), generator=torch.Generator().manual_seed(rank))
+        mine = noise.sketch(bucket, gradient)
+        summed, total = mine.clone(), gradient.clone()
+        dist.all_reduce(summed)
+        dist.all_reduce(total)
+        of_sum = noise.sketch(bucket, total)
+        if not torch.allclose(summed[layers:], of_sum[layers:], rtol=1e-5, atol=1e-5):
+            failures.append(f"part {bucket.index}: the summed sketches are not the sketch of the sum")
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+        own = sum(torch.zeros(layers).index_add_(0, noise.layer_of[bucket.index], s[layers:].square())
+                  for s in everyone)
+        if not torch.allclose(summed[:layers], own, rtol=1e-5):
+            failures.append(f"part {bucket.index}: the squared sketch norms are not the ranks' own")
+    # 2. the factor c against the exact one, c^2 = mean_i |g_i|^2 / |mean g|^2, with the same running
+    # means: a shared gradient plus each rank's noise, one layer noisier than the other
+    exact = {}
+    for step in range(40):
+        for bucket in buckets:
+            state = comm.parts[bucket.index]
+            shared = torch.Generator().manual_seed(1000 + step)
+            gradient = torch.zeros_like(bucket.flat)
+            for index, _ in noise.layers[bucket.index]:
+                param, offset, _ = noise.entries[bucket.index][index]
+                n = param.numel()
+                signal = torch.rand(n, generator=shared) + 0.5  # all positive: signs matter
+                spread = 3.0 if n > 1000 else 0.5
+                mine = signal + spread * torch.randn(n, generator=torch.Generator().manual_seed(rank * 7919 + step))
+                gradient[offset:offset + n] = mine
+                everyone = [torch.empty_like(mine) for _ in range(world)]
+                dist.all_gather(everyone, mine)
+                sample = torch.stack([sum(g.square().sum() for g in everyone) / world,
+                                      (sum(everyone) / world).square().sum()])
+                exact[index, bucket.index] = sample if step == 0 else 0.9 * exact[index, bucket.index] + 0.1 * sample
+            sketch = noise.sketch(bucket, gradient)
+            dist.all_reduce(sketch)
+            noise.observe(bucket, state, sketch)
+            state.commit()
+    truths = []
+    for bucket in buckets:
+        for index, c in noise.factors(bucket, comm.parts[bucket.index]).items():
+            own, mean = exact[index, bucket.index]
+            truths.append(min(max((own / mean).item(), 1.0), world) ** 0.5)
+            if abs(c.item() / truths[-1] - 1) > 0.2:
+                failures.append(f"part {bucket.index}, layer {index}: c = {c.item():.3f}, exact {truths[-1]:.3f}")
+    if max(truths) < 1.2:
+        failures.append(f"exact factors {truths}: the test needs noise")
+    # 3. ranks that agree: c is 1, as dense LARS
+    fresh = Net()
+    agreeing = CSCCommunicator(CPU, ring_sum(segment_bytes=1024), bucket_bytes=4096, overlap=False, chunk_size=100,
+                               density=0.5, warmup_epochs=0.0, momentum_correction=True)
+    agreeing.attach(fresh, _lars(fresh))
+    for bucket in buckets:
+        state = agreeing.parts[bucket.index]
+        for step in range(3):
+            gradient = torch.randn(bucket.flat.numel(), generator=torch.Generator().manual_seed(step))
+            sketch = agreeing.local_step.noise.sketch(bucket, gradient)
+            dist.all_reduce(sketch)
+            agreeing.local_step.noise.observe(bucket, state, sketch)
+            state.commit()
+        factors = torch.stack(list(agreeing.local_step.noise.factors(bucket, state).values()))
+        if not torch.allclose(factors, torch.ones_like(factors), rtol=0, atol=1e-6):
+            failures.append(f"ranks that agree: c = {factors.tolist()}, not 1")
+    comm.close()
+    agreeing.close()
+    torch.save(failures, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_trust_noise_estimate_against_every_ranks_gradient(world: int, tmp_path: Path) -> None:
+    spawn(_trust_noise, world, str(tmp_path))
+    assert_no_failures(tmp_path, world)
+
+
+def test_trust_ratio_divides_the_gradient_norm_by_the_noise_factor() -> None:
+    gradient, weight = torch.full((4,), 3.0), torch.full((4,), 2.0)  # |g| = 6, |w| = 4
+    group = {"weight_decay": 0.5, "trust_coeff": 0.1, "eps": 0.0}
+    lars_rescale_([gradient], [weight], [group], noise=[torch.tensor(2.0)])
+    ratio = 0.1 * 4 / (6 / 2 + 4 * 0.5)  # trust |w| / (|g| / c + wd |w|)
+    assert torch.allclose(gradient, (torch.full((4,), 3.0) + 0.5 * weight) * ratio)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from gradientflow_repro import perfmodel as pm
+from gradientflow_repro.comm import knobs
 from gradientflow_repro.harness import netemu
 from gradientflow_repro.harness.launch import run_ranks
 from gradientflow_repro.harness.profile import measure_wire_cast_s_per_element
@@ -152,6 +153,14 @@ def test_csc_pool_parts_and_norms_as_the_communicator_sends_them() -> None:
     (half,) = pm.messages(PROFILE, pm.Strategy("gf", fusion="bucket", bucket_bytes=1e9, density=0.1,
                                                chunk_elements=1000, wire_bytes=2))
     assert (half.payload_bytes, half.small_bytes) == ((400_000 + 1000) * 2, 4001 * 4)
+    # under LARS each multi-dimensional tensor's trust-ratio noise sketch rides too: its squared
+    # norm and 64 buckets (csc.TrustNoise); the benchmark's SGD sends none
+    (sketched,) = pm.messages(PROFILE, replace(csc, noise_sketch=True))
+    assert sketched.small_bytes == (4000 + 2 * 65) * 4
+    full_stack = knobs.resolve({"strategy": "gradientflow"})
+    assert pm.Strategy.from_knobs("gf", full_stack).noise_sketch
+    assert not pm.Strategy.from_knobs("gf", full_stack, lars=False).noise_sketch
+    assert not pm.Strategy.from_knobs("gf", replace(full_stack, trust_noise_correction=False)).noise_sketch
     # parts are cut by the pool's rule: a small threshold gives one part per tensor in backward order
     parts = pm.messages(PROFILE, pm.Strategy("csc", fusion="bucket", bucket_bytes=1, density=0.1,
                                              chunk_elements=1000))

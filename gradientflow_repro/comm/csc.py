@@ -43,10 +43,10 @@ Lars, as DGC does) and, for the layers Lars adapts, rescales it by the trust rat
 ``u <- m u + g``; the optimizer's groups run as plain SGD (momentum, weight decay and adaptation
 handed to CSC). It is DGC's correction with LARS where LARS puts it: when every chunk is sent and
 the ranks' gradients agree it is dense LARS step for step (the lockstep test). With different
-gradients each rank's ratio comes from its own |g|, whose noise makes it larger than the mean
-gradient's: by up to sqrt(N) when noise dominates, so the steps are that much shorter than dense
-LARS's. The mean's norm is not known before the sum, and estimating it would cost a third
-collective per part. Optimizers that adapt in other ways (apex's LARC rescales every update,
+gradients each rank's ratio would come from its own |g|, whose noise makes it larger than the mean
+gradient's (by up to sqrt(N) when noise dominates), so the steps would be that much shorter than
+dense LARS's; ``TrustNoise`` estimates that factor from sketches riding with the chunk norms and
+divides it out (``comm.trust_noise_correction``). Optimizers that adapt in other ways (apex's LARC rescales every update,
 velocity included), Nesterov momentum and dampening are refused rather than run wrongly. Should
 the density schedule return to dense, the optimizer gets its settings back and its momentum
 restarts from the mean gradient (the velocities are per rank).
@@ -82,14 +82,16 @@ the device: after an overflow the residual is kept and the bucket arrives as inf
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
+import torch.distributed as dist
 from timm.optim import Lars
 from torch import nn
 
 from gradientflow_repro.comm.base import CommStats, GradScale, SumFn, scratch
 from gradientflow_repro.comm.compression import peak_magnitude
+from gradientflow_repro.comm.knobs import TRUST_SKETCH_BUCKETS
 from gradientflow_repro.comm.lazy import Bucket, LazyAllreduce
 from gradientflow_repro.comm.pool import csc_parts
 from gradientflow_repro.comm.recursive_doubling import small_sum
@@ -126,6 +128,7 @@ class Sent(NamedTuple):
     # buffer the next sparsify reuses)
     finite: Optional[torch.Tensor]  # with guard_overflow: a 0-d bool on the device, False when
     # some rank's chunk norms were not finite (its gradient overflowed)
+    extra: Optional[torch.Tensor] = None  # ``sparsify``'s ``extra``, summed over ranks
 
 
 class BucketState:
@@ -139,33 +142,40 @@ class BucketState:
     DDP hook). Used by ``CSCCommunicator`` (one per pool part) and ``csc_hook`` (one per DDP
     bucket)."""
 
+    STATE = ("residual", "velocity", "noise")  # what is staged, committed and saved
+
     def __init__(self, residual: Optional[torch.Tensor] = None,
-                 velocity: Optional[torch.Tensor] = None) -> None:
+                 velocity: Optional[torch.Tensor] = None, noise: Optional[torch.Tensor] = None) -> None:
         self.residual = residual  # [chunks, chunk_size], fp32; None for a part always sent densely
         self.velocity = velocity  # momentum correction's u, flat over the bucket; None without it
-        self._spare_residual = None if residual is None else torch.empty_like(residual)
-        self._spare_velocity = None if velocity is None else torch.empty_like(velocity)
-        self._staged_residual: Optional[torch.Tensor] = None  # a spare holding this step's update
-        self._staged_velocity: Optional[torch.Tensor] = None
+        # [2, layers]: running means of the ranks' own and of their mean's sketched squared norms,
+        # for each layer whose trust ratio is corrected for noise (``TrustNoise``); None without
+        self.noise = noise
+        for name in self.STATE:
+            tensor = getattr(self, name)
+            setattr(self, f"_spare_{name}", None if tensor is None else torch.empty_like(tensor))
+            setattr(self, f"_staged_{name}", None)  # a spare holding this step's update
         self.last_selection: Optional[torch.Tensor] = None  # chunks sent by the last sparsify (tests)
         self._payload: Optional[torch.Tensor] = None  # chosen chunks + dense tail, kept between steps
 
     @classmethod
-    def zeros(cls, chunks: int, chunk_size: int, device: torch.device, velocity_elements: int = 0) -> "BucketState":
+    def zeros(cls, chunks: int, chunk_size: int, device: torch.device, velocity_elements: int = 0,
+              noise_layers: int = 0) -> "BucketState":
         """A fresh state: a residual of ``chunks`` x ``chunk_size`` (none when ``chunks`` is 0: a
-        bucket sent densely) and, for momentum correction, a velocity of ``velocity_elements``."""
+        bucket sent densely), for momentum correction a velocity of ``velocity_elements``, and the
+        noise estimate of ``noise_layers`` layers (zeros: nothing observed yet)."""
         residual = torch.zeros((chunks, chunk_size), dtype=torch.float32, device=device) if chunks else None
         velocity = torch.zeros(velocity_elements, dtype=torch.float32, device=device) if velocity_elements else None
-        return cls(residual, velocity)
+        noise = torch.zeros((2, noise_layers), dtype=torch.float32, device=device) if noise_layers else None
+        return cls(residual, velocity, noise)
 
     def to(self, device: torch.device) -> None:
         """Move the state to ``device`` (a hook's state restored on the CPU, then used on a GPU)."""
-        if self.residual is not None and self.residual.device != device:
-            self.residual = self.residual.to(device)
-            self._spare_residual = torch.empty_like(self.residual)
-        if self.velocity is not None and self.velocity.device != device:
-            self.velocity = self.velocity.to(device)
-            self._spare_velocity = torch.empty_like(self.velocity)
+        for name in self.STATE:
+            tensor = getattr(self, name)
+            if tensor is not None and tensor.device != device:
+                setattr(self, name, tensor.to(device))
+                setattr(self, f"_spare_{name}", torch.empty_like(getattr(self, name)))
 
     # ------------------------------------------------------------------ one step
     def add_momentum(self, gradient: torch.Tensor, momentum: float) -> torch.Tensor:
@@ -177,7 +187,7 @@ class BucketState:
     def sparsify(self, gradient: torch.Tensor, density: float, sum_fn: SumFn, norm_sum: SumFn,
                  stats: CommStats, always: Optional[torch.Tensor] = None, mask_velocity: bool = False,
                  guard_overflow: bool = False, dense: Optional[torch.Tensor] = None,
-                 release_cap: float = 0.0) -> Sent:
+                 release_cap: float = 0.0, extra: Optional[torch.Tensor] = None) -> Sent:
         """Steps 2-5 of CSC, in two collectives. ``gradient``: a [chunks, chunk_size] matrix like the
         residual, or a flat tensor of at most chunks * chunk_size elements (a DDP bucket: the rest
         counts as zeros). ``dense``: a flat tensor (the part's dense tail) sent whole in the same
@@ -190,6 +200,8 @@ class BucketState:
         are cleared too (DGC's momentum factor masking). With ``release_cap`` c > 0, a chosen chunk
         sends at most c times the L2 norm of what this step added to it (``gradient``'s rows): the
         chunk is scaled down to that and the rest stays in its residual instead of being cleared.
+        ``extra``: a flat fp32 vector summed over ranks in the norms' small message (the trust ratio's
+        noise sketches, ``TrustNoise``); ``Sent.extra`` is its sum.
 
         A non-finite gradient on any rank makes the summed norms (or the summed peak) non-finite on
         every rank. Without ``guard_overflow`` its chunk has the largest norm, so it is sent and
@@ -204,16 +216,20 @@ class BucketState:
             accumulated.copy_(self.residual)
             accumulated.view(-1)[:gradient.numel()].add_(gradient.view(-1))
         norms = chunk_l1_norms(accumulated)
+        chunks = norms.numel()
+        riders = [] if extra is None else [extra]  # what rides in the norms' small message
         bounded = hasattr(sum_fn, "sum_bounded")  # an fp16 wire: its scale rides with the norms
         if bounded:
             peak = peak_magnitude(accumulated)
             if dense is not None and dense.numel():
                 peak = torch.maximum(peak, peak_magnitude(dense))
-            norms = torch.cat([norms, peak])
+            riders.append(peak)
+        if riders:
+            norms = torch.cat([norms, *riders])
         norm_sum(norms, stats)  # every rank now ranks chunks by the same global norms
-        bound = None
-        if bounded:
-            norms, bound = norms[:-1], norms[-1:]
+        bound = norms[-1:] if bounded else None
+        summed_extra = None if extra is None else norms[chunks:chunks + extra.numel()]
+        norms = norms[:chunks]
         finite = None
         if guard_overflow:  # decided on the device: reading it on the host would wait for the GPU
             finite = torch.isfinite(norms.sum()) if bound is None else torch.isfinite(norms.sum() + bound[0])
@@ -240,7 +256,7 @@ class BucketState:
         if mask_velocity and self._staged_velocity is not None:
             self._staged_velocity.view(-1)[:accumulated.numel()].view_as(accumulated).index_fill_(0, chosen, 0.0)
         self._staged_residual, self.last_selection = accumulated, chosen
-        return Sent(chosen, summed, finite)
+        return Sent(chosen, summed, finite, summed_extra)
 
     def _hold_back(self, chosen_rows: torch.Tensor, chosen: torch.Tensor, cap: float) -> torch.Tensor:
         """Scale each of ``chosen_rows`` (residual + this step's addition, about to be sent) down to at
@@ -267,11 +283,18 @@ class BucketState:
             self._payload = torch.empty(elements, dtype=like.dtype, device=like.device)
         return self._payload[:elements]
 
+    def stage_noise(self, sample: torch.Tensor, keep: float) -> None:
+        """Stage the noise estimate's running means updated by ``sample`` ([2, layers]): ``keep`` x
+        the old + (1 - keep) x ``sample``; a layer observed for the first time takes ``sample``."""
+        assert self.noise is not None, "this bucket keeps no noise estimate"
+        staged = torch.lerp(self.noise, sample, 1.0 - keep, out=self._spare_noise)
+        self._staged_noise = torch.where(self.noise[1] == 0, sample, staged, out=staged)
+
     def commit(self, when: Optional[torch.Tensor] = None) -> None:
         """Make the staged updates the state. ``when`` (a 0-d bool tensor): only if it is true,
         chosen on the device; the update is then copied into the state rather than swapped in,
         and the spare is free again (``scratch``)."""
-        for name in ("residual", "velocity"):
+        for name in self.STATE:
             staged = getattr(self, f"_staged_{name}")
             if staged is None:
                 continue
@@ -285,7 +308,7 @@ class BucketState:
 
     def discard(self) -> None:
         """Forget the staged updates (a step skipped on every rank)."""
-        self._staged_residual = self._staged_velocity = None
+        self._staged_residual = self._staged_velocity = self._staged_noise = None
 
     @property
     def scratch(self) -> torch.Tensor:
@@ -296,13 +319,12 @@ class BucketState:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """``residual`` and ``velocity`` (those this bucket keeps), on the CPU."""
-        return {name: tensor.cpu() for name, tensor in (("residual", self.residual),
-                                                        ("velocity", self.velocity)) if tensor is not None}
+        """``residual``, ``velocity`` and ``noise`` (those this bucket keeps), on the CPU."""
+        return {name: getattr(self, name).cpu() for name in self.STATE if getattr(self, name) is not None}
 
     def load_state_dict(self, state: dict) -> None:
         """Copy saved tensors into the state; a tensor this state lacks is adopted (a copy)."""
-        for name in ("residual", "velocity"):
+        for name in self.STATE:
             saved = state.get(name)
             if saved is None:
                 continue
@@ -324,13 +346,111 @@ def adapts(group: dict) -> bool:
     return "trust_coeff" in group and (group.get("weight_decay", 0.0) != 0 or bool(group.get("always_adapt", False)))
 
 
+NOISE_KEEP = 0.9  # the noise factor's running means span about 10 steps
+SKETCH_SEED = 0x5EED  # the sketch's signs: the same on every rank
+
+
+def sketch_into(out: torch.Tensor, gradient: torch.Tensor, signs: torch.Tensor) -> None:
+    """``out[b]`` = the sum of ``signs[j] * gradient[j]`` over the elements j with j mod len(out) = b
+    (``signs``: +-1, at least as long as ``gradient``)."""
+    n, k = gradient.numel(), out.numel()
+    signed = scratch("trust noise sketch", n, gradient.dtype, gradient.device)
+    torch.mul(gradient, signs[:n], out=signed)
+    whole = n - n % k
+    torch.sum(signed[:whole].view(-1, k), 0, dtype=out.dtype, out=out)
+    if whole < n:
+        out[:n - whole].add_(signed[whole:])
+
+
+def sketch_signs(elements: int, device: torch.device) -> torch.Tensor:
+    """``elements`` random signs (+-1, int8: one byte per element), the same on every rank."""
+    signs = torch.randint(0, 2, (elements,), generator=torch.Generator().manual_seed(SKETCH_SEED), dtype=torch.int8)
+    return signs.mul_(2).sub_(1).to(device)
+
+
+class TrustNoise:
+    """Each rank's LARS trust ratio, corrected for the noise of its own gradient (ours, not the paper's).
+
+    Under momentum correction each rank rescales its own gradient g_i by LARS's ratio
+    ``trust |w| / (|g| + wd |w|)`` before the sum (``LocalStep``). Dense LARS takes |g| of the mean
+    gradient; a rank's own |g_i| is larger by the noise of its smaller batch, by a factor c with
+    c^2 = mean_i |g_i|^2 / |mean_i g_i|^2: up to sqrt(N) where noise dominates (on the digits recipe
+    at 4 ranks c is 1.5-2.0 per layer), so every sparse step was that much shorter than dense LARS's,
+    a shortfall that grows with the world size. The mean is known only after the sum, and a third
+    collective per part is ruled out, so c is estimated from the steps before and each rank divides
+    its own |g_i| by it:
+    - each rank sketches each adapted layer's raw gradient: a fixed random sign per element (the
+      same on every rank), element j summed into bucket j mod 64. A sketch is linear, so the sum of
+      the ranks' sketches is the sketch of their sum; the squared norm of a sketch estimates the
+      squared norm of what it sketches, to about sqrt(2/64) = 18% per step;
+    - each layer's sketch and the rank's own sketched squared norm ride in the chunk norms' small
+      message (``BucketState.sparsify``'s ``extra``): 65 floats per layer, no collective of its own;
+    - c^2 = (running mean of the ranks' own sketched squared norms) / (running mean of the squared
+      sketch of their mean), over about 10 steps (``NOISE_KEEP``): the ratio changes slowly, the
+      sketch's error does not. Both sides come from the same sketch, so when the ranks' gradients
+      agree c is 1 and this is dense LARS (the lockstep test). c is kept within [1, sqrt(N)].
+    With nothing observed yet (the first sparse step) c is 1: each rank's own ratio. The running
+    means are part of the pool part's ``BucketState`` (staged, committed, checkpointed)."""
+
+    def __init__(self, entries: list[list[tuple[nn.Parameter, int, int]]], groups: list[dict],
+                 buckets: list[Bucket], world: int) -> None:
+        self.world = world
+        # per bucket: (entry index, sketch buckets) of each layer Lars adapts in the sparse section
+        self.layers = [[(index, min(TRUST_SKETCH_BUCKETS, param.numel()))
+                        for index, (param, offset, group) in enumerate(found)
+                        if adapts(groups[group]) and offset + param.numel() <= bucket.sparse_elements]
+                       for found, bucket in zip(entries, buckets)]
+        self.entries = entries
+        device = buckets[0].flat.device if buckets else torch.device("cpu")
+        self.layer_of = [torch.tensor([layer for layer, (_, k) in enumerate(layers) for _ in range(k)],
+                                      dtype=torch.long, device=device) for layers in self.layers]
+        longest = max((entries[b][index][0].numel() for b, layers in enumerate(self.layers)
+                       for index, _ in layers), default=0)
+        self.signs = sketch_signs(longest, device)  # every layer uses a prefix: each is sketched alone
+
+    def layers_in(self, bucket_index: int) -> int:
+        return len(self.layers[bucket_index])
+
+    def sketch(self, bucket: Bucket, gradient: torch.Tensor) -> Optional[torch.Tensor]:
+        """This rank's part of the noise message for ``bucket`` (laid out like ``bucket.flat``): each
+        layer's sketched squared norm, then each layer's sketch; None for a bucket without layers."""
+        layers = self.layers[bucket.index]
+        if not layers:
+            return None
+        out = torch.zeros(len(layers) + self.layer_of[bucket.index].numel(), dtype=torch.float32,
+                          device=gradient.device)
+        at = len(layers)
+        for index, k in layers:
+            param, offset, _ = self.entries[bucket.index][index]
+            sketch_into(out[at:at + k], gradient[offset:offset + param.numel()], self.signs)
+            at += k
+        out[:len(layers)].index_add_(0, self.layer_of[bucket.index], out[len(layers):].square())
+        return out
+
+    def observe(self, bucket: Bucket, state: BucketState, summed: torch.Tensor) -> None:
+        """Stage the running means in ``state`` from ``summed``: the ranks' ``sketch`` summed."""
+        layers = len(self.layers[bucket.index])
+        mean_squared = torch.zeros(layers, dtype=torch.float32, device=summed.device).index_add_(
+            0, self.layer_of[bucket.index], summed[layers:].square())
+        state.stage_noise(torch.stack([summed[:layers] / self.world, mean_squared / self.world**2]), NOISE_KEEP)
+
+    def factors(self, bucket: Bucket, state: BucketState) -> dict[int, torch.Tensor]:
+        """Entry index -> c (0-d, on the device) for each of ``bucket``'s layers, from the
+        committed running means; 1 where nothing is observed yet."""
+        own, mean = state.noise
+        squared = torch.where(mean > 0, own / mean, 1.0).clamp_(1.0, float(self.world))
+        return {index: c for (index, _), c in zip(self.layers[bucket.index], squared.sqrt().unbind())}
+
+
 class LocalStep:
     """What the optimizer does to a gradient before its momentum, done instead by momentum
     correction to each rank's own gradient (module docstring): ``g <- g + wd w`` and, in the groups
-    Lars adapts, ``g <- ratio * (g + wd w)`` (``lars_rescale_``). Knows, for every pool part, each
-    parameter's optimizer group and where its gradient lies."""
+    Lars adapts, ``g <- ratio * (g + wd w)`` (``lars_rescale_``), with the ratio corrected for the
+    noise of the rank's own gradient (``TrustNoise``, unless ``noise_correction`` is off). Knows,
+    for every pool part, each parameter's optimizer group and where its gradient lies."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[Bucket]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[Bucket], world: int = 1,
+                 noise_correction: bool = True) -> None:
         if not isinstance(optimizer, (Lars, torch.optim.SGD)):
             raise ValueError(f"csc: momentum correction with {type(optimizer).__name__}: only SGD and timm's "
                              "Lars are supported (an optimizer that rescales every update would rescale CSC's "
@@ -343,31 +463,47 @@ class LocalStep:
                     for param in group["params"]}
         self.entries = [[(param, offset, group_of[param]) for param, offset in zip(bucket.params, bucket.offsets)
                          if param in group_of] for bucket in buckets]
+        self.noise = (TrustNoise(self.entries, optimizer.param_groups, buckets, world)
+                      if noise_correction and world > 1 else None)
 
-    def apply_(self, bucket: Bucket, gradient: torch.Tensor, settings: list[dict]) -> None:
+    def noise_layers(self, bucket_index: int) -> int:
+        """How many layers of the bucket have their trust ratio corrected for noise."""
+        return self.noise.layers_in(bucket_index) if self.noise is not None else 0
+
+    def apply_(self, bucket: Bucket, gradient: torch.Tensor, settings: list[dict],
+               state: Optional[BucketState] = None) -> Optional[torch.Tensor]:
         """Apply, in place, the optimizer's pre-momentum step to ``bucket``'s gradients in ``gradient``
         (laid out like ``bucket.flat``); ``settings``: each optimizer group's own settings (those
-        CSC has taken over included)."""
+        CSC has taken over included). With ``state`` (the bucket's, holding a noise estimate), the
+        trust ratios are corrected by its estimate, and the noise sketch of the gradients as they
+        came (``TrustNoise.sketch``) is returned, to ride with the chunk norms; else None."""
+        noise = self.noise if state is not None and state.noise is not None else None
+        sketch = noise.sketch(bucket, gradient) if noise is not None else None
+        factors = noise.factors(bucket, state) if noise is not None else {}
         rescaled = []
-        for param, offset, group in self.entries[bucket.index]:
+        for index, (param, offset, group) in enumerate(self.entries[bucket.index]):
             own, view = settings[group], gradient[offset:offset + param.numel()]
             if adapts(own):
-                rescaled.append((view, param.detach().reshape(-1), own))
+                rescaled.append((view, param.detach().reshape(-1), own, factors.get(index, 1.0)))
             elif own.get("weight_decay", 0.0):
                 view.add_(param.detach().reshape(-1), alpha=own["weight_decay"])
         if rescaled:
             lars_rescale_(*map(list, zip(*rescaled)))
+        return sketch
 
 
-def lars_rescale_(gradients: list[torch.Tensor], weights: list[torch.Tensor], groups: list[dict]) -> None:
+def lars_rescale_(gradients: list[torch.Tensor], weights: list[torch.Tensor], groups: list[dict],
+                  noise: Optional[list[Union[float, torch.Tensor]]] = None) -> None:
     """``g <- ratio * (g + wd w)`` in place for each gradient, with its group's ``weight_decay``,
     ``trust_coeff`` and ``eps``: timm ``Lars``'s step before its momentum, with its ratio
     (``timm.optim.lars._lars_trust_ratio``, private there): ``trust |w| / (|g| + wd |w| + eps)``,
-    1 where ``|w|`` or ``|g|`` is 0."""
+    1 where ``|w|`` or ``|g|`` is 0. ``noise``: per gradient, the factor c that ``|g|`` is divided
+    by (``TrustNoise``); 1 without."""
     weight_norms, gradient_norms = torch._foreach_norm(weights), torch._foreach_norm(gradients)
-    for gradient, weight, w_norm, g_norm, group in zip(gradients, weights, weight_norms, gradient_norms, groups):
+    for gradient, weight, w_norm, g_norm, group, c in zip(gradients, weights, weight_norms, gradient_norms, groups,
+                                                          noise or [1.0] * len(gradients)):
         decay = group["weight_decay"]
-        ratio = group["trust_coeff"] * w_norm / (g_norm + w_norm * decay + group["eps"])
+        ratio = group["trust_coeff"] * w_norm / (g_norm / c + w_norm * decay + group["eps"])
         ratio = torch.where((w_norm > 0) & (g_norm > 0), ratio, 1.0)
         gradient.add_(weight, alpha=decay).mul_(ratio)
 
@@ -376,7 +512,8 @@ class CSCCommunicator(LazyAllreduce):
     def __init__(self, device: torch.device, sum_fn: SumFn, bucket_bytes: int, overlap: bool,
                  chunk_size: int, density: float, warmup_epochs: float,
                  momentum_correction: bool = True, momentum_masking: bool = True,
-                 density_ramp_epochs: int = 0, release_cap: float = 0.0) -> None:
+                 density_ramp_epochs: int = 0, release_cap: float = 0.0,
+                 trust_noise_correction: bool = True) -> None:
         super().__init__(device, sum_fn, bucket_bytes, overlap)
         if not 0 < density <= 1:
             raise ValueError(f"config key 'comm.density' = {density}: must be in (0, 1]")
@@ -386,6 +523,7 @@ class CSCCommunicator(LazyAllreduce):
         self.density_ramp_epochs = density_ramp_epochs
         self.density_now = 1.0
         self.momentum_correction, self.momentum_masking = momentum_correction, momentum_masking
+        self.trust_noise_correction = trust_noise_correction
         if not (math.isfinite(release_cap) and release_cap >= 0):
             raise ValueError(f"config key 'comm.release_cap' = {release_cap}: must be a finite number >= 0 (0: no cap)")
         self.release_cap = release_cap
@@ -418,12 +556,15 @@ class CSCCommunicator(LazyAllreduce):
 
     def attach(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> nn.Module:
         super().attach(model, optimizer)
+        if self.momentum_correction and optimizer is not None:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            self.local_step = LocalStep(optimizer, self.buckets, world, self.trust_noise_correction)
+        step = self.local_step
         self.parts = [BucketState.zeros(bucket.sparse_elements // self.chunk_size, self.chunk_size,
                                         bucket.flat.device,
-                                        velocity_elements=bucket.flat.numel() if self.momentum_correction else 0)
+                                        velocity_elements=bucket.flat.numel() if self.momentum_correction else 0,
+                                        noise_layers=step.noise_layers(bucket.index) if step else 0)
                       for bucket in self.buckets]
-        if self.momentum_correction and optimizer is not None:
-            self.local_step = LocalStep(optimizer, self.buckets)
         return model
 
     # per-part state by part index, as tests, gpu_check and checkpoints see it
@@ -520,8 +661,9 @@ class CSCCommunicator(LazyAllreduce):
         part, flat = self.parts[bucket.index], bucket.flat
         if self.grad_scale is not None:
             flat.div_(self.grad_scale)  # in place: the pool part is overwritten below anyway
+        sketch = None  # the trust ratio's noise sketch, summed with the chunk norms
         if self.uses_velocity and self.local_step is not None:
-            self.local_step.apply_(bucket, flat, self._settings)
+            sketch = self.local_step.apply_(bucket, flat, self._settings, part)
         gradient = part.add_momentum(flat, self.momentum()) if self.uses_velocity else flat
         if part.residual is None:  # a part of one-dimensional tensors only: sent densely
             if gradient is not flat:
@@ -534,7 +676,9 @@ class CSCCommunicator(LazyAllreduce):
                 tail.copy_(gradient[bucket.sparse_elements:])
             sent = part.sparsify(gradient[:bucket.sparse_elements].view(-1, self.chunk_size), self.density_now,
                                  self.sum_fn, self.norm_sum, self.stats, mask_velocity=self.momentum_masking,
-                                 dense=tail, release_cap=self.release_cap)
+                                 dense=tail, release_cap=self.release_cap, extra=sketch)
+            if sketch is not None:
+                self.local_step.noise.observe(bucket, part, sent.extra)
             self.chunks(bucket).zero_().index_copy_(0, sent.chosen, sent.summed)
         if self.grad_scale is not None:
             flat.mul_(self.grad_scale)
@@ -552,6 +696,7 @@ class CSCCommunicator(LazyAllreduce):
         parts = [part.state_dict() for part in self.parts]
         return {"residual": {i: s["residual"] for i, s in enumerate(parts) if "residual" in s},
                 "velocity": {i: s["velocity"] for i, s in enumerate(parts) if "velocity" in s},
+                "noise": {i: s["noise"] for i, s in enumerate(parts) if "noise" in s},
                 "optimizer_taken": self._taken,
                 "layout": self._layout_signature(), "chunk_size": self.chunk_size}
 
@@ -565,8 +710,8 @@ class CSCCommunicator(LazyAllreduce):
         if (state["layout"], state["chunk_size"]) != (self._layout_signature(), self.chunk_size):
             raise ValueError("csc state was saved with another pool layout (model, comm.bucket_mb or "
                              "comm.chunk_size changed); it cannot be restored")
-        for key in ("residual", "velocity"):
-            for index, tensor in state[key].items():
+        for key in BucketState.STATE:  # (a state saved before the noise estimate has none: it starts afresh)
+            for index, tensor in state.get(key, {}).items():
                 self.parts[int(index)].load_state_dict({key: tensor})
         if "optimizer_taken" in state:
             taken = state["optimizer_taken"]

@@ -91,7 +91,8 @@ def _communicator(knobs: CommConfig, device: torch.device, sum_fn: SumFn) -> Com
                                density=knobs.density, warmup_epochs=knobs.csc_warmup_epochs,
                                momentum_correction=knobs.momentum_correction,
                                momentum_masking=knobs.momentum_masking,
-                               density_ramp_epochs=knobs.density_ramp_epochs, release_cap=knobs.release_cap)
+                               density_ramp_epochs=knobs.density_ramp_epochs, release_cap=knobs.release_cap,
+                               trust_noise_correction=knobs.trust_noise_correction)
     if knobs.fusion == "lazy":
         return LazyAllreduce(device, sum_fn, bucket_bytes, knobs.overlap)
     return PerTensorAllreduce(device, sum_fn)

@@ -49,6 +49,9 @@ from gradientflow_repro.checks import (
 # at 2 ranks, 1 MiB at 4 and 8; at 4 MiB the ring was level or ahead). Here, torch-free, because the
 # scaling model prices the same rule.
 SMALL_MESSAGE_BYTES = 1 << 20
+# CSC under momentum correction and LARS: buckets of each layer's noise sketch (comm/csc.py,
+# TrustNoise), which ride with the chunk norms; here, torch-free, because the model counts them.
+TRUST_SKETCH_BUCKETS = 64
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "comm"
 KNOB_VALUES: dict[str, tuple[Any, ...]] = {
     "algorithm": ("builtin", "ring", "hierarchical", "auto"), "wire": ("fp32", "fp16"),
@@ -102,6 +105,9 @@ class CommConfig:
     # csc: a chosen chunk sends at most this many times the norm of what the step added to it (its
     # velocity under momentum correction), the rest staying in the residual; 0: no cap (DGC's rule)
     release_cap: float = setting(0.0, in_range(0, math.inf, high_open=True))
+    # csc under momentum correction and LARS: each rank's trust ratio corrected for the noise of its
+    # own gradient, estimated from sketches that ride with the chunk norms (comm/csc.py, TrustNoise)
+    trust_noise_correction: bool = setting(True, boolean)
 
 
 def resolve(options: Union[Mapping[str, Any], Any]) -> CommConfig:

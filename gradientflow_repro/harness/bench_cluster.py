@@ -256,7 +256,7 @@ def _local_work_in_step(elements: int) -> dict[str, float]:
     from gradientflow_repro.harness.profile import sparsify_work, wire_cast_work
 
     figures = {}
-    for key, (work, covered) in (("sparsify_s_per_element", sparsify_work(elements)),
+    for key, (work, covered) in (("sparsify_s_per_element", sparsify_work(elements, noise_sketch=False)),
                                  ("wire_cast_s_per_element", wire_cast_work(elements))):
         figures[key] = _timed(work, 9, True, slowest=True) / covered
     return figures

@@ -78,7 +78,9 @@ def model_network(measured: dict[str, Any], burst_bytes: float = 0.0,
 
 
 def strategy(label: str, options: dict[str, Any]) -> pm.Strategy:
-    return pm.Strategy.from_knobs(label, knobs.resolve(options))
+    """The model's view of a benchmarked strategy; the benchmark replays gradients under SGD, so CSC
+    sends no trust-ratio noise sketches."""
+    return pm.Strategy.from_knobs(label, knobs.resolve(options), lars=False)
 
 
 def predictions(facts: dict[str, Any]) -> list[dict[str, Any]]:

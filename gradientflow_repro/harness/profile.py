@@ -62,17 +62,19 @@ def _median_seconds(work: Callable[[], None], repeats: int) -> float:
     return statistics.median(times[1:])
 
 
-def sparsify_work(elements: int, chunk: int = 32768, density: float = 0.1) -> tuple[Callable[[], None], int]:
+def sparsify_work(elements: int, chunk: int = 32768, density: float = 0.1,
+                  noise_sketch: bool = True) -> tuple[Callable[[], None], int]:
     """CSC's local work on this device as a call, and the gradient elements one call covers: LARS's
-    rescaling under momentum correction (``csc.lars_rescale_``), ``csc.BucketState``'s own step
+    rescaling under momentum correction (``csc.lars_rescale_``), with its noise sketch
+    (``csc.sketch_into``, unless not ``noise_sketch``), ``csc.BucketState``'s own step
     (momentum, residual, chunk norms with the fp16 peak, selection, packing, the ``gradientflow``
     preset's release cap, clearing, commit) and the write-back into the pool part, with summing
     functions that send nothing."""
     import torch
 
     from gradientflow_repro.comm.base import CommStats
-    from gradientflow_repro.comm.csc import BucketState, lars_rescale_
-    from gradientflow_repro.comm.knobs import presets
+    from gradientflow_repro.comm.csc import BucketState, lars_rescale_, sketch_into, sketch_signs
+    from gradientflow_repro.comm.knobs import TRUST_SKETCH_BUCKETS, presets
 
     class Nothing:  # a summing function that sends nothing, with the fp16 wire's bounded entry
         def __call__(self, tensor: torch.Tensor, stats: CommStats) -> None:
@@ -87,8 +89,11 @@ def sparsify_work(elements: int, chunk: int = 32768, density: float = 0.1) -> tu
     weight, lars = torch.randn(chunks * chunk), {"weight_decay": 5e-4, "trust_coeff": 0.001, "eps": 1e-8}
     nothing = Nothing()
     release_cap = float(presets()["gradientflow"].get("release_cap", 0.0))
+    signs, sketch = sketch_signs(gradient.numel(), gradient.device), torch.empty(TRUST_SKETCH_BUCKETS)
 
     def local_work() -> None:
+        if noise_sketch:
+            sketch_into(sketch, gradient, signs)
         lars_rescale_([gradient], [weight], [lars])
         moved = state.add_momentum(gradient, 0.9)
         sent = state.sparsify(moved.view(chunks, chunk), density, nothing, nothing, CommStats(), mask_velocity=True,
