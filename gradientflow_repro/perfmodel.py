@@ -310,7 +310,9 @@ def _message(tensors: list[TensorProfile], elements: int, sparse_elements: int, 
     chunks = sparse_elements // strategy.chunk_elements
     # as csc.py: ceil(density x chunks) chunks of the sparse section, then the dense tail, in one
     # payload; the norms, any trust-ratio noise sketches (one squared norm and the buckets per
-    # layer LARS adapts: the multi-dimensional ones) and the fp16 peak in one small allreduce before it
+    # layer LARS adapts: the multi-dimensional ones, which optim.parameter_groups gives weight
+    # decay; at world size 1 there are none, but nothing is sent then) and the fp16 peak in one
+    # small allreduce before it
     sent = (elements - sparse_elements) + math.ceil(strategy.density * chunks) * strategy.chunk_elements
     sketches = (sum(1 + min(comm_knobs.TRUST_SKETCH_BUCKETS, t.elements) for t in tensors if not t.one_dimensional)
                 if strategy.noise_sketch and strategy.density < 1 else 0)

@@ -14,8 +14,16 @@ import torch.distributed as dist
 from timm.optim import Lars
 from torch import nn
 
+from gradientflow_repro import perfmodel as pm
 from gradientflow_repro.comm.base import CommStats, builtin_sum
-from gradientflow_repro.comm.csc import BucketState, CSCCommunicator, chunk_l1_norms, lars_rescale_, select_chunks
+from gradientflow_repro.comm.csc import (
+    BucketState,
+    CSCCommunicator,
+    adapts,
+    chunk_l1_norms,
+    lars_rescale_,
+    select_chunks,
+)
 from gradientflow_repro.comm.lazy import LazyAllreduce
 from gradientflow_repro.comm.ring import ring_sum
 from gradientflow_repro.optim import parameter_groups
@@ -301,8 +309,12 @@ def _checkpoint_and_skip(rank: int, world: int, out: str) -> None:
     noise = [part.noise for part in comm.parts if part.noise is not None]
     if not noise or not all((n > 0).all() for n in noise):
         failures.append("the test does not exercise the noise estimate")
-    if not all(torch.equal(a.noise, b.noise) for a, b in zip(comm.parts, restored.parts) if a.noise is not None):
+    if not all(b.noise is not None and torch.equal(a.noise, b.noise)
+               for a, b in zip(comm.parts, restored.parts) if a.noise is not None):
         failures.append("noise estimate not restored exactly")
+    if restored.local_step.noise.step != comm.local_step.noise.step or comm.local_step.noise.step != 3:
+        failures.append(f"the sketch's shift: {comm.local_step.noise.step} steps, restored "
+                        f"{restored.local_step.noise.step}")
     for i in comm.residual:
         if not torch.equal(comm.residual[i], restored.residual[i]):
             failures.append(f"residual {i} not restored exactly")
@@ -334,6 +346,18 @@ def _checkpoint_and_skip(rank: int, world: int, out: str) -> None:
         failures.append("a skipped step changed the residuals")
     if any(b is not None and not torch.equal(b, part.noise) for b, part in zip(noise_before, comm.parts)):
         failures.append("a skipped step changed the noise estimate")
+    # and left nothing behind: the next step is the one the restored twin (which never saw the
+    # skipped step) takes
+    for m, c in ((model, comm), (restored_model, restored)):
+        m.zero_grad(set_to_none=True)
+        c.begin_step(epoch=1.0)
+        backward(m, rank, 12)
+        c.synchronize()
+        c.end_step(True)
+    if not all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), restored_model.parameters())):
+        failures.append("after a skipped step the next step differs from one that never saw it")
+    if not all(torch.equal(a.noise, b.noise) for a, b in zip(comm.parts, restored.parts) if a.noise is not None):
+        failures.append("after a skipped step the noise estimate differs from one that never saw it")
     comm.close()
     restored.close()
     torch.save(failures, Path(out) / f"rank{rank}.pt")
@@ -442,6 +466,18 @@ def _two_collectives_per_part(rank: int, world: int, out: str) -> None:
     full.attach(full_model, _lars(full_model))
     if not any(part.noise is not None for part in half.parts):
         failures.append("no pool part sends noise sketches")
+    norm_sizes, real_norm_sum = [], half.norm_sum
+
+    def recording_norm_sum(tensor, stats):  # the norms' small message, sketches and peak included
+        norm_sizes.append(tensor.numel())
+        real_norm_sum(tensor, stats)
+
+    half.norm_sum = recording_norm_sum
+    modelled = pm.Strategy("gf", fusion="bucket", density=0.3, chunk_elements=100, wire_bytes=2, noise_sketch=True)
+    expected_sizes = sorted(
+        pm._message([pm.TensorProfile(p.numel(), 0.0, p.ndim <= 1) for p in b.params], b.flat.numel(),
+                    b.sparse_elements, pm.ModelProfile(0.0, 0.0, 0.0, ()), modelled).small_bytes / 4
+        for b in half.buckets if b.sparse_elements)
     if not any(b.sparse_elements and b.sparse_elements < b.flat.numel() for b in half.buckets):
         failures.append("no pool part holds both chunks and a dense tail")
     for model, comm in ((half_model, half), (full_model, full)):  # the first sparse step: same residuals
@@ -451,6 +487,8 @@ def _two_collectives_per_part(rank: int, world: int, out: str) -> None:
         comm.synchronize()
         comm.end_step(True)
         stats = comm.stats.take()
+        if comm is half and sorted(norm_sizes) != expected_sizes:
+            failures.append(f"norms' messages of {sorted(norm_sizes)} values, the model counts {expected_sizes}")
         if comm is half:
             if stats["collectives"] != 2 * len(comm.buckets):
                 failures.append(f"{stats['collectives']} collectives for {len(comm.buckets)} pool parts")
@@ -502,24 +540,29 @@ def _trust_noise(rank: int, world: int, out: str) -> None:
     buckets = [b for b in comm.buckets if noise.layers_in(b.index)]
     if sum(noise.layers_in(b.index) for b in buckets) != 2:
         failures.append("the two weight matrices are not both sketched")
-    # 1. linear: the ranks' sketches summed (as the norms' message sums them) are the sketch of the
-    # summed gradients, and the squared norms are each rank's own
+    # 1. the sketch by hand (element j of a layer, times its sign, into bucket j mod k; then each
+    # layer's squared norm), and linear: the ranks' sketches summed (as the norms' message sums
+    # them) are the sketch of the summed gradients
     for bucket in buckets:
-        layers = noise.layers_in(bucket.index)
+        state, layers = comm.parts[bucket.index], noise.layers_in(bucket.index)
         gradient = torch.randn(bucket.flat.numel(), generator=torch.Generator().manual_seed(rank))
-        mine = noise.sketch(bucket, gradient)
+        mine = noise.sketch(bucket, gradient, state)
+        by_hand = []
+        for index, k in noise.layers[bucket.index]:
+            param, offset, _ = noise.entries[bucket.index][index]
+            n = param.numel()
+            signed = gradient[offset:offset + n] * noise.signs[:n].float()
+            by_hand.append(torch.zeros(k).index_add_(0, torch.arange(n) % k, signed))
+        if not torch.allclose(mine[layers:], torch.cat(by_hand), rtol=1e-5, atol=1e-5):
+            failures.append(f"part {bucket.index}: the sketch is not the signed sum by bucket")
+        if not torch.allclose(mine[:layers], torch.stack([s.square().sum() for s in by_hand]), rtol=1e-5):
+            failures.append(f"part {bucket.index}: the squared norms are not the sketches'")
         summed, total = mine.clone(), gradient.clone()
         dist.all_reduce(summed)
         dist.all_reduce(total)
-        of_sum = noise.sketch(bucket, total)
+        of_sum = noise.sketch(bucket, total, state)
         if not torch.allclose(summed[layers:], of_sum[layers:], rtol=1e-5, atol=1e-5):
             failures.append(f"part {bucket.index}: the summed sketches are not the sketch of the sum")
-        everyone = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(everyone, mine)
-        own = sum(torch.zeros(layers).index_add_(0, noise.layer_of[bucket.index], s[layers:].square())
-                  for s in everyone)
-        if not torch.allclose(summed[:layers], own, rtol=1e-5):
-            failures.append(f"part {bucket.index}: the squared sketch norms are not the ranks' own")
     # 2. the factor c against the exact one, c^2 = mean_i |g_i|^2 / |mean g|^2, with the same running
     # means: a shared gradient plus each rank's noise, one layer noisier than the other
     exact = {}
@@ -540,10 +583,12 @@ def _trust_noise(rank: int, world: int, out: str) -> None:
                 sample = torch.stack([sum(g.square().sum() for g in everyone) / world,
                                       (sum(everyone) / world).square().sum()])
                 exact[index, bucket.index] = sample if step == 0 else 0.9 * exact[index, bucket.index] + 0.1 * sample
-            sketch = noise.sketch(bucket, gradient)
+            sketch = noise.sketch(bucket, gradient, state)
             dist.all_reduce(sketch)
             noise.observe(bucket, state, sketch)
-            state.commit()
+        comm.end_step(True)  # commits, and shifts the signs
+    if noise.step != 40:
+        failures.append(f"the signs shifted {noise.step} times in 40 steps")
     truths = []
     for bucket in buckets:
         for index, c in noise.factors(bucket, comm.parts[bucket.index]).items():
@@ -553,6 +598,22 @@ def _trust_noise(rank: int, world: int, out: str) -> None:
                 failures.append(f"part {bucket.index}, layer {index}: c = {c.item():.3f}, exact {truths[-1]:.3f}")
     if max(truths) < 1.2:
         failures.append(f"exact factors {truths}: the test needs noise")
+    # 2b. LocalStep gives each layer its own factor: against lars_rescale_ one layer at a time
+    settings = comm.optimizer_settings()
+    for bucket in buckets:
+        state = comm.parts[bucket.index]
+        factors = noise.factors(bucket, state)
+        gradient = torch.randn(bucket.flat.numel(), generator=torch.Generator().manual_seed(50 + rank))
+        expected = gradient.clone()
+        for index, (param, offset, group) in enumerate(comm.local_step.entries[bucket.index]):
+            view, own = expected[offset:offset + param.numel()], settings[group]
+            if adapts(own):
+                lars_rescale_([view], [param.detach().reshape(-1)], [own], [factors.get(index, 1.0)])
+            elif own.get("weight_decay", 0.0):
+                view.add_(param.detach().reshape(-1), alpha=own["weight_decay"])
+        comm.local_step.apply_(bucket, gradient, settings, state)
+        if not torch.allclose(gradient, expected, rtol=1e-6, atol=1e-9):
+            failures.append(f"part {bucket.index}: LocalStep does not rescale each layer by its own factor")
     # 3. ranks that agree: c is 1, as dense LARS
     fresh = Net()
     agreeing = CSCCommunicator(CPU, ring_sum(segment_bytes=1024), bucket_bytes=4096, overlap=False, chunk_size=100,
@@ -562,13 +623,13 @@ def _trust_noise(rank: int, world: int, out: str) -> None:
         state = agreeing.parts[bucket.index]
         for step in range(3):
             gradient = torch.randn(bucket.flat.numel(), generator=torch.Generator().manual_seed(step))
-            sketch = agreeing.local_step.noise.sketch(bucket, gradient)
+            sketch = agreeing.local_step.noise.sketch(bucket, gradient, state)
             dist.all_reduce(sketch)
             agreeing.local_step.noise.observe(bucket, state, sketch)
             state.commit()
-        factors = torch.stack(list(agreeing.local_step.noise.factors(bucket, state).values()))
-        if not torch.allclose(factors, torch.ones_like(factors), rtol=0, atol=1e-6):
-            failures.append(f"ranks that agree: c = {factors.tolist()}, not 1")
+        own, mean = state.noise  # unclamped: an estimate below 1 would be wrong too
+        if not torch.allclose(own / mean, torch.ones_like(own), rtol=1e-5):
+            failures.append(f"ranks that agree: c^2 = {(own / mean).tolist()}, not 1")
     comm.close()
     agreeing.close()
     torch.save(failures, Path(out) / f"rank{rank}.pt")

@@ -46,8 +46,9 @@ the ranks' gradients agree it is dense LARS step for step (the lockstep test). W
 gradients each rank's ratio would come from its own |g|, whose noise makes it larger than the mean
 gradient's (by up to sqrt(N) when noise dominates), so the steps would be that much shorter than
 dense LARS's; ``TrustNoise`` estimates that factor from sketches riding with the chunk norms and
-divides it out (``comm.trust_noise_correction``). Optimizers that adapt in other ways (apex's LARC rescales every update,
-velocity included), Nesterov momentum and dampening are refused rather than run wrongly. Should
+divides it out (``comm.trust_noise_correction``). Optimizers that adapt in other ways (apex's
+LARC rescales every update, velocity included), Nesterov momentum and dampening are refused rather
+than run wrongly. Should
 the density schedule return to dense, the optimizer gets its settings back and its momentum
 restarts from the mean gradient (the velocities are per rank).
 
@@ -65,13 +66,14 @@ over ``density_ramp_epochs`` epochs instead of at once, exponentially as in DGC'
 (the k-th of R epochs sends density^(k/(R+1)): 0.56, 0.32, 0.18 for density 0.1 and R = 3). With
 ``density`` 1 nothing is sparsified and this is exactly lazy allreduce.
 
-State per rank (residual v of each part's chunks, velocity u of the whole part) is saved in that
-rank's checkpoint. Updates to it are staged and committed by ``end_step``: a step skipped on every
-rank (fp16 overflow) leaves the state as it was. Each state tensor has a spare of the same size that
-the step's update is written into and that ``end_step`` swaps in, so no step allocates: a fresh
-allocation of this size page-faults every time on the CPU, which made CSC's own work cost up to five
-times more. Residuals are kept in unscaled units (the fp16 loss scale is divided out on the way in
-and multiplied back on the way out), so a changing loss scale never corrupts them.
+State per rank (residual v of each part's chunks, velocity u of the whole part, the trust ratio's
+noise estimate) is saved in that rank's checkpoint. Updates to it are staged and committed by
+``end_step``: a step skipped on every rank (fp16 overflow) leaves the state as it was. Each state
+tensor has a spare of the same size that the step's update is written into and that ``end_step``
+swaps in, so no step allocates: a fresh allocation of this size page-faults every time on the CPU,
+which made CSC's own work cost up to five times more. Residuals are kept in unscaled units (the fp16
+loss scale is divided out on the way in and multiplied back on the way out), so a changing loss
+scale never corrupts them.
 
 One object, ``BucketState``, holds a bucket's state and does steps 2-5 on it; ``CSCCommunicator``
 keeps one per pool part, and the DDP communication hook ``csc_hook`` (``comm/hooks.py``) one per DDP
@@ -133,8 +135,9 @@ class Sent(NamedTuple):
 
 class BucketState:
     """One bucket's CSC state on one rank: the residual of its chunks (error feedback) and, under
-    momentum correction, the velocity of the whole bucket (chunks, then any dense tail), each with a
-    spare of the same size that the step's update is written into. ``sparsify`` (steps 2-5) and
+    momentum correction, the velocity of the whole bucket (chunks, then any dense tail) and the
+    running means of its layers' noise (``TrustNoise``), each with a spare of the same size that
+    the step's update is written into. ``sparsify`` (steps 2-5) and
     ``add_momentum`` only *stage* their updates; ``commit`` makes them the state (the spares are
     swapped in: no allocation per step) and ``discard`` drops them, so a step skipped on every rank
     leaves the state as it was. ``commit(when=flag)`` decides on the
@@ -348,13 +351,14 @@ def adapts(group: dict) -> bool:
 
 NOISE_KEEP = 0.9  # the noise factor's running means span about 10 steps
 SKETCH_SEED = 0x5EED  # the sketch's signs: the same on every rank
+SIGN_SHIFTS = 1009  # step s takes the signs from element s mod 1009 on: a new sketch each step
 
 
-def sketch_into(out: torch.Tensor, gradient: torch.Tensor, signs: torch.Tensor) -> None:
+def sketch_into(out: torch.Tensor, gradient: torch.Tensor, signs: torch.Tensor, buffer: torch.Tensor) -> None:
     """``out[b]`` = the sum of ``signs[j] * gradient[j]`` over the elements j with j mod len(out) = b
-    (``signs``: +-1, at least as long as ``gradient``)."""
+    (``signs``: +-1, at least as long as ``gradient``; ``buffer``: as long, free to overwrite)."""
     n, k = gradient.numel(), out.numel()
-    signed = scratch("trust noise sketch", n, gradient.dtype, gradient.device)
+    signed = buffer[:n]
     torch.mul(gradient, signs[:n], out=signed)
     whole = n - n % k
     torch.sum(signed[:whole].view(-1, k), 0, dtype=out.dtype, out=out)
@@ -382,15 +386,21 @@ class TrustNoise:
     - each rank sketches each adapted layer's raw gradient: a fixed random sign per element (the
       same on every rank), element j summed into bucket j mod 64. A sketch is linear, so the sum of
       the ranks' sketches is the sketch of their sum; the squared norm of a sketch estimates the
-      squared norm of what it sketches, to about sqrt(2/64) = 18% per step;
+      squared norm of what it sketches, to about sqrt(2/64) = 18% per step. Each step shifts the
+      signs by one element (the same shift on every rank), so the error changes from step to step
+      even where the mean gradient does not;
     - each layer's sketch and the rank's own sketched squared norm ride in the chunk norms' small
       message (``BucketState.sparsify``'s ``extra``): 65 floats per layer, no collective of its own;
     - c^2 = (running mean of the ranks' own sketched squared norms) / (running mean of the squared
-      sketch of their mean), over about 10 steps (``NOISE_KEEP``): the ratio changes slowly, the
-      sketch's error does not. Both sides come from the same sketch, so when the ranks' gradients
-      agree c is 1 and this is dense LARS (the lockstep test). c is kept within [1, sqrt(N)].
+      sketch of their mean), over about 10 steps (``NOISE_KEEP``): the ratio changes slowly, so
+      averaging costs little and halves the sketch's error. Both sides come from the same sketch,
+      so when the ranks' gradients agree c is 1 and this is dense LARS (the lockstep test). c is
+      kept within [1, sqrt(N)].
     With nothing observed yet (the first sparse step) c is 1: each rank's own ratio. The running
-    means are part of the pool part's ``BucketState`` (staged, committed, checkpointed)."""
+    means are part of the pool part's ``BucketState`` (staged, committed, checkpointed); the shift,
+    ``step``, is saved with the communicator's state. Memory: one byte of sign per element of the
+    largest layer; the signed gradient is written into the part's spare residual, free until
+    ``sparsify``."""
 
     def __init__(self, entries: list[list[tuple[nn.Parameter, int, int]]], groups: list[dict],
                  buckets: list[Bucket], world: int) -> None:
@@ -406,23 +416,26 @@ class TrustNoise:
                                       dtype=torch.long, device=device) for layers in self.layers]
         longest = max((entries[b][index][0].numel() for b, layers in enumerate(self.layers)
                        for index, _ in layers), default=0)
-        self.signs = sketch_signs(longest, device)  # every layer uses a prefix: each is sketched alone
+        self.signs = sketch_signs(longest + SIGN_SHIFTS, device)  # each layer is sketched alone: all
+        # layers may use the same signs
+        self.step = 0  # steps applied (the same on every rank): the signs' shift
 
     def layers_in(self, bucket_index: int) -> int:
         return len(self.layers[bucket_index])
 
-    def sketch(self, bucket: Bucket, gradient: torch.Tensor) -> Optional[torch.Tensor]:
-        """This rank's part of the noise message for ``bucket`` (laid out like ``bucket.flat``): each
+    def sketch(self, bucket: Bucket, gradient: torch.Tensor, state: BucketState) -> Optional[torch.Tensor]:
+        """This rank's part of the noise message for ``bucket`` (``gradient`` laid out like
+        ``bucket.flat``; ``state``: the bucket's, whose spare residual is used as a buffer): each
         layer's sketched squared norm, then each layer's sketch; None for a bucket without layers."""
         layers = self.layers[bucket.index]
         if not layers:
             return None
         out = torch.zeros(len(layers) + self.layer_of[bucket.index].numel(), dtype=torch.float32,
                           device=gradient.device)
-        at = len(layers)
+        at, signs, buffer = len(layers), self.signs[self.step % SIGN_SHIFTS:], state.scratch.view(-1)
         for index, k in layers:
             param, offset, _ = self.entries[bucket.index][index]
-            sketch_into(out[at:at + k], gradient[offset:offset + param.numel()], self.signs)
+            sketch_into(out[at:at + k], gradient[offset:offset + param.numel()], signs, buffer)
             at += k
         out[:len(layers)].index_add_(0, self.layer_of[bucket.index], out[len(layers):].square())
         return out
@@ -478,7 +491,7 @@ class LocalStep:
         trust ratios are corrected by its estimate, and the noise sketch of the gradients as they
         came (``TrustNoise.sketch``) is returned, to ride with the chunk norms; else None."""
         noise = self.noise if state is not None and state.noise is not None else None
-        sketch = noise.sketch(bucket, gradient) if noise is not None else None
+        sketch = noise.sketch(bucket, gradient, state) if noise is not None else None
         factors = noise.factors(bucket, state) if noise is not None else {}
         rescaled = []
         for index, (param, offset, group) in enumerate(self.entries[bucket.index]):
@@ -691,12 +704,15 @@ class CSCCommunicator(LazyAllreduce):
                 part.commit()
             else:
                 part.discard()
+        if applied and self.local_step is not None and self.local_step.noise is not None:
+            self.local_step.noise.step += 1  # (a skipped step changes nothing)
 
     def state_dict(self) -> dict:
         parts = [part.state_dict() for part in self.parts]
         return {"residual": {i: s["residual"] for i, s in enumerate(parts) if "residual" in s},
                 "velocity": {i: s["velocity"] for i, s in enumerate(parts) if "velocity" in s},
                 "noise": {i: s["noise"] for i, s in enumerate(parts) if "noise" in s},
+                "noise_step": self.local_step.noise.step if self.local_step and self.local_step.noise else 0,
                 "optimizer_taken": self._taken,
                 "layout": self._layout_signature(), "chunk_size": self.chunk_size}
 
@@ -723,3 +739,5 @@ class CSCCommunicator(LazyAllreduce):
                 self._give_back(taken)
             taken = None
         self._taken = taken
+        if self.local_step is not None and self.local_step.noise is not None:
+            self.local_step.noise.step = int(state.get("noise_step", 0))

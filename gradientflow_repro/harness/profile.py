@@ -92,8 +92,8 @@ def sparsify_work(elements: int, chunk: int = 32768, density: float = 0.1,
     signs, sketch = sketch_signs(gradient.numel(), gradient.device), torch.empty(TRUST_SKETCH_BUCKETS)
 
     def local_work() -> None:
-        if noise_sketch:
-            sketch_into(sketch, gradient, signs)
+        if noise_sketch:  # into the spare residual, as TrustNoise.sketch does
+            sketch_into(sketch, gradient, signs, state.scratch.view(-1))
         lars_rescale_([gradient], [weight], [lars])
         moved = state.add_momentum(gradient, 0.9)
         sent = state.sparsify(moved.view(chunks, chunk), density, nothing, nothing, CommStats(), mask_velocity=True,
