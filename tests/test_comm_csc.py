@@ -279,14 +279,10 @@ def test_momentum_correction_refuses_what_it_would_run_wrongly(optimizer) -> Non
     csc(density=0.25, momentum_correction=False, overlap=False).attach(model, optimizer(model.parameters()))
 
 
-def _lars(model: nn.Module) -> Lars:
-    return Lars(parameter_groups(model, 5e-4), lr=0.1, momentum=0.9, trust_coeff=0.06)
-
-
 def _checkpoint_and_skip(rank: int, world: int, out: str) -> None:
     """Under Lars, so the trust ratio's noise estimate is part of the state."""
     model = Net()
-    optimizer = _lars(model)
+    optimizer = _optimizer_of("lars", model)
     comm = csc(density=0.25, momentum_correction=True)
     comm.attach(model, optimizer)
     for step in range(3):
@@ -304,7 +300,7 @@ def _checkpoint_and_skip(rank: int, world: int, out: str) -> None:
     restored_model = Net()
     restored_model.load_state_dict(model.state_dict())
     restored = csc(density=0.25, momentum_correction=True)
-    restored.attach(restored_model, _lars(restored_model))
+    restored.attach(restored_model, _optimizer_of("lars", restored_model))
     restored.load_state_dict(torch.load(buffer, weights_only=False))
     noise = [part.noise for part in comm.parts if part.noise is not None]
     if not noise or not all((n > 0).all() for n in noise):
@@ -462,8 +458,8 @@ def _two_collectives_per_part(rank: int, world: int, out: str) -> None:
                            overlap=True, chunk_size=100, density=0.3, warmup_epochs=0.0, momentum_correction=True)
     full = CSCCommunicator(CPU, ring_sum(segment_bytes=1024), bucket_bytes=4096, overlap=True, chunk_size=100,
                            density=0.3, warmup_epochs=0.0, momentum_correction=True)
-    half.attach(half_model, _lars(half_model))  # under Lars: the noise sketches ride with the norms
-    full.attach(full_model, _lars(full_model))
+    half.attach(half_model, _optimizer_of("lars", half_model))  # under Lars: the noise sketches ride with the norms
+    full.attach(full_model, _optimizer_of("lars", full_model))
     if not any(part.noise is not None for part in half.parts):
         failures.append("no pool part sends noise sketches")
     norm_sizes, real_norm_sum = [], half.norm_sum
@@ -533,9 +529,8 @@ def _trust_noise(rank: int, world: int, out: str) -> None:
     rank's whole gradient (``dist.all_reduce``, ``dist.all_gather``)."""
     failures = []
     model = Net()
-    comm = CSCCommunicator(CPU, ring_sum(segment_bytes=1024), bucket_bytes=4096, overlap=False, chunk_size=100,
-                           density=0.5, warmup_epochs=0.0, momentum_correction=True)
-    comm.attach(model, _lars(model))
+    comm = csc(density=0.5, momentum_correction=True, overlap=False)
+    comm.attach(model, _optimizer_of("lars", model))
     noise = comm.local_step.noise
     buckets = [b for b in comm.buckets if noise.layers_in(b.index)]
     if sum(noise.layers_in(b.index) for b in buckets) != 2:
@@ -616,9 +611,8 @@ def _trust_noise(rank: int, world: int, out: str) -> None:
             failures.append(f"part {bucket.index}: LocalStep does not rescale each layer by its own factor")
     # 3. ranks that agree: c is 1, as dense LARS
     fresh = Net()
-    agreeing = CSCCommunicator(CPU, ring_sum(segment_bytes=1024), bucket_bytes=4096, overlap=False, chunk_size=100,
-                               density=0.5, warmup_epochs=0.0, momentum_correction=True)
-    agreeing.attach(fresh, _lars(fresh))
+    agreeing = csc(density=0.5, momentum_correction=True, overlap=False)
+    agreeing.attach(fresh, _optimizer_of("lars", fresh))
     for bucket in buckets:
         state = agreeing.parts[bucket.index]
         for step in range(3):

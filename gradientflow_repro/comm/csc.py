@@ -437,14 +437,18 @@ class TrustNoise:
             param, offset, _ = self.entries[bucket.index][index]
             sketch_into(out[at:at + k], gradient[offset:offset + param.numel()], signs, buffer)
             at += k
-        out[:len(layers)].index_add_(0, self.layer_of[bucket.index], out[len(layers):].square())
+        self._squared_norms(bucket, out[len(layers):], into=out[:len(layers)])
         return out
+
+    def _squared_norms(self, bucket: Bucket, sketches: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        """Adds each layer's squared sketch norm to ``into`` (one value per layer); returns it."""
+        return into.index_add_(0, self.layer_of[bucket.index], sketches.square())
 
     def observe(self, bucket: Bucket, state: BucketState, summed: torch.Tensor) -> None:
         """Stage the running means in ``state`` from ``summed``: the ranks' ``sketch`` summed."""
         layers = len(self.layers[bucket.index])
-        mean_squared = torch.zeros(layers, dtype=torch.float32, device=summed.device).index_add_(
-            0, self.layer_of[bucket.index], summed[layers:].square())
+        mean_squared = self._squared_norms(bucket, summed[layers:],
+                                           into=torch.zeros(layers, dtype=torch.float32, device=summed.device))
         state.stage_noise(torch.stack([summed[:layers] / self.world, mean_squared / self.world**2]), NOISE_KEEP)
 
     def factors(self, bucket: Bucket, state: BucketState) -> dict[int, torch.Tensor]:
