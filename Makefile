@@ -2,6 +2,8 @@
 #   make reproduce            the paper's comparison: every strategy to the target accuracy over an
 #                             emulated cluster network (4 gloo ranks on CPU) -> results/REPORT.md
 #   make reproduce DATA=/imagenet [EXPERIMENT=alexnet_512gpu NPROC=8]
+#   make convergence          accuracy over the whole schedule, dense against sparse communication
+#                             (3 seeds, on loopback) -> results/convergence.md
 #   make train                one training run (EXPERIMENT, NPROC, ARGS as Hydra overrides)
 #   make test                 the test suite
 #   make lint                 ruff (configured in pyproject.toml), as CI runs it before the tests
@@ -18,7 +20,7 @@ ARGS ?=
 REPRO_ARGS ?=
 DIGITS := data/digits
 
-.PHONY: venv data reproduce train test lint bench reliability gpu-check clean
+.PHONY: venv data reproduce convergence train test lint bench reliability gpu-check clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +40,10 @@ data: $(DIGITS)/train
 
 reproduce: venv $(if $(DATA),,data)
 	$(PY) scripts/reproduce.py --experiment $(EXPERIMENT) --world $(NPROC) $(REPRO_ARGS) -- \
+	  $(if $(DATA),data=imagenet data.root=$(DATA)) $(ARGS)
+
+convergence: venv $(if $(DATA),,data)
+	$(PY) scripts/convergence.py --experiment $(EXPERIMENT) --world $(NPROC) $(REPRO_ARGS) -- \
 	  $(if $(DATA),data=imagenet data.root=$(DATA)) $(ARGS)
 
 train: venv $(if $(DATA),,data)

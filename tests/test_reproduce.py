@@ -405,3 +405,79 @@ def test_the_timeline_counts_jobs_and_estimates_the_time_left(capsys: pytest.Cap
     assert capsys.readouterr().out.splitlines() == [
         "reproduce: job 4 (train a) was not planned there: time left unknown",
         "reproduce: [4/4] not planned | 1m20s so far, about ? left"]
+
+
+# ---------------------------------------------------------------- accuracy over the whole schedule
+def test_the_convergence_study_sets_sparse_against_dense_seed_by_seed(tmp_path: Path) -> None:
+    from gradientflow_repro.harness.convergence import write_study
+
+    never = 101.0  # full curves: the study's runs never stop at a target
+    runs = {"ddp": [_fake_run("ddp", 0, [90, 97, 99.5, 99], target=never),
+                    _fake_run("ddp", 1, [91, 97.5, 98, 98.5], target=never)],
+            "gradientflow": [_fake_run("gradientflow", 0, [85, 93, 97, 98.5], target=never),
+                             _fake_run("gradientflow", 1, [80, 95, 90, 98], target=never)]}
+    out = tmp_path / "convergence.md"
+    machine = {"gpu": None, "cpu": "test CPU", "cpu_count": 2, "torch": "x", "git_commit": "abc"}
+    write_study(out, runs, configs={"ddp": ["comm=ddp"], "gradientflow": ["comm=gradientflow"]}, targets=[97.0, 98.0],
+                world=4, experiment="digits_cpu", command="c", elapsed_s=60, kept=1, overrides=[], machine=machine)
+    text = out.read_text()
+    rows = {row.split("|")[1].strip(): [c.strip() for c in row.strip("|").split("|")]
+            for row in text[text.index("| configuration | density"):].split("\n\n")[0].splitlines()[2:]}
+    # epochs to 97% and 98%, top-1 at the end, best, largest fall after the warm-up (1 epoch)
+    assert rows["ddp"][1:] == ["1 (dense)", "2 [2-2]", "3 [3-3]", "98.75 [98.50-99.00]", "99.00 [98.50-99.50]",
+                               "0.2 [0.0-0.5]"]  # seed 0 ends 0.5 below its best
+    assert rows["gradientflow"][1:] == ["0.1", "3.5 [3-4]", "4 [4-4]", "98.25 [98.00-98.50]",
+                                        "98.25 [98.00-98.50]", "2.5 [0.0-5.0]"]
+    per_epoch = text[text.index("| configuration | 1 | 2 | 3 | 4 |"):].split("\n\n")[0].splitlines()
+    assert per_epoch[3] == "| gradientflow | 82.5 | 94.0 | 93.5 | 98.2 |"  # 98.25, rounded half to even
+    # seed by seed: 98.5 - 99 and 98 - 98.5; the dense runs' own spread 0.5
+    assert ("- `gradientflow`: 3.5 epochs to 97% against 2 (+75%, medians); top-1 at the end -0.50 points against "
+            "the same seed's dense run (from -0.50 to -0.50; the dense runs' own spread over the seeds: 0.50).") in text
+    assert "1 of 4 runs kept from an earlier launch" in text
+    assert (tmp_path / "convergence_top1.png").stat().st_size > 1000
+
+
+def test_the_convergence_study_refuses_unknown_configurations() -> None:
+    from gradientflow_repro.harness.convergence import experiment_target, parse_configs
+
+    assert parse_configs(["ddp", "cap0=comm=gradientflow comm.release_cap=0"]) == {
+        "ddp": ["comm=ddp"], "cap0": ["comm=gradientflow", "comm.release_cap=0"]}
+    assert parse_configs(["gradientflow@0.01"])["gradientflow@0.01"] == ["comm=gradientflow", "comm.density=0.01"]
+    with pytest.raises(ValueError, match="'gradientflw': not one of allreduce, ddp"):
+        parse_configs(["gradientflw"])
+    with pytest.raises(ValueError, match="label before '='"):
+        parse_configs(["=comm=ddp"])
+    assert experiment_target("digits_cpu") == 97.0
+    with pytest.raises(ValueError, match="experiment 'digits': no configs/experiment/digits.yaml"):
+        experiment_target("digits")
+
+
+def test_the_convergence_study_runs_whole_schedules_and_continues_where_it_stopped(tmp_path: Path,
+                                                                                   digits_root: Path) -> None:
+    command = [sys.executable, "scripts/convergence.py", "--world", "2", "--seeds", "0", "--configs", "ddp",
+               "nomc=comm=gradientflow comm.momentum_correction=false comm.momentum_masking=false",
+               "--targets", "20", "--runs-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "c.md"), "--",
+               f"data.root={digits_root}", "model.width=0.125", "epochs=3", "optim.warmup_epochs=1",
+               "comm.csc_warmup_epochs=0"]
+
+    def study() -> str:
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return result.stdout
+
+    first = study()
+    jobs = re.findall(r"convergence: \[(\d/\d)\] (.*?) \|", first)
+    assert jobs == [("1/2", "[ddp] seed 0"), ("2/2", "[nomc] seed 0")], first
+    text = (tmp_path / "c.md").read_text()
+    rows = text[text.index("| configuration | density"):].split("\n\n")[0].splitlines()[2:]
+    assert [row.split("|")[1:4] for row in rows] == [[" ddp ", " 1 (dense) ", " 1 "], [" nomc ", " 0.1 ", " 1 "]]
+    # the target (20%) is reached after epoch 1, and the runs went on to the end of their 3 epochs
+    assert "| configuration | 1 | 2 | 3 |" in text and "nomc: `comm=gradientflow comm.momentum_correction=false" in text
+    assert "kept from an earlier launch" not in text
+    second = study()
+    assert "2 of 2 runs kept from before" in second and "[1/" not in second  # both kept: nothing trains
+    (tmp_path / "runs" / "nomc" / "seed0" / "summary.json").unlink()  # as if cut short
+    again = study()
+    assert "1 of 2 runs kept from before" in again and re.findall(r"\[(\d/\d)\] (.*?) \|", again) == [
+        ("1/1", "[nomc] seed 0")]
+    assert "1 of 2 runs kept from an earlier launch" in (tmp_path / "c.md").read_text()

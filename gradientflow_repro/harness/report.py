@@ -14,7 +14,8 @@ from gradientflow_repro.harness.runs import epochs_to_target, evaluations, is_de
 from gradientflow_repro.harness.scaling import paper_check, plot
 
 
-def _spread(values: list[Optional[float]], fmt: str, scale: float = 1.0) -> str:
+def spread(values: list[Optional[float]], fmt: str, scale: float = 1.0) -> str:
+    """Median [min-max] of the known values in ``fmt``, and how many are unknown (not reached)."""
     known = [v * scale for v in values if v is not None]
     if not known:
         return "not reached"
@@ -54,10 +55,10 @@ def comparison_table(runs: dict[str, list[dict]]) -> list[str]:
         mine = _median([_at_target(r, "mlperf_s") for r in items])
         speed = f"{baseline / mine:.2f}x" if baseline and mine else "-"
         lines.append(" | ".join([
-            f"| {label}", _spread([_at_target(r, "mlperf_s") for r in items], ".1f"),
-            _spread([epochs_to_target(r) for r in items], ".0f"), _spread([x["final_top1"] for x in s], ".2f"),
-            _spread([x["images_per_s"] for x in s], ".0f"), _spread([x["bytes_per_step"] for x in s], ".3f", 1e-6),
-            _spread([x["sync_wait_s_per_step"] for x in s], ".4f"), speed]) + " |")
+            f"| {label}", spread([_at_target(r, "mlperf_s") for r in items], ".1f"),
+            spread([epochs_to_target(r) for r in items], ".0f"), spread([x["final_top1"] for x in s], ".2f"),
+            spread([x["images_per_s"] for x in s], ".0f"), spread([x["bytes_per_step"] for x in s], ".3f", 1e-6),
+            spread([x["sync_wait_s_per_step"] for x in s], ".4f"), speed]) + " |")
     return lines
 
 
@@ -72,9 +73,9 @@ def clock_table(runs: dict[str, list[dict]]) -> list[str]:
         parts["init_s"] = [(r["summary"].get("clocks") or {}).get("init_s") for r in items]  # reached or not
         other = [m - (a or 0) - (t or 0) - (e or 0) if m is not None else None
                  for m, a, t, e in zip(parts["mlperf_s"], parts["startup_s"], parts["train_s"], parts["eval_s"])]
-        lines.append(" | ".join([f"| {label}", *(_spread(parts[c], ".1f") for c in ("startup_s", "train_s", "eval_s")),
-                                 _spread(other, ".1f"), _spread(parts["mlperf_s"], ".1f"),
-                                 _spread(parts["init_s"], ".1f")]) + " |")
+        lines.append(" | ".join([f"| {label}", *(spread(parts[c], ".1f") for c in ("startup_s", "train_s", "eval_s")),
+                                 spread(other, ".1f"), spread(parts["mlperf_s"], ".1f"),
+                                 spread(parts["init_s"], ".1f")]) + " |")
     return lines
 
 
@@ -149,8 +150,8 @@ def convergence_table(runs: dict[str, list[dict]]) -> tuple[list[str], float]:
     for label, items in runs.items():
         density = "1 (dense)" if is_dense(items[0]) else f"{run_knobs(items[0]).density:g}"
         at_budget = [next((a for e, a in evaluations(r) if abs(e - budget) < 1e-6), None) for r in items]
-        lines.append(f"| {label} | {density} | {_spread([epochs_to_target(r) for r in items], '.0f')} "
-                     f"| {_spread(at_budget, '.1f')} | {_spread([r['summary']['best_top1'] for r in items], '.1f')} |")
+        lines.append(f"| {label} | {density} | {spread([epochs_to_target(r) for r in items], '.0f')} "
+                     f"| {spread(at_budget, '.1f')} | {spread([r['summary']['best_top1'] for r in items], '.1f')} |")
     return lines, budget
 
 
@@ -270,7 +271,7 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
             error = predicted.step_s / measured["step_s"] - 1
             errors.append(abs(error))
             each = measured.get("step_s_each") or [measured["step_s"]]
-            lines.append(f"| {world} | {label} | {_spread(each, '.1f', 1e3)} | {predicted.step_s * 1e3:.1f} "
+            lines.append(f"| {world} | {label} | {spread(each, '.1f', 1e3)} | {predicted.step_s * 1e3:.1f} "
                          f"| {predicted.exposed_comm_s * 1e3:.1f} | {error * 100:+.0f}% |")
     if errors:
         within = sum(e <= 0.15 for e in errors)
@@ -386,7 +387,7 @@ def _convergence_section(runs: dict[str, list[dict]]) -> list[str]:
             corrected = "" if options.momentum_correction else ", no momentum correction"
             name = f"`{label}` (density {density:g}{corrected})"
             if 2 * len(reached) <= len(epochs) or dense is None:
-                best = _spread([r["summary"].get("best_top1") for r in items], ".1f")
+                best = spread([r["summary"].get("best_top1") for r in items], ".1f")
                 lines.append(f"- {name}: reached the target in {len(reached)} of {len(epochs)} seeds (best top-1 "
                              f"{best}%)" + (": goal NOT met." if label == "gradientflow" else "."))
                 continue

@@ -53,8 +53,9 @@ class Timeline:
 
     GUESS_S = {"calibration": 40.0, "netbench": 40.0, "train": 30.0, "check": 12.0}
 
-    def __init__(self, jobs: list[tuple[str, str]]) -> None:
+    def __init__(self, jobs: list[tuple[str, str]], name: str = "reproduce") -> None:
         self.jobs = jobs  # (kind, key) in the order they run
+        self.name = name  # what the progress lines begin with
         self.done: list[tuple[str, str, float]] = []
         self.started = time.time()
         self._current: Optional[tuple[str, str, float]] = None
@@ -72,9 +73,9 @@ class Timeline:
         if index < len(self.jobs) and self.jobs[index] == (kind, key):
             left = sum(self._estimate(k, c) for k, c in self.jobs[index:])
         else:  # a display's mistake must not stop a reproduction: say so, estimate nothing
-            print(f"reproduce: job {index + 1} ({kind} {key}) was not planned there: time left unknown", flush=True)
+            print(f"{self.name}: job {index + 1} ({kind} {key}) was not planned there: time left unknown", flush=True)
             left = float("nan")
-        print(f"reproduce: [{index + 1}/{len(self.jobs)}] {title} | {duration(time.time() - self.started)} so far, "
+        print(f"{self.name}: [{index + 1}/{len(self.jobs)}] {title} | {duration(time.time() - self.started)} so far, "
               f"about {duration(left)} left", flush=True)
         self._current = (kind, key, time.time())
 

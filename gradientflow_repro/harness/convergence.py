@@ -1,0 +1,217 @@
+"""Accuracy over the whole schedule: what sparse communication costs at the end of training.
+
+``make reproduce`` stops every run at the target, as time to accuracy must, so it cannot say
+whether sparse communication still costs accuracy when training ends, which is what the paper
+claims it does not. This study trains chosen configurations over the experiment's whole schedule
+(never stopping at the target), once per seed, and writes ``results/convergence.md``: epochs to
+each target, top-1 after every epoch (median over seeds), top-1 at the end against the dense
+reference seed by seed, the largest fall after the learning-rate warm-up, and a figure.
+
+Runs go over loopback: accuracy per epoch does not depend on the network's speed. A configuration
+is a label of ``knobs.COMPARED`` (what ``make reproduce`` trains) or ``LABEL=OVERRIDES`` (any Hydra
+overrides, e.g. ``cap0="comm=gradientflow comm.release_cap=0"``), so the experiments behind the
+README's recipe tables are one command each. A finished run is kept under ``runs_dir`` and reused
+when the study is run again with the same overrides on the same commit: an interrupted study
+continues where it stopped (``fresh`` starts over); changed code trains again.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from gradientflow_repro.comm import knobs
+from gradientflow_repro.harness import REPO
+from gradientflow_repro.harness.launch import run_ranks
+from gradientflow_repro.harness.report import plot_top1, spread
+from gradientflow_repro.harness.reproduce import Timeline
+from gradientflow_repro.harness.runs import evaluations, is_dense, load_run, run_knobs
+from gradientflow_repro.tracking import duration, environment_facts
+
+DEFAULT_CONFIGS = ("ddp", "gradientflow", "gradientflow@0.01", "gradientflow-no-mc")
+RUNS_DIR = REPO / "results" / "runs" / "convergence"
+OUT = REPO / "results" / "convergence.md"
+ARGV_FILE = "study_argv.json"  # the overrides a kept run was trained with
+
+
+def parse_configs(texts: Sequence[str]) -> dict[str, list[str]]:
+    """``LABEL`` (of ``knobs.COMPARED``) or ``LABEL=OVERRIDES`` -> label: Hydra overrides."""
+    configs: dict[str, list[str]] = {}
+    for text in texts:
+        label, _, overrides = text.partition("=")
+        if not overrides:
+            if label not in knobs.COMPARED:
+                raise ValueError(f"configuration {label!r}: not one of {', '.join(knobs.COMPARED)}; "
+                                 "give LABEL=OVERRIDES for another")
+            configs[label] = knobs.hydra_overrides(knobs.COMPARED[label])
+        elif not label or "/" in label:
+            raise ValueError(f"configuration {text!r}: the label before '=' must be a plain name")
+        else:
+            configs[label] = shlex.split(overrides)
+    return configs
+
+
+def experiment_target(experiment: str) -> Optional[float]:
+    """The experiment preset's ``target_top1`` (None: it sets none)."""
+    import yaml
+
+    preset = REPO / "configs" / "experiment" / f"{experiment}.yaml"
+    if not preset.is_file():
+        raise ValueError(f"experiment {experiment!r}: no {preset.relative_to(REPO)}")
+    return (yaml.safe_load(preset.read_text()) or {}).get("target_top1")
+
+
+def finished(run_dir: Path, argv: list[str], commit: Optional[str]) -> bool:
+    """The run in ``run_dir`` was trained with ``argv`` by the code of ``commit`` and went through its
+    whole schedule."""
+    try:
+        if json.loads((run_dir / ARGV_FILE).read_text()) != argv:
+            return False
+        run = load_run(run_dir)
+    except (OSError, ValueError):
+        return False
+    summary = run["summary"]
+    return (summary.get("stopped_by") is None and summary.get("epochs") == run["config"].get("epochs")
+            and summary.get("git_commit") == commit)
+
+
+def first_epoch_at(run: dict, top1: float) -> Optional[float]:
+    """The first evaluated epoch with top-1 at or above ``top1`` (None: never)."""
+    return next((epoch for epoch, accuracy in evaluations(run) if accuracy >= top1), None)
+
+
+def largest_fall(run: dict, after_epoch: float) -> float:
+    """Points lost from one evaluation to the next after ``after_epoch``, at most (0: none)."""
+    curve = evaluations(run)
+    return max([0.0, *(a0 - a1 for (_, a0), (e1, a1) in zip(curve, curve[1:]) if e1 > after_epoch)])
+
+
+def study(*, configs: dict[str, list[str]], experiment: str = "digits_cpu", world: int = 4,
+          seeds: Sequence[int] = (0, 1, 2), targets: Sequence[float] = (), runs_dir: Path = RUNS_DIR,
+          out: Path = OUT, overrides: Sequence[str] = (), timeout_s: float = 900, fresh: bool = False,
+          command: str = "python scripts/convergence.py") -> dict[str, list[dict]]:
+    """Train every configuration once per seed over the whole schedule (seed-major), then write ``out``."""
+    started = time.time()
+    targets = sorted({*targets, *([t] if (t := experiment_target(experiment)) is not None else [])})
+    if not targets:
+        raise ValueError(f"experiment {experiment!r} sets no target_top1: give --targets")
+    if fresh:
+        shutil.rmtree(runs_dir, ignore_errors=True)
+    base = [f"+experiment={experiment}", "target_top1=null", "save_final_params=false", "resume=never",
+            "logger=jsonl", *overrides]
+    jobs = [(label, seed, runs_dir / label / f"seed{seed}") for seed in seeds for label in configs]
+    argv = {(label, seed): [*base, *configs[label], f"seed={seed}", f"run_dir={d}"] for label, seed, d in jobs}
+    machine = environment_facts()
+    kept = {(label, seed) for label, seed, d in jobs if finished(d, argv[label, seed], machine["git_commit"])}
+    print(f"convergence: {len(configs)} configurations x {len(seeds)} seeds at world size {world} on loopback, "
+          f"whole schedule; {len(kept)} of {len(jobs)} runs kept from before", flush=True)
+    timeline = Timeline([("train", label) for label, seed, _ in jobs if (label, seed) not in kept], name="convergence")
+    runs: dict[str, list[dict]] = {label: [] for label in configs}
+    for label, seed, run_dir in jobs:
+        if (label, seed) not in kept:
+            timeline.begin("train", label, f"[{label}] seed {seed}")
+            shutil.rmtree(run_dir, ignore_errors=True)  # a half-finished run starts again
+            run_ranks(world, argv[label, seed], run_dir, f"{label} s{seed}", None, timeout_s, show=False)
+            (run_dir / ARGV_FILE).write_text(json.dumps(argv[label, seed]))
+        runs[label].append(load_run(run_dir))
+    timeline.end()
+    write_study(out, runs, configs=configs, targets=targets, world=world, experiment=experiment, command=command,
+                elapsed_s=time.time() - started, kept=len(kept), overrides=list(overrides), machine=machine)
+    print(f"convergence: wrote {out} in {duration(time.time() - started)}", flush=True)
+    return runs
+
+
+def _density(run: dict) -> str:
+    return "1 (dense)" if is_dense(run) else f"{run_knobs(run).density:g}"
+
+
+def _final_top1(run: dict) -> Optional[float]:
+    curve = evaluations(run)
+    return curve[-1][1] if curve else None
+
+
+def write_study(out: Path, runs: dict[str, list[dict]], *, configs: dict[str, list[str]], targets: Sequence[float],
+                world: int, experiment: str, command: str, elapsed_s: float, kept: int, overrides: list[str],
+                machine: dict) -> None:
+    """``out`` and its figure beside it (``<stem>_top1.png``) from ``runs`` (label -> one run per seed,
+    trained with ``configs[label]``; ``kept`` of them from an earlier launch)."""
+    first = next(iter(runs.values()))[0]
+    config = first.get("config") or {}
+    epochs, warmup = config.get("epochs"), float(config.get("optim", {}).get("warmup_epochs", 0.0))
+    dense = [label for label, items in runs.items() if is_dense(items[0])]
+    reference = dense[0] if dense else None
+    seeds = [r.get("config", {}).get("seed") for r in next(iter(runs.values()))]
+    machine_line = machine["gpu"] or f"{machine['cpu']}, {machine['cpu_count']} cores, no GPU"
+    lines = ["# Accuracy over the whole schedule: dense against sparse communication", "",
+             f"- Machine: {machine_line}. torch {machine['torch']}, commit {machine['git_commit']}.",
+             f"- Command: `{command}` ({elapsed_s / 60:.1f} min"
+             + (f"; {kept} of {sum(map(len, runs.values()))} runs kept from an earlier launch" if kept else "") + ").",
+             f"- Experiment `{experiment}`, world size {world} on loopback (accuracy per epoch does not depend on "
+             f"the network), {epochs} epochs (learning-rate warm-up {warmup:g}), never stopped at the target; seeds "
+             f"{', '.join(str(s) for s in seeds)} (initial weights and data order): median [range]."
+             + (f" Overrides for every run: `{' '.join(overrides)}`." if overrides else ""),
+             "- Configurations: " + "; ".join(f"{label}: `{' '.join(configs[label])}`" for label in runs) + ".", ""]
+    header = ["configuration", "density", *[f"epochs to {t:g}%" for t in targets], "top-1 at the end (%)",
+              "best top-1 (%)", "largest fall after the warm-up (points)"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for label, items in runs.items():
+        cells = [label, _density(items[0]), *[spread([first_epoch_at(r, t) for r in items], "g") for t in targets],
+                 spread([_final_top1(r) for r in items], ".2f"),
+                 spread([max((a for _, a in evaluations(r)), default=None) for r in items], ".2f"),
+                 spread([largest_fall(r, warmup) for r in items], ".1f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    evaluated = sorted({e for items in runs.values() for r in items for e, _ in evaluations(r)})
+    lines += ["", "Top-1 after each epoch (%), median over the seeds:", "",
+              "| configuration | " + " | ".join(f"{e:g}" for e in evaluated) + " |",
+              "|---|" + "---|" * len(evaluated)]
+    for label, items in runs.items():
+        at = [[a for r in items for e, a in evaluations(r) if e == epoch] for epoch in evaluated]
+        lines.append(f"| {label} | " + " | ".join(f"{statistics.median(v):.1f}" if v else "-" for v in at) + " |")
+    lines += ["", *_verdicts(runs, reference, targets[0]), "",
+              f"![validation top-1 against epochs]({out.stem}_top1.png)", ""]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
+    plot_top1(runs, out.parent / f"{out.stem}_top1.png", x="epoch")
+
+
+def _range(items: list[dict]) -> float:
+    """Highest minus lowest top-1 at the end over ``items``: how much the seed alone moves it."""
+    ends = [e for e in map(_final_top1, items) if e is not None]
+    return max(ends) - min(ends) if ends else 0.0
+
+
+def _verdicts(runs: dict[str, list[dict]], reference: Optional[str], target: float) -> list[str]:
+    """Each sparse configuration against the dense reference: epochs to ``target`` and top-1 at the
+    end, seed by seed (the same seed: the same initial weights and data order)."""
+    if reference is None:
+        return ["No dense configuration was trained: nothing to set the sparse ones against."]
+    by_seed = {r["config"].get("seed"): r for r in runs[reference]}
+    dense_epochs = [first_epoch_at(r, target) for r in runs[reference]]
+    lines = [f"Against `{reference}` (dense), seed by seed:"]
+    for label, items in runs.items():
+        if label == reference or is_dense(items[0]):
+            continue
+        pairs = [(r, by_seed.get(r["config"].get("seed"))) for r in items]
+        pairs = [(r, d) for r, d in pairs if d is not None]
+        final = [_final_top1(r) - _final_top1(d) for r, d in pairs
+                 if _final_top1(r) is not None and _final_top1(d) is not None]
+        epochs = [first_epoch_at(r, target) for r in items]
+        reached = [e for e in epochs if e is not None]
+        dense_known = [e for e in dense_epochs if e is not None]
+        if reached and dense_known:
+            mine, theirs = statistics.median(reached), statistics.median(dense_known)
+            to_target = f"{mine:g} epochs to {target:g}% against {theirs:g} ({mine / theirs - 1:+.0%}, medians)"
+        else:
+            to_target = f"{target:g}% reached in {len(reached)} of {len(epochs)} seeds"
+        if len(reached) < len(epochs) and reached:
+            to_target += f", reached in {len(reached)} of {len(epochs)} seeds"
+        ends = (f"top-1 at the end {statistics.median(final):+.2f} points against the same seed's dense run "
+                f"(from {min(final):+.2f} to {max(final):+.2f}; the dense runs' own spread over the seeds: "
+                f"{_range(runs[reference]):.2f})" if final else "no pair of seeds to compare")
+        lines.append(f"- `{label}`: {to_target}; {ends}.")
+    return lines

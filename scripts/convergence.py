@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Accuracy over the whole schedule, dense against sparse communication: every configuration trained
+once per seed without stopping at the target, on loopback, then results/convergence.md.
+
+    python scripts/convergence.py                                   # what `make convergence` runs
+    python scripts/convergence.py --configs ddp gradientflow 'cap0=comm=gradientflow comm.release_cap=0'
+    python scripts/convergence.py --seeds 0 1 2 3 4 -- epochs=6     # Hydra overrides for every run after --
+
+Finished runs are kept (results/runs/convergence/) and reused by the next study with the same
+overrides on the same commit: run it again after an interruption and it continues. What it does:
+gradientflow_repro/harness/convergence.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from gradientflow_repro.harness import convergence
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--experiment", default="digits_cpu")
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--configs", nargs="+", default=list(convergence.DEFAULT_CONFIGS),
+                        help="labels of make reproduce's configurations, or LABEL='Hydra overrides'; "
+                             "the first dense one is the reference")
+    parser.add_argument("--targets", type=float, nargs="*", default=[98.0],
+                        help="top-1 targets (%%) besides the experiment's own")
+    parser.add_argument("--runs-dir", type=Path, default=convergence.RUNS_DIR)
+    parser.add_argument("--out", type=Path, default=convergence.OUT)
+    parser.add_argument("--timeout-s", type=float, default=900, help="per training run")
+    parser.add_argument("--fresh", action="store_true", help="train every run again (default: keep finished ones)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
+    args = parser.parse_args()
+    try:
+        configs = convergence.parse_configs(args.configs)
+        convergence.experiment_target(args.experiment)  # the preset exists
+    except ValueError as error:
+        parser.error(str(error))
+    convergence.study(configs=configs, experiment=args.experiment, world=args.world, seeds=args.seeds,
+                      targets=args.targets, runs_dir=args.runs_dir, out=args.out, overrides=args.overrides,
+                      timeout_s=args.timeout_s, fresh=args.fresh,
+                      command="python scripts/convergence.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
