@@ -85,10 +85,15 @@ def first_epoch_at(run: dict, top1: float) -> Optional[float]:
     return next((epoch for epoch, accuracy in evaluations(run) if accuracy >= top1), None)
 
 
-def largest_fall(run: dict, after_epoch: float) -> float:
-    """Points lost from one evaluation to the next after ``after_epoch``, at most (0: none)."""
+def warmup_epochs(run: dict) -> float:
+    """The run's learning-rate warm-up, in epochs."""
+    return float((run.get("config") or {}).get("optim", {}).get("warmup_epochs", 0.0))
+
+
+def largest_fall(run: dict) -> float:
+    """Points lost from one evaluation to the next after the run's learning-rate warm-up, at most (0: none)."""
     curve = evaluations(run)
-    return max([0.0, *(a0 - a1 for (_, a0), (e1, a1) in zip(curve, curve[1:]) if e1 > after_epoch)])
+    return max([0.0, *(a0 - a1 for (_, a0), (e1, a1) in zip(curve, curve[1:]) if e1 > warmup_epochs(run))])
 
 
 def study(*, configs: dict[str, list[str]], experiment: str = "digits_cpu", world: int = 4,
@@ -142,7 +147,7 @@ def write_study(out: Path, runs: dict[str, list[dict]], *, configs: dict[str, li
     trained with ``configs[label]``; ``kept`` of them from an earlier launch)."""
     first = next(iter(runs.values()))[0]
     config = first.get("config") or {}
-    epochs, warmup = config.get("epochs"), float(config.get("optim", {}).get("warmup_epochs", 0.0))
+    epochs, warmup = config.get("epochs"), warmup_epochs(first)
     dense = [label for label, items in runs.items() if is_dense(items[0])]
     reference = dense[0] if dense else None
     seeds = [r.get("config", {}).get("seed") for r in next(iter(runs.values()))]
@@ -163,7 +168,7 @@ def write_study(out: Path, runs: dict[str, list[dict]], *, configs: dict[str, li
         cells = [label, _density(items[0]), *[spread([first_epoch_at(r, t) for r in items], "g") for t in targets],
                  spread([_final_top1(r) for r in items], ".2f"),
                  spread([max((a for _, a in evaluations(r)), default=None) for r in items], ".2f"),
-                 spread([largest_fall(r, warmup) for r in items], ".1f")]
+                 spread([largest_fall(r) for r in items], ".1f")]
         lines.append("| " + " | ".join(cells) + " |")
     evaluated = sorted({e for items in runs.values() for r in items for e, _ in evaluations(r)})
     lines += ["", "Top-1 after each epoch (%), median over the seeds:", "",
