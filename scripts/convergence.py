@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--configs", nargs="+", default=list(convergence.DEFAULT_CONFIGS),
                         help="labels of make reproduce's configurations, or LABEL='Hydra overrides'; "
-                             "the first dense one is the reference")
+                             "ddp (else the first dense one) is the reference")
     parser.add_argument("--targets", type=float, nargs="*", default=[98.0],
                         help="top-1 targets (%%) besides the experiment's own")
     parser.add_argument("--runs-dir", type=Path, default=convergence.RUNS_DIR)

@@ -28,12 +28,13 @@ from typing import Optional, Sequence
 from gradientflow_repro.comm import knobs
 from gradientflow_repro.harness import REPO
 from gradientflow_repro.harness.launch import run_ranks
-from gradientflow_repro.harness.report import plot_top1, spread
+from gradientflow_repro.harness.report import falls_after_warmup, plot_top1, spread
 from gradientflow_repro.harness.reproduce import Timeline
-from gradientflow_repro.harness.runs import evaluations, is_dense, load_run, run_knobs
+from gradientflow_repro.harness.runs import evaluations, is_dense, load_run, run_knobs, run_warmup_epochs
 from gradientflow_repro.tracking import duration, environment_facts
 
-DEFAULT_CONFIGS = ("ddp", "gradientflow", "gradientflow@0.01", "gradientflow-no-mc")
+DEFAULT_CONFIGS = tuple(knobs.COMPARED)  # what make reproduce trains: the ladder and CSC's variants
+REFERENCE = "ddp"  # the dense configuration the others are set against, when trained (as make reproduce)
 RUNS_DIR = REPO / "results" / "runs" / "convergence"
 OUT = REPO / "results" / "convergence.md"
 ARGV_FILE = "study_argv.json"  # the overrides a kept run was trained with
@@ -85,15 +86,10 @@ def first_epoch_at(run: dict, top1: float) -> Optional[float]:
     return next((epoch for epoch, accuracy in evaluations(run) if accuracy >= top1), None)
 
 
-def warmup_epochs(run: dict) -> float:
-    """The run's learning-rate warm-up, in epochs."""
-    return float((run.get("config") or {}).get("optim", {}).get("warmup_epochs", 0.0))
-
-
 def largest_fall(run: dict) -> float:
     """Points lost from one evaluation to the next after the run's learning-rate warm-up, at most (0: none)."""
     curve = evaluations(run)
-    return max([0.0, *(a0 - a1 for (_, a0), (e1, a1) in zip(curve, curve[1:]) if e1 > warmup_epochs(run))])
+    return max([0.0, *(a0 - a1 for (_, a0), (e1, a1) in zip(curve, curve[1:]) if e1 > run_warmup_epochs(run))])
 
 
 def study(*, configs: dict[str, list[str]], experiment: str = "digits_cpu", world: int = 4,
@@ -147,9 +143,9 @@ def write_study(out: Path, runs: dict[str, list[dict]], *, configs: dict[str, li
     trained with ``configs[label]``; ``kept`` of them from an earlier launch)."""
     first = next(iter(runs.values()))[0]
     config = first.get("config") or {}
-    epochs, warmup = config.get("epochs"), warmup_epochs(first)
+    epochs, warmup = config.get("epochs"), run_warmup_epochs(first)
     dense = [label for label, items in runs.items() if is_dense(items[0])]
-    reference = dense[0] if dense else None
+    reference = REFERENCE if REFERENCE in dense else (dense[0] if dense else None)
     seeds = [r.get("config", {}).get("seed") for r in next(iter(runs.values()))]
     machine_line = machine["gpu"] or f"{machine['cpu']}, {machine['cpu_count']} cores, no GPU"
     lines = ["# Accuracy over the whole schedule: dense against sparse communication", "",
@@ -177,7 +173,10 @@ def write_study(out: Path, runs: dict[str, list[dict]], *, configs: dict[str, li
     for label, items in runs.items():
         at = [[a for r in items for e, a in evaluations(r) if e == epoch] for epoch in evaluated]
         lines.append(f"| {label} | " + " | ".join(f"{statistics.median(v):.1f}" if v else "-" for v in at) + " |")
-    lines += ["", *_verdicts(runs, reference, targets[0]), "",
+    falls = falls_after_warmup(runs)
+    lines += ["", f"Falls of more than 5 points from one evaluation to the next after the warm-up: {len(falls)} in "
+              f"{sum(map(len, runs.values()))} runs" + (": " + "; ".join(falls) if falls else "") + ".",
+              "", *_verdicts(runs, reference, targets[0]), "",
               f"![validation top-1 against epochs]({out.stem}_top1.png)", ""]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))

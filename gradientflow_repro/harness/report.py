@@ -10,7 +10,7 @@ from typing import Optional, Union
 
 from gradientflow_repro import perfmodel as pm
 from gradientflow_repro.harness.profile import profile_from_json
-from gradientflow_repro.harness.runs import epochs_to_target, evaluations, is_dense, run_knobs
+from gradientflow_repro.harness.runs import epochs_to_target, evaluations, is_dense, run_knobs, run_warmup_epochs
 from gradientflow_repro.harness.scaling import paper_check, plot
 
 
@@ -113,15 +113,17 @@ def decomposition_table(runs: dict[str, list[dict]], reference: str) -> list[str
     return lines
 
 
-def falls_after_warmup(runs: dict[str, list[dict]], warmup_epochs: float, drop_points: float = 5.0) -> list[str]:
-    """Evaluations after the learning-rate warm-up that fall more than ``drop_points`` below the
-    previous one, as ``label seed: epoch a -> b: x% -> y%``."""
+def falls_after_warmup(runs: dict[str, list[dict]], warmup_epochs: Optional[float] = None,
+                       drop_points: float = 5.0) -> list[str]:
+    """Evaluations after the learning-rate warm-up (``warmup_epochs``, else each run's own) that fall
+    more than ``drop_points`` below the previous one, as ``label seed: epoch a -> b: x% -> y%``."""
     falls = []
     for label, items in runs.items():
         for run in items:
             curve = evaluations(run)
+            after = run_warmup_epochs(run) if warmup_epochs is None else warmup_epochs
             for (e0, a0), (e1, a1) in zip(curve, curve[1:]):
-                if e1 > warmup_epochs and a1 < a0 - drop_points:
+                if e1 > after and a1 < a0 - drop_points:
                     falls.append(f"{label} seed {_seed(run)}: epoch {e0:.0f} -> {e1:.0f}: {a0:.1f}% -> {a1:.1f}%")
     return falls
 
@@ -361,7 +363,7 @@ def _step_floor(checks: dict[str, dict], reference: str, ratios: dict[str, float
 def _convergence_section(runs: dict[str, list[dict]]) -> list[str]:
     table, budget = convergence_table(runs)
     first = next(iter(runs.values()))[0]
-    warmup = float((first.get("config") or {}).get("optim", {}).get("warmup_epochs", 0.0))
+    warmup = run_warmup_epochs(first)
     every = (first.get("config") or {}).get("eval_every_epochs", 1)
     lines = [*table, "", f"Runs stop at the target, so epoch {budget:.0f} is the last one every run was evaluated "
              "at. Same seeds for every strategy (seed = initial weights and data order)."]

@@ -55,6 +55,11 @@ def epochs_to_target(run: dict) -> Optional[float]:
     return None if not at else at["step"] / (s["steps"] / s["epochs"])
 
 
+def run_warmup_epochs(run: dict) -> float:
+    """The run's learning-rate warm-up, in epochs (0 when its configuration is unknown)."""
+    return float((run.get("config") or {}).get("optim", {}).get("warmup_epochs", 0.0))
+
+
 def dense_warmup_epochs(run: dict) -> float:
     """Epochs the run trained densely before its steady state (``knobs.dense_warmup_epochs``)."""
     return knobs.dense_warmup_epochs(run_knobs(run))
