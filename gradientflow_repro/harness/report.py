@@ -366,7 +366,9 @@ def _convergence_section(runs: dict[str, list[dict]]) -> list[str]:
     warmup = run_warmup_epochs(first)
     every = (first.get("config") or {}).get("eval_every_epochs", 1)
     lines = [*table, "", f"Runs stop at the target, so epoch {budget:.0f} is the last one every run was evaluated "
-             "at. Same seeds for every strategy (seed = initial weights and data order)."]
+             "at. Same seeds for every strategy (seed = initial weights and data order). Over the whole "
+             "schedule, never stopped at the target (top-1 at the end, falls after the target): "
+             "`make convergence`, `results/convergence.md`."]
     falls = falls_after_warmup(runs, warmup)
     lines += ["", f"- Stable recipe: after the learning-rate warm-up ({warmup:g} epochs), no evaluation may fall more "
               f"than 5 points below the previous one: {len(falls)} such fall(s)"
