@@ -3,7 +3,7 @@
 #                             emulated cluster network (4 gloo ranks on CPU) -> results/REPORT.md
 #   make reproduce DATA=/imagenet [EXPERIMENT=alexnet_512gpu NPROC=8]
 #   make convergence          accuracy over the whole schedule, dense against sparse communication
-#                             (3 seeds, on loopback) -> results/convergence.md
+#                             (3 seeds, on loopback; CONVERGENCE_ARGS for the script) -> results/convergence.md
 #   make train                one training run (EXPERIMENT, NPROC, ARGS as Hydra overrides)
 #   make test                 the test suite
 #   make lint                 ruff (configured in pyproject.toml), as CI runs it before the tests
@@ -18,6 +18,7 @@ EXPERIMENT ?= digits_cpu
 DATA ?=
 ARGS ?=
 REPRO_ARGS ?=
+CONVERGENCE_ARGS ?=
 DIGITS := data/digits
 
 .PHONY: venv data reproduce convergence train test lint bench reliability gpu-check clean
@@ -43,7 +44,7 @@ reproduce: venv $(if $(DATA),,data)
 	  $(if $(DATA),data=imagenet data.root=$(DATA)) $(ARGS)
 
 convergence: venv $(if $(DATA),,data)
-	$(PY) scripts/convergence.py --experiment $(EXPERIMENT) --world $(NPROC) $(REPRO_ARGS) -- \
+	$(PY) scripts/convergence.py --experiment $(EXPERIMENT) --world $(NPROC) $(CONVERGENCE_ARGS) -- \
 	  $(if $(DATA),data=imagenet data.root=$(DATA)) $(ARGS)
 
 train: venv $(if $(DATA),,data)

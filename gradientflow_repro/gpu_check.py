@@ -10,7 +10,9 @@ installing anything, as ``python3 -m gradientflow_repro.gpu_check [--out FILE] [
     nccl_1rank      every collective helper the trainer uses, on NCCL at world size 1: us per call
     comm_gloo_cuda  every communicator (allreduce, ddp, lazy, csc, gradientflow) on CUDA tensors in
                     two gloo ranks sharing GPU 0, against the mean of the ranks' own gradients; an
-                    inf on one rank must reach both
+                    inf on one rank must reach both; the full stack under timm's Lars (momentum
+                    correction with LARS, the trust ratio's noise sketches) against the same run
+                    on the CPU (the test suite runs this item on CPU tensors)
     trainer_fp16    the trainer end to end through torchrun on CUDA with fp16 (allreduce, lazy,
                     gradientflow), then resumed from its checkpoint
     throughput      images/s of AlexNet-BN and ResNet-50 in fp16; host synchronisations per step of
@@ -117,7 +119,10 @@ class Reporter:
         self.results: list[Result] = []
 
     def add(self, status: str, detail: str, part: Optional[str] = None) -> None:
-        result = Result(status, f"{self.item}/{part}" if part else self.item, detail)
+        self.add_result(Result(status, f"{self.item}/{part}" if part else self.item, detail))
+
+    def add_result(self, result: Result) -> None:
+        """A line made elsewhere (by a spawned rank), under the item name it carries."""
         self.results.append(result)
         self.emit(result)
 
@@ -564,6 +569,14 @@ COMM_CASES: list[tuple[str, dict[str, Any]]] = [
     ("gradientflow", {"strategy": "gradientflow", **CSC_KNOBS}),
 ]
 COMM_STEPS = 4
+# The full stack under LARS on the device against the same run on the CPU (the path the test suite
+# checks): momentum correction with LARS's ratio, the ratio's noise sketches (world > 1), the fp16
+# wire. Its invariant is not the plain mean (the velocity is what is summed), so the CPU run is the
+# reference; rounding differs between devices, hence a tolerance.
+PARITY_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("gradientflow+lars vs cpu", {"strategy": "gradientflow", **CSC_KNOBS})]
+PARITY_STEPS = 6
+PARITY_TOLERANCE = 1e-2  # of each parameter's largest magnitude
 
 
 class SmallNet(torch.nn.Module):
@@ -623,6 +636,11 @@ def _same_message(comm: Any, params: list[torch.nn.Parameter]) -> list[list[int]
     return together
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _check_communicator(options: dict[str, Any], rank: int, world: int, device: torch.device) -> dict[str, Any]:
     """One communicator through COMM_STEPS steps and an overflow step; this rank's findings.
 
@@ -650,12 +668,12 @@ def _check_communicator(options: dict[str, Any], rank: int, world: int, device: 
         reference(x).pow(2).mean().backward()
         local = [p.grad for p in reference.parameters()]
         old = _residuals(comm, params)
-        torch.cuda.synchronize(device)
+        _synchronize(device)
         started = time.perf_counter()
         comm.begin_step(float(step), 1.0)
         module(x).pow(2).mean().backward()
         comm.synchronize()
-        torch.cuda.synchronize(device)
+        _synchronize(device)
         step_ms.append((time.perf_counter() - started) * 1e3)
         synced = [p.grad.detach().float().cpu() for p in params]
         comm.end_step(applied=True)
@@ -698,6 +716,65 @@ def _check_communicator(options: dict[str, Any], rank: int, world: int, device: 
     return findings
 
 
+def _lars_run(options: dict[str, Any], rank: int, device: torch.device) -> tuple[list[torch.Tensor], Optional[int]]:
+    """PARITY_STEPS steps of SmallNet under timm's Lars (the trainer's parameter groups) through the
+    communicator on ``device``: the parameters after them (on the CPU), and how many steps the trust
+    ratio's noise correction ran (None: it was not built)."""
+    from timm.optim import Lars
+
+    from gradientflow_repro.comm.factory import build_communicator
+    from gradientflow_repro.optim import parameter_groups
+
+    torch.manual_seed(0)
+    model = SmallNet().to(device)
+    optimizer = Lars(parameter_groups(model, 5e-4), lr=0.5, momentum=0.9, trust_coeff=0.06)
+    comm = build_communicator(options, device)
+    module = comm.attach(model, optimizer)
+    for step in range(PARITY_STEPS):
+        x = torch.randn(16, 37, generator=torch.Generator().manual_seed(100 * rank + step)).to(device)
+        comm.begin_step(float(step), 1.0)
+        module(x).pow(2).mean().backward()
+        comm.synchronize()
+        optimizer.step()
+        comm.end_step(applied=True)
+        optimizer.zero_grad(set_to_none=True)
+    _synchronize(device)
+    local_step = getattr(comm, "local_step", None)
+    noise = getattr(local_step, "noise", None)
+    comm.close()
+    return [p.detach().float().cpu() for p in model.parameters()], (noise.step if noise is not None else None)
+
+
+def _check_parity(options: dict[str, Any], rank: int, world: int, device: torch.device) -> dict[str, Any]:
+    """The run on ``device`` against the same run on the CPU, in the same process group, one after
+    the other (each communicator's collectives in step on every rank); this rank's findings."""
+    import torch.distributed as dist
+
+    try:
+        import timm.optim  # noqa: F401
+    except ImportError:
+        raise Skip("needs timm (its Lars optimizer)") from None
+    mine, noise_steps = _lars_run(options, rank, device)
+    reference, _ = _lars_run(options, rank, torch.device("cpu"))
+    worst = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() for a, b in zip(mine, reference))
+    dist.barrier()
+    return {"worst": worst, "noise_steps": noise_steps}
+
+
+def _parity_line(findings: list[dict[str, Any]]) -> tuple[str, str]:
+    worst = max(f["worst"] for f in findings)
+    noise = [f["noise_steps"] for f in findings]
+    problems = []
+    if not worst <= PARITY_TOLERANCE:  # a NaN is a failure too
+        problems.append(f"parameters differ from the CPU run's by {worst:.3g} of their largest value")
+    if not all(noise):
+        problems.append(f"the trust ratio's noise correction did not run (steps per rank: {noise})")
+    detail = (f"parameters after {PARITY_STEPS} steps of timm's Lars (momentum correction with LARS, noise "
+              f"correction {min(n or 0 for n in noise)} steps, fp16 wire) within {worst:.2g} of the CPU run's "
+              f"(tolerance {PARITY_TOLERANCE:g} of each parameter's largest value)")
+    return ("FAIL", f"{'; '.join(problems)} ({detail})") if problems else ("PASS", detail)
+
+
 def _comm_line(label: str, options: dict[str, Any], findings: list[dict[str, Any]]) -> tuple[str, str]:
     from gradientflow_repro.comm.knobs import presets, resolve
 
@@ -728,26 +805,36 @@ def _comm_line(label: str, options: dict[str, Any], findings: list[dict[str, Any
     return "PASS", detail
 
 
-def _comm_rank(rank: int, world: int, port: int) -> None:
+def _comm_rank(rank: int, world: int, port: int, lines: Any, device_type: str = "cuda") -> None:
+    """One of the item's ranks: every case of COMM_CASES and PARITY_CASES on ``device_type`` tensors
+    (``cpu`` where there is no GPU: how the test suite checks the item itself)."""
     import torch.distributed as dist
 
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    for label, options in COMM_CASES:
+    cases = [(label, options, _check_communicator, functools.partial(_comm_line, label, options))
+             for label, options in COMM_CASES]
+    cases += [(label, options, _check_parity, _parity_line) for label, options in PARITY_CASES]
+    for label, options, check, verdict in cases:
         try:
-            mine = _check_communicator(options, rank, world, device)
+            mine = check(options, rank, world, device)
+        except Skip as skip:  # decided alike on every rank (a missing package): they stay in step
+            if rank == 0:
+                put_result(lines, Result("SKIP", f"comm_gloo_{device.type}/{label}", str(skip)))
+            continue
         except Exception as error:  # noqa: BLE001 - report, then leave: the ranks are out of step
             traceback.print_exc()
-            _emit_marked(Result("FAIL", f"comm_gloo_cuda/{label}", f"rank {rank}: {describe(error)}"))
+            put_result(lines, Result("FAIL", f"comm_gloo_{device.type}/{label}", f"rank {rank}: {describe(error)}"))
             sys.stdout.flush()
             os._exit(REPORTED_EXIT)
         findings: list[Any] = [None] * world
         dist.all_gather_object(findings, mine)
         if rank == 0:
-            status, detail = _comm_line(label, options, findings)
-            _emit_marked(Result(status, f"comm_gloo_cuda/{label}", detail))
+            status, detail = verdict(findings)
+            put_result(lines, Result(status, f"comm_gloo_{device.type}/{label}", detail))
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -755,15 +842,23 @@ def _comm_rank(rank: int, world: int, port: int) -> None:
 
 
 def spawn_ranks(report: Reporter, worker: Callable[..., None], world: int, limit_s: float) -> None:
-    """Run ``worker(rank, world, port)`` in ``world`` spawned processes; a rank that fails or is
-    still running after ``limit_s`` is a FAIL line (the others are killed)."""
+    """Run ``worker(rank, world, port, lines)`` in ``world`` spawned processes, ``lines`` a queue the
+    ranks put their results into (``put_result``): each becomes a line of ``report`` as it comes. A
+    rank that fails or is still running after ``limit_s`` is a FAIL line (the others are killed)."""
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(worker, args=(world, free_port()), nprocs=world, join=False,
+    lines = mp.get_context("spawn").SimpleQueue()
+
+    def take_lines() -> None:
+        while not lines.empty():
+            report.add_result(Result(**lines.get()))
+
+    context = mp.start_processes(worker, args=(world, free_port(), lines), nprocs=world, join=False,
                                  start_method="spawn")
     deadline = time.monotonic() + limit_s
     try:
         while not context.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+            take_lines()
             if time.monotonic() >= deadline:
                 running = [rank for rank, p in enumerate(context.processes) if p.is_alive()]
                 report.add("FAIL", f"hung > {limit_s:.0f} s (rank(s) {running} still running); killed")
@@ -778,15 +873,25 @@ def spawn_ranks(report: Reporter, worker: Callable[..., None], world: int, limit
             if process.is_alive():
                 process.kill()
             process.join(timeout=5)
+        take_lines()
 
 
-def check_communicators(report: Reporter) -> None:
-    cuda_device(0)
+def put_result(lines: Any, result: Result) -> None:
+    """In a spawned rank: hand ``result`` to ``spawn_ranks`` (a plain pipe write: safe before os._exit)."""
+    lines.put(asdict(result))
+
+
+def check_communicators(report: Reporter, device_type: str = "cuda") -> None:
+    if device_type == "cuda":
+        cuda_device(0)
     with project_imports():
         import gradientflow_repro.comm.factory  # noqa: F401 - fail here, not in both ranks
-    spawn_ranks(report, _comm_rank, 2, min(150.0, time_left() - 5))
-    if not report.results:
-        report.add("FAIL", "the ranks reported nothing")
+    spawn_ranks(report, functools.partial(_comm_rank, device_type=device_type), 2, min(150.0, time_left() - 5))
+
+
+def check_communicators_on_cpu(report: Reporter) -> None:
+    """The same item on CPU tensors: how the test suite checks the item itself without a GPU."""
+    check_communicators(report, device_type="cpu")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1030,20 +1135,20 @@ def check_dali(report: Reporter) -> None:
 TWO_GPU_SIZES = (1, 7, 1000003)
 
 
-def _two_gpu_rank(rank: int, world: int, port: int) -> None:
+def _two_gpu_rank(rank: int, world: int, port: int, lines: Any) -> None:
     import torch.distributed as dist
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)  # as the trainer does
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=device, timeout=datetime.timedelta(seconds=45))
-    report = Reporter("nccl_2gpu", _emit_marked if rank == 0 else (lambda result: None))
+    report = Reporter("nccl_2gpu", functools.partial(put_result, lines) if rank == 0 else (lambda result: None))
     try:
         compare_with_builtin_allreduce(report, rank, world, device)
         lazy_without_stray_context(report, rank, world, device)
     except Exception as error:  # noqa: BLE001 - report, then leave: the ranks are out of step
         traceback.print_exc()
-        _emit_marked(Result("FAIL", "nccl_2gpu", f"rank {rank}: {describe(error)}"))
+        put_result(lines, Result("FAIL", "nccl_2gpu", f"rank {rank}: {describe(error)}"))
         sys.stdout.flush()
         os._exit(REPORTED_EXIT)
     dist.destroy_process_group()
@@ -1145,8 +1250,6 @@ def check_two_gpus(report: Reporter) -> None:
     with project_imports():
         import gradientflow_repro.comm.factory  # noqa: F401
     spawn_ranks(report, _two_gpu_rank, 2, min(60.0, time_left() - 5))
-    if not report.results:
-        report.add("FAIL", "the ranks reported nothing")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ gradientflow_repro/harness/convergence.py.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -38,13 +39,14 @@ def main() -> None:
     args = parser.parse_args()
     try:
         configs = convergence.parse_configs(args.configs)
+        convergence.check_overrides(args.overrides, "overrides for every run")
         convergence.experiment_target(args.experiment)  # the preset exists
     except ValueError as error:
         parser.error(str(error))
     convergence.study(configs=configs, experiment=args.experiment, world=args.world, seeds=args.seeds,
                       targets=args.targets, runs_dir=args.runs_dir, out=args.out, overrides=args.overrides,
                       timeout_s=args.timeout_s, fresh=args.fresh,
-                      command="python scripts/convergence.py " + " ".join(sys.argv[1:]))
+                      command=shlex.join(["python", "scripts/convergence.py", *sys.argv[1:]]))
 
 
 if __name__ == "__main__":

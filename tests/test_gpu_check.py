@@ -57,6 +57,22 @@ def test_an_item_of_the_check_runs_in_a_process_of_its_own_and_reports_back() ->
     assert [r.line() for r in results] == ["SKIP  nccl_1rank: no CUDA device"]
 
 
+def test_the_communicator_item_passes_on_cpu_tensors_and_reports_every_case() -> None:
+    """The item the check runs on CUDA tensors (``comm_gloo_cuda``), here on CPU tensors: each case's
+    line comes back through the item's own report, each with the invariant it checks met, and the
+    full stack under LARS (momentum correction, the trust ratio's noise correction) matches its CPU
+    reference exactly, since here the two runs are the same computation."""
+    item = gpu_check.Item("comm_gloo_cpu", gpu_check.check_communicators_on_cpu, 170, 0, "")
+    results = gpu_check.run_in_child(item)
+    lines = {r.item: (r.status, r.detail) for r in results}
+    cases = [label for label, _ in gpu_check.COMM_CASES + gpu_check.PARITY_CASES]
+    assert list(lines) == [f"comm_gloo_cpu/{label}" for label in cases], [r.line() for r in results]
+    assert all(status == "PASS" for status, _ in lines.values()), [r.line() for r in results]
+    assert "p.grad + residuals = accumulated gradient mean" in lines["comm_gloo_cpu/gradientflow"][1]
+    parity = lines["comm_gloo_cpu/gradientflow+lars vs cpu"][1]
+    assert f"noise correction {gpu_check.PARITY_STEPS} steps" in parity and "within 0 of the CPU run's" in parity
+
+
 def test_dali_item_skips_naming_dali_when_it_cannot_be_imported(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # `import nvidia.dali` now raises ImportError
     results = gpu_check.run_here(gpu_check.ITEM_BY_NAME["dali"])

@@ -11,16 +11,20 @@ Runs go over loopback: accuracy per epoch does not depend on the network's speed
 is a label of ``knobs.COMPARED`` (what ``make reproduce`` trains) or ``LABEL=OVERRIDES`` (any Hydra
 overrides, e.g. ``cap0="comm=gradientflow comm.release_cap=0"``), so the experiments behind the
 README's recipe tables are one command each. A finished run is kept under ``runs_dir`` and reused
-when the study is run again with the same overrides on the same commit: an interrupted study
-continues where it stopped (``fresh`` starts over); changed code trains again.
+when the study is run again with the same overrides, world size and code (commit and uncommitted
+changes: ``code_version``): an interrupted study continues where it stopped (``fresh`` starts
+over); changed code trains again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import shlex
 import shutil
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -28,16 +32,17 @@ from typing import Optional, Sequence
 from gradientflow_repro.comm import knobs
 from gradientflow_repro.harness import REPO
 from gradientflow_repro.harness.launch import run_ranks
-from gradientflow_repro.harness.report import falls_after_warmup, plot_top1, spread
-from gradientflow_repro.harness.reproduce import Timeline
-from gradientflow_repro.harness.runs import evaluations, is_dense, load_run, run_knobs, run_warmup_epochs
+from gradientflow_repro.harness.report import density_label, falls, falls_after_warmup, plot_top1, run_seed, spread
+from gradientflow_repro.harness.reproduce import EXPERIMENT_OVERRIDES, Timeline, ladder_overrides
+from gradientflow_repro.harness.runs import evaluations, is_dense, load_run, run_warmup_epochs
 from gradientflow_repro.tracking import duration, environment_facts
 
 DEFAULT_CONFIGS = tuple(knobs.COMPARED)  # what make reproduce trains: the ladder and CSC's variants
 REFERENCE = "ddp"  # the dense configuration the others are set against, when trained (as make reproduce)
 RUNS_DIR = REPO / "results" / "runs" / "convergence"
 OUT = REPO / "results" / "convergence.md"
-ARGV_FILE = "study_argv.json"  # the overrides a kept run was trained with
+RECORD_FILE = "study_run.json"  # how a kept run was trained: overrides, world size, code
+LABEL = re.compile(r"[\w.@+-]+")  # a directory name and a Hydra value as it is
 
 
 def parse_configs(texts: Sequence[str]) -> dict[str, list[str]]:
@@ -45,16 +50,28 @@ def parse_configs(texts: Sequence[str]) -> dict[str, list[str]]:
     configs: dict[str, list[str]] = {}
     for text in texts:
         label, _, overrides = text.partition("=")
+        if not LABEL.fullmatch(label) or label in (".", ".."):
+            raise ValueError(f"configuration {text!r}: the label before '=' must be a plain name "
+                             "(letters, digits, _ . @ + -)")
+        if label in configs:
+            raise ValueError(f"configuration {label!r} given twice")
         if not overrides:
             if label not in knobs.COMPARED:
                 raise ValueError(f"configuration {label!r}: not one of {', '.join(knobs.COMPARED)}; "
                                  "give LABEL=OVERRIDES for another")
-            configs[label] = knobs.hydra_overrides(knobs.COMPARED[label])
-        elif not label or "/" in label:
-            raise ValueError(f"configuration {text!r}: the label before '=' must be a plain name")
+            configs[label] = ladder_overrides(label)
         else:
             configs[label] = shlex.split(overrides)
+        check_overrides(configs[label], f"configuration {label!r}")
     return configs
+
+
+def check_overrides(overrides: Sequence[str], where: str) -> None:
+    """Refuse what would defeat the study: a target the runs would stop at."""
+    for override in overrides:
+        if override.lstrip("+~").startswith("target_top1="):
+            raise ValueError(f"{where}: {override!r}: the study never stops at a target; give targets "
+                             "to report with --targets")
 
 
 def experiment_target(experiment: str) -> Optional[float]:
@@ -67,18 +84,34 @@ def experiment_target(experiment: str) -> Optional[float]:
     return (yaml.safe_load(preset.read_text()) or {}).get("target_top1")
 
 
-def finished(run_dir: Path, argv: list[str], commit: Optional[str]) -> bool:
-    """The run in ``run_dir`` was trained with ``argv`` by the code of ``commit`` and went through its
-    whole schedule."""
+def code_version() -> Optional[str]:
+    """This checkout's commit and a digest of its uncommitted changes to tracked files (results and
+    Markdown aside); None where git cannot say (then nothing is reused)."""
     try:
-        if json.loads((run_dir / ARGV_FILE).read_text()) != argv:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=30)
+        diff = subprocess.run(["git", "diff", "HEAD", "--", ".", ":(exclude)results", ":(exclude)*.md"],
+                              cwd=REPO, capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode or diff.returncode:
+        return None
+    return head.stdout.strip() + (f"+{hashlib.sha256(diff.stdout).hexdigest()[:16]}" if diff.stdout else "")
+
+
+def finished(run_dir: Path, record: dict) -> bool:
+    """The run in ``run_dir`` was trained as ``record`` says (overrides, world size, code; code None:
+    unknown, never reused) and went through its whole schedule."""
+    if record.get("code") is None:
+        return False
+    try:
+        if json.loads((run_dir / RECORD_FILE).read_text()) != record:
             return False
         run = load_run(run_dir)
     except (OSError, ValueError):
         return False
     summary = run["summary"]
     return (summary.get("stopped_by") is None and summary.get("epochs") == run["config"].get("epochs")
-            and summary.get("git_commit") == commit)
+            and summary.get("world_size") == record["world"] and summary.get("target_top1") is None)
 
 
 def first_epoch_at(run: dict, top1: float) -> Optional[float]:
@@ -86,10 +119,12 @@ def first_epoch_at(run: dict, top1: float) -> Optional[float]:
     return next((epoch for epoch, accuracy in evaluations(run) if accuracy >= top1), None)
 
 
-def largest_fall(run: dict) -> float:
-    """Points lost from one evaluation to the next after the run's learning-rate warm-up, at most (0: none)."""
-    curve = evaluations(run)
-    return max([0.0, *(a0 - a1 for (_, a0), (e1, a1) in zip(curve, curve[1:]) if e1 > run_warmup_epochs(run))])
+def largest_fall(run: dict) -> Optional[float]:
+    """The largest drop in points from one evaluation to the next after the run's learning-rate
+    warm-up (0: none; None: fewer than two evaluations)."""
+    if len(evaluations(run)) < 2:
+        return None
+    return max([0.0, *(a0 - a1 for _, a0, _, a1 in falls(run))])
 
 
 def study(*, configs: dict[str, list[str]], experiment: str = "digits_cpu", world: int = 4,
@@ -98,17 +133,20 @@ def study(*, configs: dict[str, list[str]], experiment: str = "digits_cpu", worl
           command: str = "python scripts/convergence.py") -> dict[str, list[dict]]:
     """Train every configuration once per seed over the whole schedule (seed-major), then write ``out``."""
     started = time.time()
+    runs_dir = runs_dir.resolve()  # the ranks run in the repository, this process may not
+    check_overrides(overrides, "overrides for every run")
     targets = sorted({*targets, *([t] if (t := experiment_target(experiment)) is not None else [])})
     if not targets:
         raise ValueError(f"experiment {experiment!r} sets no target_top1: give --targets")
     if fresh:
         shutil.rmtree(runs_dir, ignore_errors=True)
     base = [f"+experiment={experiment}", "target_top1=null", "save_final_params=false", "resume=never",
-            "logger=jsonl", *overrides]
+            "logger=jsonl", *EXPERIMENT_OVERRIDES.get(experiment, []), *overrides]
     jobs = [(label, seed, runs_dir / label / f"seed{seed}") for seed in seeds for label in configs]
-    argv = {(label, seed): [*base, *configs[label], f"seed={seed}", f"run_dir={d}"] for label, seed, d in jobs}
-    machine = environment_facts()
-    kept = {(label, seed) for label, seed, d in jobs if finished(d, argv[label, seed], machine["git_commit"])}
+    code = code_version()
+    record = {(label, seed): {"argv": [*base, *configs[label], f"seed={seed}", f"run_dir={d}"], "world": world,
+                              "code": code} for label, seed, d in jobs}
+    kept = {(label, seed) for label, seed, d in jobs if finished(d, record[label, seed])}
     print(f"convergence: {len(configs)} configurations x {len(seeds)} seeds at world size {world} on loopback, "
           f"whole schedule; {len(kept)} of {len(jobs)} runs kept from before", flush=True)
     timeline = Timeline([("train", label) for label, seed, _ in jobs if (label, seed) not in kept], name="convergence")
@@ -117,23 +155,15 @@ def study(*, configs: dict[str, list[str]], experiment: str = "digits_cpu", worl
         if (label, seed) not in kept:
             timeline.begin("train", label, f"[{label}] seed {seed}")
             shutil.rmtree(run_dir, ignore_errors=True)  # a half-finished run starts again
-            run_ranks(world, argv[label, seed], run_dir, f"{label} s{seed}", None, timeout_s, show=False)
-            (run_dir / ARGV_FILE).write_text(json.dumps(argv[label, seed]))
+            run_ranks(world, record[label, seed]["argv"], run_dir, f"{label} s{seed}", None, timeout_s, show=False)
+            (run_dir / RECORD_FILE).write_text(json.dumps(record[label, seed]))
         runs[label].append(load_run(run_dir))
     timeline.end()
     write_study(out, runs, configs=configs, targets=targets, world=world, experiment=experiment, command=command,
-                elapsed_s=time.time() - started, kept=len(kept), overrides=list(overrides), machine=machine)
+                elapsed_s=time.time() - started, kept=len(kept), overrides=list(overrides),
+                machine=environment_facts())
     print(f"convergence: wrote {out} in {duration(time.time() - started)}", flush=True)
     return runs
-
-
-def _density(run: dict) -> str:
-    return "1 (dense)" if is_dense(run) else f"{run_knobs(run).density:g}"
-
-
-def _final_top1(run: dict) -> Optional[float]:
-    curve = evaluations(run)
-    return curve[-1][1] if curve else None
 
 
 def write_study(out: Path, runs: dict[str, list[dict]], *, configs: dict[str, list[str]], targets: Sequence[float],
@@ -146,14 +176,15 @@ def write_study(out: Path, runs: dict[str, list[dict]], *, configs: dict[str, li
     epochs, warmup = config.get("epochs"), run_warmup_epochs(first)
     dense = [label for label, items in runs.items() if is_dense(items[0])]
     reference = REFERENCE if REFERENCE in dense else (dense[0] if dense else None)
-    seeds = [r.get("config", {}).get("seed") for r in next(iter(runs.values()))]
+    seeds = [run_seed(r) for r in next(iter(runs.values()))]
     machine_line = machine["gpu"] or f"{machine['cpu']}, {machine['cpu_count']} cores, no GPU"
     lines = ["# Accuracy over the whole schedule: dense against sparse communication", "",
              f"- Machine: {machine_line}. torch {machine['torch']}, commit {machine['git_commit']}.",
              f"- Command: `{command}` ({elapsed_s / 60:.1f} min"
              + (f"; {kept} of {sum(map(len, runs.values()))} runs kept from an earlier launch" if kept else "") + ").",
              f"- Experiment `{experiment}`, world size {world} on loopback (accuracy per epoch does not depend on "
-             f"the network), {epochs} epochs (learning-rate warm-up {warmup:g}), never stopped at the target; seeds "
+             f"the network), {epochs} epochs, learning-rate warm-up {warmup:g} epochs (unless a configuration "
+             f"sets its own), never stopped at the target; seeds "
              f"{', '.join(str(s) for s in seeds)} (initial weights and data order): median [range]."
              + (f" Overrides for every run: `{' '.join(overrides)}`." if overrides else ""),
              "- Configurations: " + "; ".join(f"{label}: `{' '.join(configs[label])}`" for label in runs) + ".", ""]
@@ -161,9 +192,9 @@ def write_study(out: Path, runs: dict[str, list[dict]], *, configs: dict[str, li
               "best top-1 (%)", "largest fall after the warm-up (points)"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for label, items in runs.items():
-        cells = [label, _density(items[0]), *[spread([first_epoch_at(r, t) for r in items], "g") for t in targets],
-                 spread([_final_top1(r) for r in items], ".2f"),
-                 spread([max((a for _, a in evaluations(r)), default=None) for r in items], ".2f"),
+        cells = [label, density_label(items[0]), *[spread([first_epoch_at(r, t) for r in items], "g") for t in targets],
+                 spread([r["summary"].get("final_top1") for r in items], ".2f"),
+                 spread([r["summary"].get("best_top1") for r in items], ".2f"),
                  spread([largest_fall(r) for r in items], ".1f")]
         lines.append("| " + " | ".join(cells) + " |")
     evaluated = sorted({e for items in runs.values() for r in items for e, _ in evaluations(r)})
@@ -183,39 +214,43 @@ def write_study(out: Path, runs: dict[str, list[dict]], *, configs: dict[str, li
     plot_top1(runs, out.parent / f"{out.stem}_top1.png", x="epoch")
 
 
+def _final(run: dict) -> Optional[float]:
+    return run["summary"].get("final_top1")
+
+
 def _range(items: list[dict]) -> float:
     """Highest minus lowest top-1 at the end over ``items``: how much the seed alone moves it."""
-    ends = [e for e in map(_final_top1, items) if e is not None]
+    ends = [e for e in map(_final, items) if e is not None]
     return max(ends) - min(ends) if ends else 0.0
 
 
 def _verdicts(runs: dict[str, list[dict]], reference: Optional[str], target: float) -> list[str]:
-    """Each sparse configuration against the dense reference: epochs to ``target`` and top-1 at the
-    end, seed by seed (the same seed: the same initial weights and data order)."""
+    """Each sparse configuration against the dense reference: epochs to ``target`` (medians over the
+    seeds that reached it) and top-1 at the end, seed by seed (the same seed: the same initial
+    weights and data order; runs whose seed is unknown are not paired)."""
     if reference is None:
         return ["No dense configuration was trained: nothing to set the sparse ones against."]
-    by_seed = {r["config"].get("seed"): r for r in runs[reference]}
+    by_seed = {run_seed(r): r for r in runs[reference] if run_seed(r) != "?"}
     dense_epochs = [first_epoch_at(r, target) for r in runs[reference]]
-    lines = [f"Against `{reference}` (dense), seed by seed:"]
+    dense_known = [e for e in dense_epochs if e is not None]
+    lines = [f"Against `{reference}` (dense): epochs to {target:g}% as medians over the seeds that reached it "
+             f"(`{reference}`: {len(dense_known)} of {len(dense_epochs)}), top-1 at the end seed by seed:"]
     for label, items in runs.items():
         if label == reference or is_dense(items[0]):
             continue
-        pairs = [(r, by_seed.get(r["config"].get("seed"))) for r in items]
-        pairs = [(r, d) for r, d in pairs if d is not None]
-        final = [_final_top1(r) - _final_top1(d) for r, d in pairs
-                 if _final_top1(r) is not None and _final_top1(d) is not None]
+        pairs = [(r, by_seed[run_seed(r)]) for r in items if run_seed(r) in by_seed]
+        final = [_final(r) - _final(d) for r, d in pairs if _final(r) is not None and _final(d) is not None]
         epochs = [first_epoch_at(r, target) for r in items]
         reached = [e for e in epochs if e is not None]
-        dense_known = [e for e in dense_epochs if e is not None]
         if reached and dense_known:
             mine, theirs = statistics.median(reached), statistics.median(dense_known)
-            to_target = f"{mine:g} epochs to {target:g}% against {theirs:g} ({mine / theirs - 1:+.0%}, medians)"
+            to_target = f"{mine:g} epochs to {target:g}% against {theirs:g} ({mine / theirs - 1:+.0%})"
+            if len(reached) < len(epochs):
+                to_target += f", reached in {len(reached)} of {len(epochs)} seeds"
         else:
             to_target = f"{target:g}% reached in {len(reached)} of {len(epochs)} seeds"
-        if len(reached) < len(epochs) and reached:
-            to_target += f", reached in {len(reached)} of {len(epochs)} seeds"
         ends = (f"top-1 at the end {statistics.median(final):+.2f} points against the same seed's dense run "
-                f"(from {min(final):+.2f} to {max(final):+.2f}; the dense runs' own spread over the seeds: "
-                f"{_range(runs[reference]):.2f})" if final else "no pair of seeds to compare")
+                f"(from {min(final):+.2f} to {max(final):+.2f} over {len(final)} seeds; the dense runs' own "
+                f"spread over the seeds: {_range(runs[reference]):.2f})" if final else "no pair of seeds to compare")
         lines.append(f"- `{label}`: {to_target}; {ends}.")
     return lines

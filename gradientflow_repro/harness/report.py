@@ -113,23 +113,31 @@ def decomposition_table(runs: dict[str, list[dict]], reference: str) -> list[str
     return lines
 
 
+def falls(run: dict, warmup_epochs: Optional[float] = None) -> list[tuple[float, float, float, float]]:
+    """(epoch, top-1, next epoch, its top-1) of each pair of consecutive evaluations whose second
+    comes after the learning-rate warm-up (``warmup_epochs``, else the run's own)."""
+    after = run_warmup_epochs(run) if warmup_epochs is None else warmup_epochs
+    curve = evaluations(run)
+    return [(e0, a0, e1, a1) for (e0, a0), (e1, a1) in zip(curve, curve[1:]) if e1 > after]
+
+
 def falls_after_warmup(runs: dict[str, list[dict]], warmup_epochs: Optional[float] = None,
                        drop_points: float = 5.0) -> list[str]:
     """Evaluations after the learning-rate warm-up (``warmup_epochs``, else each run's own) that fall
     more than ``drop_points`` below the previous one, as ``label seed: epoch a -> b: x% -> y%``."""
-    falls = []
-    for label, items in runs.items():
-        for run in items:
-            curve = evaluations(run)
-            after = run_warmup_epochs(run) if warmup_epochs is None else warmup_epochs
-            for (e0, a0), (e1, a1) in zip(curve, curve[1:]):
-                if e1 > after and a1 < a0 - drop_points:
-                    falls.append(f"{label} seed {_seed(run)}: epoch {e0:.0f} -> {e1:.0f}: {a0:.1f}% -> {a1:.1f}%")
-    return falls
+    return [f"{label} seed {run_seed(run)}: epoch {e0:.0f} -> {e1:.0f}: {a0:.1f}% -> {a1:.1f}%"
+            for label, items in runs.items() for run in items
+            for e0, a0, e1, a1 in falls(run, warmup_epochs) if a1 < a0 - drop_points]
 
 
-def _seed(run: dict) -> Union[int, str]:
-    return run.get("config", {}).get("seed", "?")
+def run_seed(run: dict) -> Union[int, str]:
+    """The run's seed ("?" when its configuration is unknown)."""
+    return (run.get("config") or {}).get("seed", "?")
+
+
+def density_label(run: dict) -> str:
+    """"1 (dense)", or the density a sparse run sends at."""
+    return "1 (dense)" if is_dense(run) else f"{run_knobs(run).density:g}"
 
 
 def dense_agreement(runs: dict[str, list[dict]]) -> dict[Union[int, str], list[Optional[float]]]:
@@ -138,7 +146,7 @@ def dense_agreement(runs: dict[str, list[dict]]) -> dict[Union[int, str], list[O
     for items in runs.values():
         for run in items:
             if is_dense(run):
-                by_seed.setdefault(_seed(run), []).append(epochs_to_target(run))
+                by_seed.setdefault(run_seed(run), []).append(epochs_to_target(run))
     return by_seed
 
 
@@ -150,7 +158,7 @@ def convergence_table(runs: dict[str, list[dict]]) -> tuple[list[str], float]:
     lines = [f"| strategy | density | epochs to target | top-1 at epoch {budget:.0f} (%) | best top-1 (%) |",
              "|---|---|---|---|---|"]
     for label, items in runs.items():
-        density = "1 (dense)" if is_dense(items[0]) else f"{run_knobs(items[0]).density:g}"
+        density = density_label(items[0])
         at_budget = [next((a for e, a in evaluations(r) if abs(e - budget) < 1e-6), None) for r in items]
         lines.append(f"| {label} | {density} | {spread([epochs_to_target(r) for r in items], '.0f')} "
                      f"| {spread(at_budget, '.1f')} | {spread([r['summary']['best_top1'] for r in items], '.1f')} |")
@@ -369,7 +377,7 @@ def _convergence_section(runs: dict[str, list[dict]]) -> list[str]:
              "at. Same seeds for every strategy (seed = initial weights and data order). Over the whole "
              "schedule, never stopped at the target (top-1 at the end, falls after the target): "
              "`make convergence`, `results/convergence.md`."]
-    falls = falls_after_warmup(runs, warmup)
+    falls = falls_after_warmup(runs)
     lines += ["", f"- Stable recipe: after the learning-rate warm-up ({warmup:g} epochs), no evaluation may fall more "
               f"than 5 points below the previous one: {len(falls)} such fall(s)"
               + (": " + "; ".join(falls) if falls else "") + "."]
