@@ -10,12 +10,14 @@ per iteration over the warm-up, then decays polynomially (power 2 by default) to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from timm.optim import Lars
 from torch import nn
 
-from gradientflow_repro.config import OptimConfig
+if TYPE_CHECKING:  # only for hints: the GPU check imports this module where Hydra is not installed
+    from gradientflow_repro.config import OptimConfig
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -73,6 +73,15 @@ def test_the_communicator_item_passes_on_cpu_tensors_and_reports_every_case() ->
     assert f"noise correction {gpu_check.PARITY_STEPS} steps" in parity and "within 0 of the CPU run's" in parity
 
 
+def test_the_communicator_item_needs_neither_hydra_nor_omegaconf() -> None:
+    """A GPU machine may have torch and timm and nothing of the rest: what the item imports must not
+    pull Hydra in (it would fail there instead of checking)."""
+    code = ("import sys; sys.modules.update(hydra=None, omegaconf=None); "
+            "import gradientflow_repro.comm.factory, gradientflow_repro.optim")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_dali_item_skips_naming_dali_when_it_cannot_be_imported(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # `import nvidia.dali` now raises ImportError
     results = gpu_check.run_here(gpu_check.ITEM_BY_NAME["dali"])
