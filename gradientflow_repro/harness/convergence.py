@@ -177,9 +177,11 @@ def write_study(out: Path, runs: dict[str, list[dict]], *, configs: dict[str, li
     dense = [label for label, items in runs.items() if is_dense(items[0])]
     reference = REFERENCE if REFERENCE in dense else (dense[0] if dense else None)
     seeds = [run_seed(r) for r in next(iter(runs.values()))]
+    trained = sorted({str(r["summary"].get("git_commit")) for items in runs.values() for r in items})
     machine_line = machine["gpu"] or f"{machine['cpu']}, {machine['cpu_count']} cores, no GPU"
     lines = ["# Accuracy over the whole schedule: dense against sparse communication", "",
-             f"- Machine: {machine_line}. torch {machine['torch']}, commit {machine['git_commit']}.",
+             f"- Machine: {machine_line}. torch {machine['torch']}, commit {machine['git_commit']}."
+             + (f" Runs trained at commit {', '.join(trained)}." if trained != [machine["git_commit"]] else ""),
              f"- Command: `{command}` ({elapsed_s / 60:.1f} min"
              + (f"; {kept} of {sum(map(len, runs.values()))} runs kept from an earlier launch" if kept else "") + ").",
              f"- Experiment `{experiment}`, world size {world} on loopback (accuracy per epoch does not depend on "
@@ -204,9 +206,9 @@ def write_study(out: Path, runs: dict[str, list[dict]], *, configs: dict[str, li
     for label, items in runs.items():
         at = [[a for r in items for e, a in evaluations(r) if e == epoch] for epoch in evaluated]
         lines.append(f"| {label} | " + " | ".join(f"{statistics.median(v):.1f}" if v else "-" for v in at) + " |")
-    falls = falls_after_warmup(runs)
-    lines += ["", f"Falls of more than 5 points from one evaluation to the next after the warm-up: {len(falls)} in "
-              f"{sum(map(len, runs.values()))} runs" + (": " + "; ".join(falls) if falls else "") + ".",
+    dropped = falls_after_warmup(runs)
+    lines += ["", f"Falls of more than 5 points from one evaluation to the next after the warm-up: {len(dropped)} in "
+              f"{sum(map(len, runs.values()))} runs" + (": " + "; ".join(dropped) if dropped else "") + ".",
               "", *_verdicts(runs, reference, targets[0]), "",
               f"![validation top-1 against epochs]({out.stem}_top1.png)", ""]
     out.parent.mkdir(parents=True, exist_ok=True)
