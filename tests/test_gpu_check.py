@@ -4,6 +4,7 @@ neither a missing package, an exception nor a hang in one item stops the check."
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -70,7 +71,8 @@ def test_the_communicator_item_passes_on_cpu_tensors_and_reports_every_case() ->
     assert all(status == "PASS" for status, _ in lines.values()), [r.line() for r in results]
     assert "p.grad + residuals = accumulated gradient mean" in lines["comm_gloo_cpu/gradientflow"][1]
     parity = lines["comm_gloo_cpu/gradientflow+lars vs cpu"][1]
-    assert f"noise correction {gpu_check.PARITY_STEPS} steps" in parity and "within 0 of the CPU run's" in parity
+    assert "within 0 of the largest update" in parity and "the same chunks chosen at every step" in parity
+    assert re.search(r"noise correction in [1-9]\d* pool part", parity), parity
 
 
 def test_the_communicator_item_needs_neither_hydra_nor_omegaconf() -> None:

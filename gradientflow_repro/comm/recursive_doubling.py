@@ -126,7 +126,9 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 def small_sum(group: Optional[dist.ProcessGroup] = None, op: str = "sum") -> SumFn:
     """An allreduce for small messages as a summing function that records its bytes: NCCL's own
     allreduce on an NCCL group (it picks trees for small messages itself; bytes counted as the
-    ring's, like every builtin collective), recursive doubling on any other backend (gloo)."""
+    ring's, like every builtin collective), recursive doubling on any other backend (gloo) for CPU
+    tensors. Gloo's point-to-point messages cannot carry CUDA tensors (its allreduce stages them
+    through the host itself), so a CUDA tensor on a group other than NCCL's takes the builtin too."""
     if op not in OPS:
         raise ValueError(f"small_sum: op must be one of {OPS}, not {op!r}")
 
@@ -134,7 +136,7 @@ def small_sum(group: Optional[dist.ProcessGroup] = None, op: str = "sum") -> Sum
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         if world == 1:
             return
-        if dist.get_backend(group) == "nccl":
+        if dist.get_backend(group) == "nccl" or tensor.is_cuda:
             dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group)
             stats.bytes += ring_bytes(tensor.numel() * tensor.element_size(), world)
         else:
