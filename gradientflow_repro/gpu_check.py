@@ -835,7 +835,7 @@ def _comm_rank(rank: int, world: int, port: int, lines: Any, device_type: str = 
     cases = [(label, options, _check_communicator, functools.partial(_comm_line, label, options))
              for label, options in COMM_CASES]
     cases += [(label, options, _check_parity, _parity_line) for label, options in PARITY_CASES]
-    for label, options, check, verdict in cases:
+    for index, (label, options, check, verdict) in enumerate(cases):
         try:
             mine = check(options, rank, world, device)
         except Skip as skip:  # decided alike on every rank (a missing package): they stay in step
@@ -845,7 +845,7 @@ def _comm_rank(rank: int, world: int, port: int, lines: Any, device_type: str = 
         except Exception as error:  # noqa: BLE001 - report, then leave: the ranks are out of step
             traceback.print_exc()
             put_result(lines, Result("FAIL", f"comm_gloo_{device.type}/{label}", f"rank {rank}: {describe(error)}"))
-            for later, *_ in cases[[c[0] for c in cases].index(label) + 1:]:
+            for later, *_ in cases[index + 1:]:
                 put_result(lines, Result("SKIP", f"comm_gloo_{device.type}/{later}",
                                          f"not run: {label} failed on rank {rank}"))
             sys.stdout.flush()

@@ -7,8 +7,8 @@ once per seed without stopping at the target, on loopback, then results/converge
     python scripts/convergence.py --seeds 0 1 2 3 4 -- epochs=6     # Hydra overrides for every run after --
 
 Finished runs are kept (results/runs/convergence/) and reused by the next study with the same
-overrides on the same commit: run it again after an interruption and it continues. What it does:
-gradientflow_repro/harness/convergence.py.
+overrides, world size and code (commit and uncommitted changes): run it again after an interruption
+and it continues. What it does: gradientflow_repro/harness/convergence.py.
 """
 
 from __future__ import annotations

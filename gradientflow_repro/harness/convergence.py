@@ -98,20 +98,21 @@ def code_version() -> Optional[str]:
     return head.stdout.strip() + (f"+{hashlib.sha256(diff.stdout).hexdigest()[:16]}" if diff.stdout else "")
 
 
-def finished(run_dir: Path, record: dict) -> bool:
-    """The run in ``run_dir`` was trained as ``record`` says (overrides, world size, code; code None:
-    unknown, never reused) and went through its whole schedule."""
+def kept_run(run_dir: Path, record: dict) -> Optional[dict]:
+    """The run in ``run_dir`` (``load_run``) if it was trained as ``record`` says (overrides, world
+    size, code; code None: unknown, never reused) and went through its whole schedule, else None."""
     if record.get("code") is None:
-        return False
+        return None
     try:
         if json.loads((run_dir / RECORD_FILE).read_text()) != record:
-            return False
+            return None
         run = load_run(run_dir)
     except (OSError, ValueError):
-        return False
+        return None
     summary = run["summary"]
-    return (summary.get("stopped_by") is None and summary.get("epochs") == run["config"].get("epochs")
-            and summary.get("world_size") == record["world"] and summary.get("target_top1") is None)
+    whole = (summary.get("stopped_by") is None and summary.get("epochs") == run["config"].get("epochs")
+             and summary.get("world_size") == record["world"] and summary.get("target_top1") is None)
+    return run if whole else None
 
 
 def first_epoch_at(run: dict, top1: float) -> Optional[float]:
@@ -146,17 +147,19 @@ def study(*, configs: dict[str, list[str]], experiment: str = "digits_cpu", worl
     code = code_version()
     record = {(label, seed): {"argv": [*base, *configs[label], f"seed={seed}", f"run_dir={d}"], "world": world,
                               "code": code} for label, seed, d in jobs}
-    kept = {(label, seed) for label, seed, d in jobs if finished(d, record[label, seed])}
+    kept = {(label, seed): run for label, seed, d in jobs if (run := kept_run(d, record[label, seed])) is not None}
     print(f"convergence: {len(configs)} configurations x {len(seeds)} seeds at world size {world} on loopback, "
           f"whole schedule; {len(kept)} of {len(jobs)} runs kept from before", flush=True)
     timeline = Timeline([("train", label) for label, seed, _ in jobs if (label, seed) not in kept], name="convergence")
     runs: dict[str, list[dict]] = {label: [] for label in configs}
     for label, seed, run_dir in jobs:
-        if (label, seed) not in kept:
-            timeline.begin("train", label, f"[{label}] seed {seed}")
-            shutil.rmtree(run_dir, ignore_errors=True)  # a half-finished run starts again
-            run_ranks(world, record[label, seed]["argv"], run_dir, f"{label} s{seed}", None, timeout_s, show=False)
-            (run_dir / RECORD_FILE).write_text(json.dumps(record[label, seed]))
+        if (label, seed) in kept:
+            runs[label].append(kept[label, seed])
+            continue
+        timeline.begin("train", label, f"[{label}] seed {seed}")
+        shutil.rmtree(run_dir, ignore_errors=True)  # a half-finished run starts again
+        run_ranks(world, record[label, seed]["argv"], run_dir, f"{label} s{seed}", None, timeout_s, show=False)
+        (run_dir / RECORD_FILE).write_text(json.dumps(record[label, seed]))
         runs[label].append(load_run(run_dir))
     timeline.end()
     write_study(out, runs, configs=configs, targets=targets, world=world, experiment=experiment, command=command,

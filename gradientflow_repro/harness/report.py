@@ -377,10 +377,10 @@ def _convergence_section(runs: dict[str, list[dict]]) -> list[str]:
              "at. Same seeds for every strategy (seed = initial weights and data order). Over the whole "
              "schedule, never stopped at the target (top-1 at the end, falls after the target): "
              "`make convergence`, `results/convergence.md`."]
-    falls = falls_after_warmup(runs)
+    dropped = falls_after_warmup(runs)
     lines += ["", f"- Stable recipe: after the learning-rate warm-up ({warmup:g} epochs), no evaluation may fall more "
-              f"than 5 points below the previous one: {len(falls)} such fall(s)"
-              + (": " + "; ".join(falls) if falls else "") + "."]
+              f"than 5 points below the previous one: {len(dropped)} such fall(s)"
+              + (": " + "; ".join(dropped) if dropped else "") + "."]
     agreement = dense_agreement(runs)
     spreads = {seed: (max(e) - min(e)) if None not in e else None for seed, e in sorted(agreement.items(), key=str)}
     agree = all(s is not None and s <= every for s in spreads.values())
