@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from gradientflow_repro.harness import convergence
+from gradientflow_repro.harness.launch import end_on_sigterm
 
 
 def main() -> None:
@@ -43,6 +44,7 @@ def main() -> None:
         convergence.experiment_target(args.experiment)  # the preset exists
     except ValueError as error:
         parser.error(str(error))
+    end_on_sigterm()
     convergence.study(configs=configs, experiment=args.experiment, world=args.world, seeds=args.seeds,
                       targets=args.targets, runs_dir=args.runs_dir, out=args.out, overrides=args.overrides,
                       timeout_s=args.timeout_s, fresh=args.fresh,

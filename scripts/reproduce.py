@@ -5,6 +5,9 @@ accuracy over an emulated cluster network once per seed, then results/REPORT.md.
     python scripts/reproduce.py                          # what `make reproduce` runs
     python scripts/reproduce.py --repeats 1 --rungs allreduce gradientflow -- max_steps=40
 
+Interrupted (Ctrl-C, a SIGTERM, a lost session)? Run the same command again: the reproduction
+continues, keeping every job that finished (runs_dir/progress.json), when the plan (these options and
+overrides) and the code (commit and uncommitted changes) are the same; --fresh starts over.
 What it does, step by step: gradientflow_repro/harness/reproduce.py.
 """
 
@@ -16,6 +19,7 @@ from pathlib import Path
 
 from gradientflow_repro.comm.knobs import COMPARED
 from gradientflow_repro.harness import reproduce
+from gradientflow_repro.harness.launch import end_on_sigterm
 
 
 def main() -> None:
@@ -38,10 +42,13 @@ def main() -> None:
     parser.add_argument("--check-repeats", type=int, default=3, help="step-time runs per strategy and world size")
     parser.add_argument("--netbench-launches", type=int, default=3,
                         help="launches of the network measurement per world size (figures are averaged)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start over even where an interrupted reproduction of the same plan could continue")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the report from the runs of the last reproduction, run nothing")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
+    end_on_sigterm()
     if args.report_only:
         reproduce.report_from(args.runs_dir, args.report)
         return
@@ -50,7 +57,7 @@ def main() -> None:
         rungs=args.rungs, rate_mbit=args.rate_mbit, emulate=not args.no_emulation, runs_dir=args.runs_dir,
         report=args.report, timeout_s=args.timeout_s, check_steps=args.check_steps,
         check_repeats=args.check_repeats, netbench_launches=args.netbench_launches, overrides=args.overrides,
-        command="python scripts/reproduce.py " + " ".join(sys.argv[1:]))
+        fresh=args.fresh, command="python scripts/reproduce.py " + " ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -264,7 +266,21 @@ def test_emulated_network_leaves_nothing_behind_when_a_rank_fails(tmp_path: Path
 
 
 # ---------------------------------------------------------------- the comparison, short
-def test_short_comparison_writes_a_complete_report(tmp_path: Path, digits_root: Path) -> None:
+def _running_with(text: str) -> list[str]:
+    """Command lines of this machine's processes that contain ``text``."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in line:
+            found.append(line)
+    return found
+
+
+def test_short_comparison_interrupted_continues_and_writes_a_complete_report(tmp_path: Path,
+                                                                             digits_root: Path) -> None:
     report = tmp_path / "REPORT.md"
     command = [sys.executable, "scripts/reproduce.py", "--world", "2", "--check-world", "--repeats", "1",
                "--rungs", "allreduce", "ring+fp16+lazy", "--netbench-launches", "2",
@@ -272,14 +288,40 @@ def test_short_comparison_writes_a_complete_report(tmp_path: Path, digits_root: 
                "--report", str(report), "--timeout-s", "240", "--",
                f"data.root={digits_root}", "model.width=0.125", "epochs=2", "eval_every_epochs=1",
                "optim.warmup_epochs=0.5", "target_top1=20"]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "WANDB_MODE": "offline"})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    # launch 1: stopped by a SIGTERM while its last job (the second training run) trains
+    first = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    printed = []
+    for line in first.stdout:
+        printed.append(line)
+        if line.startswith("reproduce: [4/4]"):
+            time.sleep(3)  # its ranks start
+            first.send_signal(signal.SIGTERM)
+            break
+    printed.append(first.communicate(timeout=120)[0])
+    printed = "".join(printed)
+    assert first.returncode == 128 + signal.SIGTERM, printed[-3000:]
     # progress: which job of how many, the time left; rank 0's lines of each run
-    jobs = re.findall(r"reproduce: \[(\d+)/(\d+)\] (.*?) \| \S+ so far, about \S+ left", result.stdout)
+    jobs = re.findall(r"reproduce: \[(\d+)/(\d+)\] (.*?) \| \S+ so far, about \S+ left", printed)
     assert [(int(i), int(n)) for i, n, _ in jobs] == [(i, 4) for i in range(1, 5)], jobs
     assert [title for _, _, title in jobs][2:] == ["[allreduce] seed 0 (1 of 1)", "[ring+fp16+lazy] seed 0 (1 of 1)"]
+    assert "allreduce s0 |" in printed
+    cut_short = tmp_path / "runs" / "ring+fp16+lazy" / "seed0"
+    assert not _running_with(f"run_dir={cut_short}"), "ranks left running after the SIGTERM"
+    assert not (tmp_path / "runs" / "reproduce.json").exists() and not report.exists()
+    kept = tmp_path / "runs" / "allreduce" / "seed0" / "summary.json"
+    kept_bytes = kept.read_bytes()
+
+    # launch 2, the same command: continues with the one job left; the finished ones are kept as they are
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "continuing the interrupted reproduction" in result.stdout
+    assert "3 of 4 jobs done before, kept" in result.stdout
+    jobs = re.findall(r"reproduce: \[(\d+)/(\d+)\] (.*?) \| \S+ so far, about \S+ left", result.stdout)
+    assert jobs == [("1", "1", "[ring+fp16+lazy] seed 0 (1 of 1)")], jobs
     assert "ring+fp16+lazy s0 |" in result.stdout
+    assert kept.read_bytes() == kept_bytes
+    assert json.loads((tmp_path / "runs" / "progress.json").read_text())["finished"] is True
     text = report.read_text()
     table = text[text.index("| strategy | time to target"):].split("\n\n")[0].splitlines()[2:]
     assert [row.split("|")[1].strip() for row in table] == ["allreduce", "ring+fp16+lazy"]
@@ -303,6 +345,7 @@ def test_short_comparison_writes_a_complete_report(tmp_path: Path, digits_root: 
     alone = text[text.index("| world | builtin: measured"):].split("\n\n")[0].splitlines()[2:]
     assert len(alone) == 1 and alone[0].startswith("| 2 |") and "nan" not in alone[0], alone
     assert "mean over 2 separate launches" in text
+    assert "over 2 launches of the same plan and code" in text and "launch 2:" in text and "3 jobs kept" in text
     launches = sorted((tmp_path / "runs" / "netbench").glob("network*.json"))
     assert [p.name for p in launches] == ["network1.json", "network2.json"]
     assert "410.2x" in text
@@ -314,6 +357,41 @@ def test_short_comparison_writes_a_complete_report(tmp_path: Path, digits_root: 
             not n.startswith(netemu.PREFIX) for n in netemu.namespaces())
     else:
         assert "loopback, not emulated" in text
+
+
+def test_progress_continues_only_the_same_unfinished_plan_on_the_same_code(tmp_path: Path, capsys) -> None:
+    from gradientflow_repro.harness.reproduce import Progress
+
+    runs = tmp_path / "runs"
+    plan = {"world": 4, "rungs": ["ddp"], "code": "abc"}
+    first = Progress(runs, plan)
+    first.record("calibration", {"compute_s": 0.1})
+    (runs / "ddp").mkdir()
+    state = json.loads((runs / Progress.FILE).read_text())  # saved at once, whole
+    assert state["done"] == {"calibration": {"compute_s": 0.1}} and len(state["launches"]) == 1
+
+    again = Progress(runs, dict(plan))  # the same plan and code: continued, nothing removed
+    assert again.kept == 1 and again.done("calibration") == {"compute_s": 0.1} and again.done("netbench w4") is None
+    assert (runs / "ddp").is_dir() and len(again.state["launches"]) == 2
+    assert capsys.readouterr().out == ""
+
+    for changed, said in [({**plan, "world": 8}, "another world (4, now 8)"), ({**plan, "code": "def"}, "another code"),
+                          ({**plan, "code": None}, "git cannot say which code this is")]:
+        Progress(runs, plan).record("calibration", {})
+        started_over = Progress(runs, changed)
+        assert started_over.kept == 0 and not (runs / "ddp").exists()
+        assert said in capsys.readouterr().out
+        (runs / Progress.FILE).unlink()
+        (runs / "ddp").mkdir()
+
+    finished = Progress(runs, plan)
+    finished.record("calibration", {})
+    finished.finish()
+    assert Progress(runs, plan).kept == 0 and capsys.readouterr().out == ""  # finished: done again, silently
+    Progress(runs, plan).record("calibration", {})
+    assert Progress(runs, plan, fresh=True).kept == 0  # --fresh
+    (runs / Progress.FILE).write_text("{not json")
+    assert Progress(runs, plan).kept == 0 and "cannot be read" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------- the report's arithmetic

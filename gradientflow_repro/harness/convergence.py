@@ -18,19 +18,17 @@ over); changed code trains again.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shlex
 import shutil
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
 from gradientflow_repro.comm import knobs
-from gradientflow_repro.harness import REPO
+from gradientflow_repro.harness import REPO, code_version
 from gradientflow_repro.harness.launch import run_ranks
 from gradientflow_repro.harness.report import density_label, falls, falls_after_warmup, plot_top1, run_seed, spread
 from gradientflow_repro.harness.reproduce import EXPERIMENT_OVERRIDES, Timeline, ladder_overrides
@@ -82,20 +80,6 @@ def experiment_target(experiment: str) -> Optional[float]:
     if not preset.is_file():
         raise ValueError(f"experiment {experiment!r}: no {preset.relative_to(REPO)}")
     return (yaml.safe_load(preset.read_text()) or {}).get("target_top1")
-
-
-def code_version() -> Optional[str]:
-    """This checkout's commit and a digest of its uncommitted changes to tracked files (results and
-    Markdown aside); None where git cannot say (then nothing is reused)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=30)
-        diff = subprocess.run(["git", "diff", "HEAD", "--", ".", ":(exclude)results", ":(exclude)*.md"],
-                              cwd=REPO, capture_output=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if head.returncode or diff.returncode:
-        return None
-    return head.stdout.strip() + (f"+{hashlib.sha256(diff.stdout).hexdigest()[:16]}" if diff.stdout else "")
 
 
 def kept_run(run_dir: Path, record: dict) -> Optional[dict]:

@@ -12,6 +12,7 @@ its node as torchrun would (LOCAL_RANK = rank % G, LOCAL_WORLD_SIZE = G).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -87,6 +88,13 @@ def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
             netemu.kill_group(process)
         for log in logs:
             log.close()
+
+
+def end_on_sigterm() -> None:
+    """Make a SIGTERM (``kill``, ``timeout``, a scheduler) unwind this process as Ctrl-C does, so
+    ``run_ranks`` ends the job's ranks (they run in sessions of their own, which a signal to this
+    process does not reach) and ``network`` removes the emulated network, instead of leaving both."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def tail(path: Path, lines: int = 15) -> str:

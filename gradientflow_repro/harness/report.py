@@ -412,11 +412,23 @@ def _convergence_section(runs: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
+def launches_note(launches: list[dict]) -> str:
+    """How an interrupted reproduction was continued ('' for one launch)."""
+    if len(launches) < 2:
+        return ""
+    parts = [f"launch {i + 1}: {launch['elapsed_s'] / 60:.1f} min"
+             + (f", {launch['kept_jobs']} jobs kept from before" if i else "") for i, launch in enumerate(launches)]
+    return (f", over {len(launches)} launches of the same plan and code, each continuing the interrupted one before "
+            f"it ({'; '.join(parts)}); every run was trained whole in one launch")
+
+
 def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, dict[str, dict]],
                  calibration: dict, network: dict, world: int, repeats: int, command: str,
                  elapsed_s: float, experiment: str, group: str, overrides: list[str],
-                 machine: dict, network_by_world: Optional[dict[int, dict]] = None, check_repeats: int = 1) -> None:
-    """Writes ``path`` and its figures beside it. ``machine``: environment_facts() of the run."""
+                 machine: dict, network_by_world: Optional[dict[int, dict]] = None, check_repeats: int = 1,
+                 launches: Optional[list[dict]] = None) -> None:
+    """Writes ``path`` and its figures beside it. ``machine``: environment_facts() of the run;
+    ``launches``: the reproduction's launches (``reproduce.Progress``), when it was interrupted and continued."""
     network_by_world = network_by_world or {world: network}  # reproductions before per-world measurement
 
     figures = path.parent
@@ -447,7 +459,7 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
     text = [
         "# Reproducing GradientFlow's comparison", "",
         f"- Machine: {machine_line}. torch {facts['torch']}, commit {facts['git_commit']}.",
-        f"- Command: `{command}` ({elapsed_s / 60:.1f} min in all).",
+        f"- Command: `{command}` ({elapsed_s / 60:.1f} min in all{launches_note(launches or [])}).",
         f"- Experiment `{experiment}`, world size {world}, each configuration trained to the target once per seed "
         f"(seeds 0-{repeats - 1}: initial weights and data order; median, range in brackets). Overrides for every "
         f"run: `{' '.join(overrides)}`.",
