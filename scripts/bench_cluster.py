@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from gradientflow_repro.harness import bench_cluster as bench
-from gradientflow_repro.harness.launch import end_on_sigterm
+from gradientflow_repro.harness.launch import end_on_signals
 
 
 def layout(text: str) -> tuple[int, int]:
@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=bench.OUT_MD)
     parser.add_argument("--json", type=Path, default=bench.OUT_JSON)
     args = parser.parse_args()
-    end_on_sigterm()
+    end_on_signals()
     print(bench.bench_cluster(args.out, args.json, args.rate_mbit, args.layouts, args.strategies, args.steps,
                               args.warmup, emulate=not args.no_emulation, check=not args.no_check,
                               experiment=args.experiment, runs_dir=args.runs_dir,

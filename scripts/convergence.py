@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from gradientflow_repro.harness import convergence
-from gradientflow_repro.harness.launch import end_on_sigterm
+from gradientflow_repro.harness.launch import end_on_signals
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
         convergence.experiment_target(args.experiment)  # the preset exists
     except ValueError as error:
         parser.error(str(error))
-    end_on_sigterm()
+    end_on_signals()
     convergence.study(configs=configs, experiment=args.experiment, world=args.world, seeds=args.seeds,
                       targets=args.targets, runs_dir=args.runs_dir, out=args.out, overrides=args.overrides,
                       timeout_s=args.timeout_s, fresh=args.fresh,

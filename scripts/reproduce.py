@@ -5,9 +5,11 @@ accuracy over an emulated cluster network once per seed, then results/REPORT.md.
     python scripts/reproduce.py                          # what `make reproduce` runs
     python scripts/reproduce.py --repeats 1 --rungs allreduce gradientflow -- max_steps=40
 
-Interrupted (Ctrl-C, a SIGTERM, a lost session)? Run the same command again: the reproduction
-continues, keeping every job that finished (runs_dir/progress.json), when the plan (these options and
-overrides) and the code (commit and uncommitted changes) are the same; --fresh starts over.
+Interrupted (Ctrl-C, kill, a closed terminal)? Run the same command again: the reproduction
+continues, keeping every job that finished (runs_dir/progress.json). That needs the same plan: the
+options that shape the runs (not --timeout-s or --report), the overrides, the code (commit and
+uncommitted changes) and the machine; with another, it stops and says what differs, and --fresh
+discards the unfinished reproduction and starts over. A finished one is always done again.
 What it does, step by step: gradientflow_repro/harness/reproduce.py.
 """
 
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from gradientflow_repro.comm.knobs import COMPARED
 from gradientflow_repro.harness import reproduce
-from gradientflow_repro.harness.launch import end_on_sigterm
+from gradientflow_repro.harness.launch import end_on_signals
 
 
 def main() -> None:
@@ -43,21 +45,34 @@ def main() -> None:
     parser.add_argument("--netbench-launches", type=int, default=3,
                         help="launches of the network measurement per world size (figures are averaged)")
     parser.add_argument("--fresh", action="store_true",
-                        help="start over even where an interrupted reproduction of the same plan could continue")
+                        help="discard an unfinished reproduction in --runs-dir and start over")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the report from the runs of the last reproduction, run nothing")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
-    end_on_sigterm()
+    try:
+        reproduce.check_plan(args.world, args.check_world)
+    except ValueError as error:
+        parser.error(f"--check-world: {error}")
+    end_on_signals()
     if args.report_only:
         reproduce.report_from(args.runs_dir, args.report)
         return
-    reproduce.reproduce(
-        experiment=args.experiment, world=args.world, check_worlds=args.check_world, repeats=args.repeats,
-        rungs=args.rungs, rate_mbit=args.rate_mbit, emulate=not args.no_emulation, runs_dir=args.runs_dir,
-        report=args.report, timeout_s=args.timeout_s, check_steps=args.check_steps,
-        check_repeats=args.check_repeats, netbench_launches=args.netbench_launches, overrides=args.overrides,
-        fresh=args.fresh, command="python scripts/reproduce.py " + " ".join(sys.argv[1:]))
+    try:
+        reproduce.reproduce(
+            experiment=args.experiment, world=args.world, check_worlds=args.check_world, repeats=args.repeats,
+            rungs=args.rungs, rate_mbit=args.rate_mbit, emulate=not args.no_emulation, runs_dir=args.runs_dir,
+            report=args.report, timeout_s=args.timeout_s, check_steps=args.check_steps,
+            check_repeats=args.check_repeats, netbench_launches=args.netbench_launches, overrides=args.overrides,
+            fresh=args.fresh, command="python scripts/reproduce.py " + " ".join(sys.argv[1:]))
+    except reproduce.CannotContinue as error:
+        print(f"reproduce: error: {error}. Launch it as before to continue it, or add --fresh "
+              "(make reproduce REPRO_ARGS=--fresh) to discard it and start over.", file=sys.stderr)
+        sys.exit(2)
+    except (KeyboardInterrupt, SystemExit):
+        print(f"reproduce: interrupted; the jobs that finished are kept in {args.runs_dir}: run the same command "
+              "again to continue", file=sys.stderr, flush=True)
+        raise
 
 
 if __name__ == "__main__":

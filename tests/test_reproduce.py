@@ -265,6 +265,27 @@ def test_emulated_network_leaves_nothing_behind_when_a_rank_fails(tmp_path: Path
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
 
 
+def test_a_signal_unwinds_once_and_a_second_does_not_cut_the_clean_up_short() -> None:
+    from gradientflow_repro.harness.launch import end_on_signals
+
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    try:
+        end_on_signals()
+        for signum, raised in [(signal.SIGTERM, SystemExit), (signal.SIGHUP, SystemExit),
+                               (signal.SIGINT, KeyboardInterrupt)]:
+            with pytest.raises(raised) as stop:
+                os.kill(os.getpid(), signum)
+                time.sleep(5)  # the handler runs before this ends
+            assert raised is KeyboardInterrupt or stop.value.code == 128 + signum
+            assert all(signal.getsignal(s) == signal.SIG_IGN for s in saved)  # unwinding: later ones ignored
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)  # still here
+            end_on_signals()
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
 # ---------------------------------------------------------------- the comparison, short
 def _running_with(text: str) -> list[str]:
     """Command lines of this machine's processes that contain ``text``."""
@@ -292,10 +313,14 @@ def test_short_comparison_interrupted_continues_and_writes_a_complete_report(tmp
     # launch 1: stopped by a SIGTERM while its last job (the second training run) trains
     first = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     printed = []
+    cut_short = tmp_path / "runs" / "ring+fp16+lazy" / "seed0"
     for line in first.stdout:
         printed.append(line)
         if line.startswith("reproduce: [4/4]"):
-            time.sleep(3)  # its ranks start
+            deadline = time.monotonic() + 60
+            while not _running_with(f"run_dir={cut_short}") and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert _running_with(f"run_dir={cut_short}"), "the last job's ranks never started"
             first.send_signal(signal.SIGTERM)
             break
     printed.append(first.communicate(timeout=120)[0])
@@ -305,12 +330,17 @@ def test_short_comparison_interrupted_continues_and_writes_a_complete_report(tmp
     jobs = re.findall(r"reproduce: \[(\d+)/(\d+)\] (.*?) \| \S+ so far, about \S+ left", printed)
     assert [(int(i), int(n)) for i, n, _ in jobs] == [(i, 4) for i in range(1, 5)], jobs
     assert [title for _, _, title in jobs][2:] == ["[allreduce] seed 0 (1 of 1)", "[ring+fp16+lazy] seed 0 (1 of 1)"]
-    assert "allreduce s0 |" in printed
-    cut_short = tmp_path / "runs" / "ring+fp16+lazy" / "seed0"
+    assert "allreduce s0 |" in printed and "reproduce: interrupted; the jobs that finished are kept" in printed
     assert not _running_with(f"run_dir={cut_short}"), "ranks left running after the SIGTERM"
     assert not (tmp_path / "runs" / "reproduce.json").exists() and not report.exists()
     kept = tmp_path / "runs" / "allreduce" / "seed0" / "summary.json"
     kept_bytes = kept.read_bytes()
+
+    # another plan is refused before anything is touched
+    other = [("2" if arg == "1" and command[i - 1] == "--repeats" else arg) for i, arg in enumerate(command)]
+    refused = subprocess.run(other, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode == 2 and "another repeats (1, now 2)" in refused.stderr, refused.stderr[-2000:]
+    assert "--fresh" in refused.stderr and kept.read_bytes() == kept_bytes
 
     # launch 2, the same command: continues with the one job left; the finished ones are kept as they are
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
@@ -345,7 +375,8 @@ def test_short_comparison_interrupted_continues_and_writes_a_complete_report(tmp
     alone = text[text.index("| world | builtin: measured"):].split("\n\n")[0].splitlines()[2:]
     assert len(alone) == 1 and alone[0].startswith("| 2 |") and "nan" not in alone[0], alone
     assert "mean over 2 separate launches" in text
-    assert "over 2 launches of the same plan and code" in text and "launch 2:" in text and "3 jobs kept" in text
+    assert "over 2 launches of the same plan, code and machine" in text
+    assert "launch 2:" in text and "3 jobs kept" in text
     launches = sorted((tmp_path / "runs" / "netbench").glob("network*.json"))
     assert [p.name for p in launches] == ["network1.json", "network2.json"]
     assert "410.2x" in text
@@ -359,39 +390,109 @@ def test_short_comparison_interrupted_continues_and_writes_a_complete_report(tmp
         assert "loopback, not emulated" in text
 
 
-def test_progress_continues_only_the_same_unfinished_plan_on_the_same_code(tmp_path: Path, capsys) -> None:
-    from gradientflow_repro.harness.reproduce import Progress
+def test_progress_continues_only_the_same_unfinished_plan_and_discards_only_when_told(tmp_path: Path) -> None:
+    from gradientflow_repro.harness.reproduce import CannotContinue, Progress
 
     runs = tmp_path / "runs"
-    plan = {"world": 4, "rungs": ["ddp"], "code": "abc"}
+    plan = {"world": 4, "rungs": ["ddp"], "code": "abc", "machine": {"cpu": "x"}}
     first = Progress(runs, plan)
     first.record("calibration", {"compute_s": 0.1})
     (runs / "ddp").mkdir()
     state = json.loads((runs / Progress.FILE).read_text())  # saved at once, whole
     assert state["done"] == {"calibration": {"compute_s": 0.1}} and len(state["launches"]) == 1
+    assert state["group"].startswith("reproduce-")
 
-    again = Progress(runs, dict(plan))  # the same plan and code: continued, nothing removed
+    again = Progress(runs, json.loads(json.dumps(plan)))  # the same plan, through JSON: continued
     assert again.kept == 1 and again.done("calibration") == {"compute_s": 0.1} and again.done("netbench w4") is None
-    assert (runs / "ddp").is_dir() and len(again.state["launches"]) == 2
-    assert capsys.readouterr().out == ""
+    assert (runs / "ddp").is_dir() and len(again.state["launches"]) == 2 and again.state["group"] == state["group"]
 
     for changed, said in [({**plan, "world": 8}, "another world (4, now 8)"), ({**plan, "code": "def"}, "another code"),
-                          ({**plan, "code": None}, "git cannot say which code this is")]:
-        Progress(runs, plan).record("calibration", {})
-        started_over = Progress(runs, changed)
-        assert started_over.kept == 0 and not (runs / "ddp").exists()
-        assert said in capsys.readouterr().out
-        (runs / Progress.FILE).unlink()
-        (runs / "ddp").mkdir()
+                          ({**plan, "machine": {"cpu": "y"}}, "another machine"),
+                          ({**plan, "code": None}, "another code"),
+                          ({**plan, "extra": 1}, "another extra (None, now 1)")]:
+        with pytest.raises(CannotContinue, match=re.escape(said)):
+            Progress(runs, changed)
+        assert (runs / "ddp").is_dir() and Progress(runs, plan).kept == 1  # untouched, still continuable
+
+    unknown = {**plan, "code": None}  # where git cannot say which code, nothing continues
+    Progress(tmp_path / "nogit", unknown).record("calibration", {})
+    with pytest.raises(CannotContinue, match="git cannot say"):
+        Progress(tmp_path / "nogit", unknown)
 
     finished = Progress(runs, plan)
-    finished.record("calibration", {})
     finished.finish()
-    assert Progress(runs, plan).kept == 0 and capsys.readouterr().out == ""  # finished: done again, silently
+    assert Progress(runs, plan).kept == 0 and not (runs / "ddp").exists()  # finished: done again
     Progress(runs, plan).record("calibration", {})
-    assert Progress(runs, plan, fresh=True).kept == 0  # --fresh
+    assert Progress(runs, {**plan, "world": 8}, fresh=True).kept == 0  # --fresh discards another plan's
     (runs / Progress.FILE).write_text("{not json")
-    assert Progress(runs, plan).kept == 0 and "cannot be read" in capsys.readouterr().out
+    with pytest.raises(CannotContinue, match="cannot be read"):
+        Progress(runs, plan)
+    assert Progress(runs, plan, fresh=True).kept == 0
+
+
+def test_a_reproduction_interrupted_at_any_job_continues_to_the_same_result(tmp_path: Path, monkeypatch) -> None:
+    """Every job of a small plan (two world sizes checked), with launches and measurements faked:
+    stopped at job k, the next launch runs job k and those after it, once each, and ends with the
+    facts of an uninterrupted reproduction; stopped while writing the report, it trains nothing again."""
+    from gradientflow_repro.harness import code_version
+    from gradientflow_repro.harness import reproduce as rp
+
+    if code_version() is None:
+        pytest.skip("git cannot say which code this is: nothing can be continued")
+    ran: list[str] = []
+    stop_at: list = [None]
+
+    def job(name: str) -> None:
+        ran.append(name)
+        if name == stop_at[0]:
+            raise KeyboardInterrupt
+
+    def fake_run_ranks(world, overrides, run_dir, label, net, timeout_s, show=True):
+        run_dir.mkdir(parents=True)  # begin() emptied it: a cut-short attempt left nothing behind
+        argv = [o.replace(str(run_dir), "RUN_DIR") for o in overrides]
+        (run_dir / "summary.json").write_text(json.dumps({"label": label, "world": world, "argv": argv}))
+        job(f"{label} {run_dir.name}")
+
+    def fake_calibrate(world, base, run_dir, net, timeout_s):
+        job("calibration")
+        return {"compute_s": 0.05, "bytes_per_step": 1e6, "step_s": 0.1, "profile": {"tensors": [[100, 0, 0]]}}
+
+    def fake_measure(world, net, run_dir, timeout_s, gradients, launches):
+        job(f"netbench {world}")
+        return {"bandwidth_Bps": 1e8 * world, "latency_s": 1e-4}
+
+    def fake_report(runs_dir, report):
+        job("report")
+        report.write_text(json.dumps(json.loads((runs_dir / "reproduce.json").read_text()), sort_keys=True))
+
+    monkeypatch.setattr(rp, "run_ranks", fake_run_ranks)
+    monkeypatch.setattr(rp, "calibrate", fake_calibrate)
+    monkeypatch.setattr(rp, "measure_network", fake_measure)
+    monkeypatch.setattr(rp, "report_from", fake_report)
+    monkeypatch.setattr(rp, "load_run", lambda run_dir: json.loads((run_dir / "summary.json").read_text()))
+    monkeypatch.setattr(rp, "median_step", lambda runs, skip_warmup=True: {"runs": runs})
+    monkeypatch.setattr(rp.time, "strftime", lambda *args: "20260101-000000")  # one wandb group name for all
+
+    def launch(name: str) -> dict:
+        rp.reproduce(world=4, check_worlds=(2, 3), repeats=2, rungs=("allreduce", "gradientflow"), emulate=False,
+                     check_repeats=2, runs_dir=tmp_path / name, report=tmp_path / f"{name}.json")
+        facts = json.loads((tmp_path / f"{name}.json").read_text())
+        return {key: value for key, value in facts.items() if key not in ("elapsed_s", "launches", "machine")}
+
+    reference, every_job = launch("whole"), list(ran)
+    assert len(every_job) == 1 + 1 + 4 + 2 * (1 + 4) + 1 and every_job[-1] == "report"
+    for index, stopped in enumerate(every_job):
+        ran.clear()
+        stop_at[0] = stopped
+        with pytest.raises(KeyboardInterrupt):
+            launch(f"cut{index}")
+        assert ran == every_job[:index + 1]
+        ran.clear()
+        stop_at[0] = None
+        assert launch(f"cut{index}") == reference, stopped
+        assert ran == every_job[index:], stopped  # the one cut short and those after it, once each
+        state = json.loads((tmp_path / f"cut{index}" / "progress.json").read_text())
+        assert state["finished"] and [launch["kept_jobs"] for launch in state["launches"]] == [0, index]
 
 
 # ---------------------------------------------------------------- the report's arithmetic

@@ -200,7 +200,7 @@ def write_study(out: Path, runs: dict[str, list[dict]], *, configs: dict[str, li
               f"![validation top-1 against epochs]({out.stem}_top1.png)", ""]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
-    plot_top1(runs, out.parent / f"{out.stem}_top1.png", x="epoch")
+    plot_top1(runs, out.parent / f"{out.stem}_top1.png", x="epoch", targets=targets)
 
 
 def _final(run: dict) -> Optional[float]:

@@ -90,11 +90,13 @@ def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
             log.close()
 
 
-def end_on_sigterm() -> None:
-    """Make a SIGTERM (``kill``, ``timeout``, a scheduler) unwind this process as Ctrl-C does, so
-    ``run_ranks`` ends the job's ranks (they run in sessions of their own, which a signal to this
-    process does not reach) and ``network`` removes the emulated network, instead of leaving both."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+def end_on_signals() -> None:
+    """Make SIGTERM (``kill``, ``timeout``, a scheduler), SIGHUP (a closed terminal) and SIGINT
+    unwind this process (``netemu.unwind``), so ``run_ranks`` ends the job's ranks (they run in
+    sessions of their own, which a signal to this process does not reach) and ``network`` removes
+    the emulated network, instead of leaving both; a second signal does not cut that short."""
+    for signum in (*netemu.UNWIND_SIGNALS, signal.SIGINT):
+        signal.signal(signum, netemu.unwind)
 
 
 def tail(path: Path, lines: int = 15) -> str:

@@ -70,7 +70,7 @@ class EmulatedNetwork:
         self.nodes = ranks // ranks_per_node
         self.prefix = f"{PREFIX}{os.getpid()}-"
         self.processes: list[subprocess.Popen] = []
-        self._previous_sigterm = None
+        self._previous_handlers: dict[int, object] = {}
 
     def node(self, rank: int) -> int:
         """The node holding ``rank`` (ranks are numbered node by node, as torchrun and Slurm do)."""
@@ -105,7 +105,8 @@ class EmulatedNetwork:
         reason = why_unavailable()
         if reason:
             raise RuntimeError(f"cannot emulate a network: {reason}")
-        self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_exit)
+        # a SIGTERM or SIGHUP unwinds through close(): no namespace is left behind
+        self._previous_handlers = {signum: signal.signal(signum, unwind) for signum in UNWIND_SIGNALS}
         try:
             switch = f"{self.prefix}sw"
             _ip("netns", "add", switch)
@@ -147,9 +148,9 @@ class EmulatedNetwork:
         self.processes = []
         for ns in namespaces(self.prefix):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        if self._previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._previous_sigterm)
-            self._previous_sigterm = None
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers = {}
 
     def __exit__(self, kind: Optional[type], error: Optional[BaseException],
                  trace: Optional[TracebackType]) -> None:
@@ -172,5 +173,15 @@ def kill_group(process: subprocess.Popen, grace_s: float = 5.0) -> None:
         pass
 
 
-def _raise_exit(signum: int, frame: object) -> None:
+UNWIND_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # kill, timeout, a scheduler; a closed terminal
+
+
+def unwind(signum: int, frame: object) -> None:
+    """A signal handler that unwinds this process as Ctrl-C does (``KeyboardInterrupt`` for SIGINT,
+    else ``SystemExit``), so ``finally`` blocks end ranks and remove namespaces. Further SIGTERM,
+    SIGHUP and SIGINT are ignored from then on: a second signal must not cut that clean-up short."""
+    for other in (*UNWIND_SIGNALS, signal.SIGINT):
+        signal.signal(other, signal.SIG_IGN)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise SystemExit(128 + signum)

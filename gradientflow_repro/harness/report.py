@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 from gradientflow_repro import perfmodel as pm
 from gradientflow_repro.harness.profile import profile_from_json
@@ -165,8 +165,10 @@ def convergence_table(runs: dict[str, list[dict]]) -> tuple[list[str], float]:
     return lines, budget
 
 
-def plot_top1(runs: dict[str, list[dict]], path: Path, x: str = "mlperf_s") -> None:
-    """Validation top-1 against the MLPerf clock (``x="mlperf_s"``) or against epochs (``"epoch"``)."""
+def plot_top1(runs: dict[str, list[dict]], path: Path, x: str = "mlperf_s",
+              targets: Optional[Sequence[float]] = None) -> None:
+    """Validation top-1 against the MLPerf clock (``x="mlperf_s"``) or against epochs (``"epoch"``),
+    with ``targets`` as lines (default: the target the runs stopped at, if any)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -178,9 +180,12 @@ def plot_top1(runs: dict[str, list[dict]], path: Path, x: str = "mlperf_s") -> N
             ax.plot([r[x] for r in evals], [r["top1"] for r in evals], color=f"C{index}",
                     alpha=1.0 if repeat == 0 else 0.35, marker="o" if repeat == 0 else None, markersize=3,
                     label=label if repeat == 0 else None)
-    target = next(iter(runs.values()))[0]["summary"].get("target_top1")
-    if target:
-        ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target}%")
+    if targets is None:
+        target = next(iter(runs.values()))[0]["summary"].get("target_top1")
+        targets = [target] if target else []
+    for index, target in enumerate(targets):
+        ax.axhline(target, color="grey", linestyle="--" if index == 0 else ":", linewidth=1,
+                   label=f"target {target:g}%")
     ax.set_xlabel("wall-clock seconds (MLPerf clock)" if x == "mlperf_s" else "epochs")
     ax.set_ylabel("validation top-1 (%)")
     ax.set_title(f"Validation top-1 against {'time' if x == 'mlperf_s' else 'epochs'} (faint: other seeds)")
@@ -418,8 +423,8 @@ def launches_note(launches: list[dict]) -> str:
         return ""
     parts = [f"launch {i + 1}: {launch['elapsed_s'] / 60:.1f} min"
              + (f", {launch['kept_jobs']} jobs kept from before" if i else "") for i, launch in enumerate(launches)]
-    return (f", over {len(launches)} launches of the same plan and code, each continuing the interrupted one before "
-            f"it ({'; '.join(parts)}); every run was trained whole in one launch")
+    return (f", over {len(launches)} launches of the same plan, code and machine, each continuing the one before, "
+            f"which had stopped early ({'; '.join(parts)}); every run was trained whole in one launch")
 
 
 def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, dict[str, dict]],

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from gradientflow_repro import perfmodel
 from gradientflow_repro.comm import knobs
@@ -87,51 +87,58 @@ class Timeline:
             self._current = None
 
 
+class CannotContinue(Exception):
+    """An unfinished reproduction in the runs directory cannot be continued by this launch; it is
+    left as it is (``fresh`` discards it)."""
+
+
 class Progress:
-    """An unfinished reproduction on disk (``progress.json`` in its runs directory): its plan, the jobs
-    done, and what they left that later jobs and the report need (the calibration, the measured
-    networks), rewritten after every job. A launch with the same plan on the same code continues it:
-    finished jobs are kept, a job cut short runs again. Anything else (another plan, other code, git
-    unable to say which, a finished reproduction, ``fresh``) starts over in an emptied directory."""
+    """A reproduction's progress on disk (``progress.json`` in its runs directory): its plan (the
+    options that shape its runs, the code, the machine), its wandb group, the jobs done and what they
+    left that later jobs and the report need (the calibration, the measured networks), and the time
+    each launch took; saved after every job and when a launch ends, however it ends.
+
+    A launch with the same plan continues an unfinished reproduction: finished jobs are kept, a job
+    cut short runs again. A finished reproduction, or ``fresh``, starts over in an emptied directory.
+    An unfinished one of another plan is never discarded unasked: ``CannotContinue``."""
 
     FILE = "progress.json"
 
     def __init__(self, runs_dir: Path, plan: dict, fresh: bool = False) -> None:
         self.file = runs_dir / self.FILE
         self.started = time.time()
-        earlier, why_not = (None, None) if fresh else self._earlier(plan)
-        if earlier is None:
-            if why_not:
-                print(f"reproduce: not continuing the unfinished reproduction in {runs_dir}: {why_not}; "
-                      "starting over", flush=True)
+        state = None if fresh else self._earlier(plan)
+        if state is None:
+            self.file.unlink(missing_ok=True)  # first: a start-over cut short leaves no stale plan behind
             shutil.rmtree(runs_dir, ignore_errors=True)  # a reproduction is one set of runs
             runs_dir.mkdir(parents=True)
-            earlier = {"plan": plan, "done": {}, "launches": []}
-        self.state = earlier
-        self.kept = len(self.state["done"])  # jobs done by earlier launches
-        self.state["launches"].append({"started": self.started, "elapsed_s": 0.0, "kept_jobs": self.kept})
-        self._save()
+            state = {"plan": plan, "group": f"reproduce-{time.strftime('%Y%m%d-%H%M%S')}", "done": {},
+                     "launches": []}
+        self.state = state
+        self.kept = len(state["done"])  # jobs done by earlier launches
+        state["launches"].append({"started": self.started, "elapsed_s": 0.0, "kept_jobs": self.kept})
+        self.save()
 
-    def _earlier(self, plan: dict) -> tuple[Optional[dict], Optional[str]]:
-        """The unfinished reproduction of this plan, or None and why it cannot be continued (None:
-        there is nothing to continue)."""
+    def _earlier(self, plan: dict) -> Optional[dict]:
+        """The unfinished reproduction to continue (None: nothing to continue)."""
         if not self.file.is_file():
-            return None, None
+            return None
         try:
             state = json.loads(self.file.read_text())
-            state["plan"], state["done"], state["launches"]
+            state["plan"], state["group"], state["done"], state["launches"]
         except (OSError, ValueError, KeyError, TypeError) as error:
-            return None, f"{self.file.name} cannot be read ({error})"
+            raise CannotContinue(f"{self.file} cannot be read ({error})") from None
         if state.get("finished"):
-            return None, None  # finished: a new launch is a new reproduction
-        if plan["code"] is None:
-            return None, "git cannot say which code this is"
+            return None  # finished: a new launch is a new reproduction
         differing = sorted(key for key in {*plan, *state["plan"]} if plan.get(key) != state["plan"].get(key))
         if differing:
-            return None, "it was launched with another " + ", ".join(
-                f"{key} ({state['plan'].get(key)!r}, now {plan.get(key)!r})" if key != "code" else "code"
-                for key in differing)
-        return state, None
+            raise CannotContinue(f"the unfinished reproduction in {self.file.parent} was launched with another "
+                                 + ", ".join(f"{key} ({state['plan'].get(key)!r}, now {plan.get(key)!r})"
+                                             if key not in ("code", "machine") else key for key in differing))
+        if plan["code"] is None:
+            raise CannotContinue(f"git cannot say which code this is, so the unfinished reproduction in "
+                                 f"{self.file.parent} cannot be continued")
+        return state
 
     def done(self, job: str) -> Optional[dict]:
         """What ``job`` left when it finished (None: not finished)."""
@@ -140,22 +147,60 @@ class Progress:
     def record(self, job: str, facts: Optional[dict] = None) -> None:
         """``job`` finished, leaving ``facts``; saved at once, so an interruption loses only the job running."""
         self.state["done"][job] = facts or {}
-        self._save()
+        self.save()
 
     def finish(self) -> None:
+        """Every job is done and reported: the next launch is a new reproduction."""
         self.state["finished"] = True
-        self._save()
+        self.save()
 
     @property
     def elapsed_s(self) -> float:
-        """Seconds spent on this reproduction over all its launches."""
-        return sum(launch["elapsed_s"] for launch in self.state["launches"][:-1]) + time.time() - self.started
-
-    def _save(self) -> None:
+        """Seconds spent on this reproduction over all its launches, this one so far included."""
         self.state["launches"][-1]["elapsed_s"] = time.time() - self.started
+        return sum(launch["elapsed_s"] for launch in self.state["launches"])
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exception: object) -> None:
+        self.save()  # this launch's time, however it ends
+
+    def save(self) -> None:
+        self.elapsed_s  # this launch's time so far, into the state
         temporary = self.file.with_suffix(".tmp")
         temporary.write_text(json.dumps(self.state, indent=1))
         os.replace(temporary, self.file)  # whole or not at all, whenever the launch is stopped
+
+
+class Job(NamedTuple):
+    """One job of a reproduction."""
+
+    kind: str  # calibration | netbench | train | check
+    key: str  # what the time estimate groups it by (``Timeline``)
+    name: str  # its name in progress.json
+
+
+def calibration_job() -> Job:
+    return Job("calibration", "calibration", "calibration")
+
+
+def netbench_job(world: int) -> Job:
+    return Job("netbench", str(world), f"netbench w{world}")
+
+
+def train_job(label: str, seed: int) -> Job:
+    return Job("train", label, f"train {label} seed{seed}")
+
+
+def check_job(label: str, world: int, repeat: int) -> Job:
+    return Job("check", f"{label} w{world}", f"check {label} w{world} r{repeat}")
+
+
+def check_plan(world: int, check_worlds: Sequence[int]) -> None:
+    """Refuse check world sizes that repeat or equal the ladder's (their runs would overwrite)."""
+    if world in check_worlds or len(set(check_worlds)) != len(check_worlds):
+        raise ValueError(f"check world sizes {list(check_worlds)}: each once, and not the ladder's world size {world}")
 
 
 def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: Sequence[int] = (2,),
@@ -166,113 +211,113 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: S
               command: str = "python scripts/reproduce.py") -> None:
     """Run the whole comparison into ``runs_dir`` and write ``report``. Repeat r trains every
     configuration with ``seed=r`` (initial weights and data order). ``overrides``: Hydra overrides for
-    every run; ``command``: how it was invoked, for the report. An interrupted reproduction of the same
-    plan and code continues (``Progress``) unless ``fresh``."""
+    every run; ``command``: how it was invoked, for the report. An unfinished reproduction of the same
+    plan continues (``Progress``); one of another plan raises ``CannotContinue`` unless ``fresh``."""
+    check_plan(world, check_worlds)
     rungs = list(rungs)
     checked = [label for label in rungs if label in knobs.LADDER]  # the model checks the speed ladder
     seeds = list(range(repeats))
     reason = netemu.why_unavailable() if emulate else "disabled by --no-emulation"
+    machine = environment_facts()
     plan = {"experiment": experiment, "world": world, "check_worlds": list(check_worlds), "repeats": repeats,
             "rungs": rungs, "rate_mbit": rate_mbit, "emulated": reason is None, "check_steps": check_steps,
             "check_repeats": check_repeats, "netbench_launches": netbench_launches,
-            "overrides": list(overrides), "code": code_version()}
-    progress = Progress(runs_dir, plan, fresh)
-    group = progress.state.setdefault("group", f"reproduce-{time.strftime('%Y%m%d-%H%M%S')}")  # one for all launches
-    base = [f"+experiment={experiment}", "save_final_params=false", f"logger.group={group}",
-            "resume=never", *EXPERIMENT_OVERRIDES.get(experiment, []), *overrides]
-    # every job: (kind, key: what the time estimate groups by, name in progress.json)
-    jobs = [("calibration", "calibration", "calibration"), ("netbench", str(world), f"netbench w{world}"),
-            *[("train", label, f"train {label} seed{seed}") for seed in seeds for label in rungs],
-            *[job for other in check_worlds for job in
-              [("netbench", str(other), f"netbench w{other}"),
-               *[("check", f"{label} w{other}", f"check {label} w{other} r{repeat + 1}")
-                 for repeat in range(check_repeats) for label in checked]]]]
-    print(f"reproduce: {len(rungs)} configurations x {repeats} seeds at world size {world}; "
-          f"network: {'emulated (namespaces + tbf)' if reason is None else 'loopback (' + reason + ')'}",
-          flush=True)
-    if progress.kept:
-        print(f"reproduce: continuing the interrupted reproduction in {runs_dir} (launch "
-              f"{len(progress.state['launches'])}): {progress.kept} of {len(jobs)} jobs done before, kept",
+            "overrides": list(overrides), "code": code_version(),
+            "machine": {key: value for key, value in machine.items() if key != "git_commit"}}
+    with Progress(runs_dir, plan, fresh) as progress:  # saved however the launch ends
+        group = progress.state["group"]  # one for all launches
+        base = [f"+experiment={experiment}", "save_final_params=false", f"logger.group={group}",
+                "resume=never", *EXPERIMENT_OVERRIDES.get(experiment, []), *overrides]
+        jobs = [calibration_job(), netbench_job(world), *[train_job(label, seed) for seed in seeds for label in rungs],
+                *[job for other in check_worlds for job in
+                  [netbench_job(other), *[check_job(label, other, repeat + 1)
+                                          for repeat in range(check_repeats) for label in checked]]]]
+        print(f"reproduce: {len(rungs)} configurations x {repeats} seeds at world size {world}; "
+              f"network: {'emulated (namespaces + tbf)' if reason is None else 'loopback (' + reason + ')'}",
               flush=True)
-    timeline = Timeline([(kind, key) for kind, key, name in jobs if progress.done(name) is None])
+        if progress.kept:
+            print(f"reproduce: continuing the interrupted reproduction in {runs_dir} (launch "
+                  f"{len(progress.state['launches'])}): {progress.kept} of {len(jobs)} jobs done before, kept",
+                  flush=True)
+        timeline = Timeline([(job.kind, job.key) for job in jobs if progress.done(job.name) is None])
 
-    def job(kind: str, key: str, name: str, title: str, out: Path) -> bool:
-        """Begin job ``name`` unless an earlier launch finished it (then False); ``out`` starts empty."""
-        if progress.done(name) is not None:
-            return False
-        timeline.begin(kind, key, title)
-        shutil.rmtree(out, ignore_errors=True)  # what a cut-short launch of this job left
-        return True
+        def begin(job: Job, title: str, out: Path) -> bool:
+            """Begin ``job`` unless an earlier launch finished it (then False); ``out`` starts empty."""
+            if progress.done(job.name) is not None:
+                return False
+            timeline.begin(job.kind, job.key, title)
+            shutil.rmtree(out, ignore_errors=True)  # what a cut-short launch of this job left
+            return True
 
-    # (1)-(3) calibration, rate, network measurement
-    if job("calibration", "calibration", "calibration", "calibration: compute and bytes per step, profile",
-           runs_dir / "calibration"):
-        with network(world, None, reason) as net:
-            progress.record("calibration", calibrate(world, base, runs_dir / "calibration", net, timeout_s))
-    calibration = progress.done("calibration")
-    rate = rate_mbit or calibration["bytes_per_step"] * 8 / 1e6 / (PAPER_RATIO * calibration["compute_s"])
-    rate = round(rate, 1)
-    print(f"reproduce: compute {calibration['compute_s'] * 1e3:.1f} ms/step, {calibration['bytes_per_step'] / 1e6:.2f} "
-          f"MB sent per rank per step (allreduce, fp32) -> link rate {rate} Mbit/s "
-          f"{'(chosen for comm/compute = %.2f)' % PAPER_RATIO if not rate_mbit else '(given)'}", flush=True)
+        # (1)-(3) calibration, rate, network measurement
+        if begin(calibration_job(), "calibration: compute and bytes per step, profile", runs_dir / "calibration"):
+            with network(world, None, reason) as net:
+                progress.record(calibration_job().name, calibrate(world, base, runs_dir / "calibration", net,
+                                                                  timeout_s))
+        calibration = progress.done(calibration_job().name)
+        rate = rate_mbit or calibration["bytes_per_step"] * 8 / 1e6 / (PAPER_RATIO * calibration["compute_s"])
+        rate = round(rate, 1)
+        print(f"reproduce: compute {calibration['compute_s'] * 1e3:.1f} ms/step, "
+              f"{calibration['bytes_per_step'] / 1e6:.2f} MB sent per rank per step (allreduce, fp32) -> "
+              f"link rate {rate} Mbit/s "
+              f"{'(chosen for comm/compute = %.2f)' % PAPER_RATIO if not rate_mbit else '(given)'}", flush=True)
 
-    gradients = [elements for elements, _, _ in calibration["profile"]["tensors"]]
+        gradients = [elements for elements, _, _ in calibration["profile"]["tensors"]]
 
-    def measured_network(other: int, net: Optional[netemu.EmulatedNetwork], out: Path) -> dict:
-        name = f"netbench w{other}"
-        if job("netbench", str(other), name, f"network measurement at world size {other}", out):
-            progress.record(name, {"emulated": reason is None, "why_not": reason,
-                                   "rate_mbit": rate if reason is None else None,
-                                   **measure_network(other, net, out, timeout_s, gradients, netbench_launches)})
-        return progress.done(name)
+        def measured_network(other: int, net: Optional[netemu.EmulatedNetwork], out: Path) -> dict:
+            if begin(netbench_job(other), f"network measurement at world size {other}", out):
+                progress.record(netbench_job(other).name, {
+                    "emulated": reason is None, "why_not": reason, "rate_mbit": rate if reason is None else None,
+                    **measure_network(other, net, out, timeout_s, gradients, netbench_launches)})
+            return progress.done(netbench_job(other).name)
 
-    runs: dict[str, list[dict]] = {label: [] for label in rungs}
-    checks: dict[int, dict[str, dict]] = {}
-    with network(world, rate, reason) as net:
-        measured = measured_network(world, net, runs_dir / "netbench")
-        network_by_world = {world: measured}
-        print(f"reproduce: measured link {measured['bandwidth_Bps'] / 1e6:.1f} MB/s, per-message latency "
-              f"{measured['latency_s'] * 1e6:.0f} us", flush=True)
-        for index, seed in enumerate(seeds):  # (4) every configuration to the target, seed-major
-            for label in rungs:  # (so drift spreads over all of them)
-                run_dir = runs_dir / label / f"seed{seed}"
-                if job("train", label, f"train {label} seed{seed}", f"[{label}] seed {seed} ({index + 1} of {repeats})",
-                       run_dir):
-                    run_ranks(world, [*base, *ladder_overrides(label), f"seed={seed}", f"run_dir={run_dir}",
-                                      f"logger.name={label}"], run_dir, f"{label} s{seed}", net, timeout_s)
-                    progress.record(f"train {label} seed{seed}")
-                runs[label].append(load_run(run_dir))
-        checks[world] = {label: median_step(runs[label]) for label in checked}
-    for other in check_worlds:  # (5) step times at other world sizes, on a network measured there
-        with network(other, rate, reason) as net:
-            network_by_world[other] = measured_network(other, net, runs_dir / f"netbench-world{other}")
-            short: dict[str, list[dict]] = {label: [] for label in checked}
-            for repeat in range(check_repeats):  # repeat-major, as the ladder
-                for label in checked:
-                    run_dir = runs_dir / f"check-world{other}" / label / f"r{repeat + 1}"
-                    name = f"check {label} w{other} r{repeat + 1}"
-                    if job("check", f"{label} w{other}", name, f"[{label}] step-time run {repeat + 1}/"
-                           f"{check_repeats} at world size {other}", run_dir):
-                        run_ranks(other, [*base, *ladder_overrides(label), f"run_dir={run_dir}",
-                                          f"max_steps={check_steps}", "comm.csc_warmup_epochs=0", "logger=jsonl",
-                                          "logger.log_every=4"],
-                                  run_dir, f"{label} w{other}", net, timeout_s, show=False)
-                        progress.record(name)
-                    short[label].append(load_run(run_dir))
-            checks[other] = {label: median_step(short[label], skip_warmup=False) for label in checked}
-    timeline.end()
+        runs: dict[str, list[dict]] = {label: [] for label in rungs}
+        checks: dict[int, dict[str, dict]] = {}
+        with network(world, rate, reason) as net:
+            measured = measured_network(world, net, runs_dir / "netbench")
+            network_by_world = {world: measured}
+            print(f"reproduce: measured link {measured['bandwidth_Bps'] / 1e6:.1f} MB/s, per-message latency "
+                  f"{measured['latency_s'] * 1e6:.0f} us", flush=True)
+            for index, seed in enumerate(seeds):  # (4) every configuration to the target, seed-major
+                for label in rungs:  # (so drift spreads over all of them)
+                    run_dir, run = runs_dir / label / f"seed{seed}", None
+                    if begin(train_job(label, seed), f"[{label}] seed {seed} ({index + 1} of {repeats})", run_dir):
+                        run_ranks(world, [*base, *ladder_overrides(label), f"seed={seed}", f"run_dir={run_dir}",
+                                          f"logger.name={label}"], run_dir, f"{label} s{seed}", net, timeout_s)
+                        run = load_run(run_dir)  # readable before it counts as done
+                        progress.record(train_job(label, seed).name)
+                    runs[label].append(run or load_run(run_dir))
+            checks[world] = {label: median_step(runs[label]) for label in checked}
+        for other in check_worlds:  # (5) step times at other world sizes, on a network measured there
+            with network(other, rate, reason) as net:
+                network_by_world[other] = measured_network(other, net, runs_dir / f"netbench-world{other}")
+                short: dict[str, list[dict]] = {label: [] for label in checked}
+                for repeat in range(1, check_repeats + 1):  # repeat-major, as the ladder
+                    for label in checked:
+                        run_dir, run = runs_dir / f"check-world{other}" / label / f"r{repeat}", None
+                        if begin(check_job(label, other, repeat), f"[{label}] step-time run {repeat}/"
+                                 f"{check_repeats} at world size {other}", run_dir):
+                            run_ranks(other, [*base, *ladder_overrides(label), f"run_dir={run_dir}",
+                                              f"max_steps={check_steps}", "comm.csc_warmup_epochs=0",
+                                              "logger=jsonl", "logger.log_every=4"],
+                                      run_dir, f"{label} w{other}", net, timeout_s, show=False)
+                            run = load_run(run_dir)
+                            progress.record(check_job(label, other, repeat).name)
+                        short[label].append(run or load_run(run_dir))
+                checks[other] = {label: median_step(short[label], skip_warmup=False) for label in checked}
+        timeline.end()
 
-    facts = {"checks": checks, "calibration": calibration, "network": measured,
-             "network_by_world": network_by_world, "world": world, "repeats": repeats,
-             "check_repeats": check_repeats, "command": command, "elapsed_s": progress.elapsed_s,
-             "launches": progress.state["launches"], "experiment": experiment, "group": group,
-             "overrides": base[1:], "rungs": rungs, "machine": environment_facts()}
-    (runs_dir / "reproduce.json").write_text(json.dumps(facts, indent=1))
-    progress.finish()
-    report_from(runs_dir, report)
-    print(f"reproduce: wrote {report} in {duration(time.time() - progress.started)}"
-          + (f" ({duration(progress.elapsed_s)} over {len(progress.state['launches'])} launches)"
-             if len(progress.state["launches"]) > 1 else ""), flush=True)
+        facts = {"checks": checks, "calibration": calibration, "network": measured,
+                 "network_by_world": network_by_world, "world": world, "repeats": repeats,
+                 "check_repeats": check_repeats, "command": command, "elapsed_s": progress.elapsed_s,
+                 "launches": progress.state["launches"], "experiment": experiment, "group": group,
+                 "overrides": base[1:], "rungs": rungs, "machine": machine}
+        (runs_dir / "reproduce.json").write_text(json.dumps(facts, indent=1))
+        report_from(runs_dir, report)
+        progress.finish()  # after the report: a launch stopped while writing it keeps every run
+        print(f"reproduce: wrote {report} in {duration(time.time() - progress.started)}"
+              + (f" ({duration(progress.elapsed_s)} over {len(progress.state['launches'])} launches)"
+                 if len(progress.state["launches"]) > 1 else ""), flush=True)
 
 
 def report_from(runs_dir: Path, report: Path) -> None:
