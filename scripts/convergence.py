@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from gradientflow_repro.harness import convergence
-from gradientflow_repro.harness.launch import end_on_signals
+from gradientflow_repro.harness.netemu import end_on_signals
 
 
 def main() -> None:

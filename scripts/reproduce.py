@@ -8,8 +8,9 @@ accuracy over an emulated cluster network once per seed, then results/REPORT.md.
 Interrupted (Ctrl-C, kill, a closed terminal)? Run the same command again: the reproduction
 continues, keeping every job that finished (runs_dir/progress.json). That needs the same plan: the
 options that shape the runs (not --timeout-s or --report), the overrides, the code (commit and
-uncommitted changes) and the machine; with another, it stops and says what differs, and --fresh
-discards the unfinished reproduction and starts over. A finished one is always done again.
+uncommitted changes) and the machine (CPU, cores, GPU, Python and torch versions); with another, it
+stops and says what differs, and --fresh discards the unfinished reproduction and starts over. A
+finished one is always done again; two launches never work in one directory at once.
 What it does, step by step: gradientflow_repro/harness/reproduce.py.
 """
 
@@ -21,15 +22,17 @@ from pathlib import Path
 
 from gradientflow_repro.comm.knobs import COMPARED
 from gradientflow_repro.harness import reproduce
-from gradientflow_repro.harness.launch import end_on_signals
+from gradientflow_repro.harness.netemu import end_on_signals
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--experiment", default="digits_cpu")
     parser.add_argument("--world", type=int, default=4, help="ranks for the time-to-accuracy ladder")
-    parser.add_argument("--check-world", type=int, nargs="*", default=[2],
-                        help="extra world sizes with short step-time runs for the scaling model")
+    parser.add_argument("--check-world", type=int, nargs="*", default=None,
+                        help="extra world sizes with short step-time runs for the scaling model "
+                             f"(default: {' '.join(map(str, reproduce.DEFAULT_CHECK_WORLDS))}, "
+                             "unless it is --world)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="seeds per configuration: repeat r runs with seed=r (initial weights, data order)")
     parser.add_argument("--rungs", nargs="+", default=list(COMPARED), choices=list(COMPARED),
@@ -51,7 +54,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
     try:
-        reproduce.check_plan(args.world, args.check_world)
+        reproduce.check_worlds_for(args.world, args.check_world)
     except ValueError as error:
         parser.error(f"--check-world: {error}")
     end_on_signals()
@@ -66,13 +69,8 @@ def main() -> None:
             check_repeats=args.check_repeats, netbench_launches=args.netbench_launches, overrides=args.overrides,
             fresh=args.fresh, command="python scripts/reproduce.py " + " ".join(sys.argv[1:]))
     except reproduce.CannotContinue as error:
-        print(f"reproduce: error: {error}. Launch it as before to continue it, or add --fresh "
-              "(make reproduce REPRO_ARGS=--fresh) to discard it and start over.", file=sys.stderr)
+        print(f"reproduce: error: {error}", file=sys.stderr)
         sys.exit(2)
-    except (KeyboardInterrupt, SystemExit):
-        print(f"reproduce: interrupted; the jobs that finished are kept in {args.runs_dir}: run the same command "
-              "again to continue", file=sys.stderr, flush=True)
-        raise
 
 
 if __name__ == "__main__":

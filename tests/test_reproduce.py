@@ -265,14 +265,13 @@ def test_emulated_network_leaves_nothing_behind_when_a_rank_fails(tmp_path: Path
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
 
 
-def test_a_signal_unwinds_once_and_a_second_does_not_cut_the_clean_up_short() -> None:
-    from gradientflow_repro.harness.launch import end_on_signals
-
-    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+def test_a_signal_unwinds_once_and_a_second_does_not_cut_the_clean_up_short(monkeypatch) -> None:
+    monkeypatch.setattr(netemu, "_unwinding", False)  # this process stays: what the handler marks is undone after
+    saved = {signum: signal.getsignal(signum) for signum in netemu.STOP_SIGNALS}
     try:
-        end_on_signals()
         for signum, raised in [(signal.SIGTERM, SystemExit), (signal.SIGHUP, SystemExit),
                                (signal.SIGINT, KeyboardInterrupt)]:
+            netemu.end_on_signals()
             with pytest.raises(raised) as stop:
                 os.kill(os.getpid(), signum)
                 time.sleep(5)  # the handler runs before this ends
@@ -280,7 +279,15 @@ def test_a_signal_unwinds_once_and_a_second_does_not_cut_the_clean_up_short() ->
             assert all(signal.getsignal(s) == signal.SIG_IGN for s in saved)  # unwinding: later ones ignored
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.1)  # still here
-            end_on_signals()
+        if netemu.why_unavailable() is None:  # the network's tear-down does not re-arm them midway
+            monkeypatch.setattr(netemu, "_unwinding", False)
+            netemu.end_on_signals()
+            with pytest.raises(SystemExit):
+                with netemu.EmulatedNetwork(2, None) as net:
+                    prefix = net.prefix
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(5)
+            assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN and not netemu.namespaces(prefix)
     finally:
         for signum, handler in saved.items():
             signal.signal(signum, handler)
@@ -300,6 +307,7 @@ def _running_with(text: str) -> list[str]:
     return found
 
 
+@pytest.mark.timeout(1500)  # three launches, each with its own deadline within this
 def test_short_comparison_interrupted_continues_and_writes_a_complete_report(tmp_path: Path,
                                                                              digits_root: Path) -> None:
     report = tmp_path / "REPORT.md"
@@ -317,10 +325,10 @@ def test_short_comparison_interrupted_continues_and_writes_a_complete_report(tmp
     for line in first.stdout:
         printed.append(line)
         if line.startswith("reproduce: [4/4]"):
-            deadline = time.monotonic() + 60
-            while not _running_with(f"run_dir={cut_short}") and time.monotonic() < deadline:
+            deadline = time.monotonic() + 60  # both ranks started, then the signal
+            while len(_running_with(f"run_dir={cut_short}")) < 2 and time.monotonic() < deadline:
                 time.sleep(0.1)
-            assert _running_with(f"run_dir={cut_short}"), "the last job's ranks never started"
+            assert len(_running_with(f"run_dir={cut_short}")) >= 2, "the last job's ranks never started"
             first.send_signal(signal.SIGTERM)
             break
     printed.append(first.communicate(timeout=120)[0])
@@ -330,7 +338,9 @@ def test_short_comparison_interrupted_continues_and_writes_a_complete_report(tmp
     jobs = re.findall(r"reproduce: \[(\d+)/(\d+)\] (.*?) \| \S+ so far, about \S+ left", printed)
     assert [(int(i), int(n)) for i, n, _ in jobs] == [(i, 4) for i in range(1, 5)], jobs
     assert [title for _, _, title in jobs][2:] == ["[allreduce] seed 0 (1 of 1)", "[ring+fp16+lazy] seed 0 (1 of 1)"]
-    assert "allreduce s0 |" in printed and "reproduce: interrupted; the jobs that finished are kept" in printed
+    assert "allreduce s0 |" in printed and "reproduce: stopped; 3 finished jobs are kept" in printed
+    if netemu.why_unavailable() is None:
+        assert not netemu.namespaces(f"{netemu.PREFIX}{first.pid}-"), "namespaces left behind after the SIGTERM"
     assert not _running_with(f"run_dir={cut_short}"), "ranks left running after the SIGTERM"
     assert not (tmp_path / "runs" / "reproduce.json").exists() and not report.exists()
     kept = tmp_path / "runs" / "allreduce" / "seed0" / "summary.json"
@@ -384,8 +394,7 @@ def test_short_comparison_interrupted_continues_and_writes_a_complete_report(tmp
         assert (tmp_path / figure).stat().st_size > 1000
     if netemu.why_unavailable() is None:
         assert "each link shaped to" in text
-        assert netemu.namespaces(f"{netemu.PREFIX}") == [] or all(
-            not n.startswith(netemu.PREFIX) for n in netemu.namespaces())
+        assert netemu.namespaces() == []
     else:
         assert "loopback, not emulated" in text
 
@@ -393,41 +402,51 @@ def test_short_comparison_interrupted_continues_and_writes_a_complete_report(tmp
 def test_progress_continues_only_the_same_unfinished_plan_and_discards_only_when_told(tmp_path: Path) -> None:
     from gradientflow_repro.harness.reproduce import CannotContinue, Progress
 
+    def kept(plan: dict, runs: Path = tmp_path / "runs", fresh: bool = False, job: str = "") -> int:
+        with Progress(runs, plan, fresh) as progress:
+            if job:
+                progress.record(job, {})
+            return progress.kept
+
     runs = tmp_path / "runs"
-    plan = {"world": 4, "rungs": ["ddp"], "code": "abc", "machine": {"cpu": "x"}}
-    first = Progress(runs, plan)
-    first.record("calibration", {"compute_s": 0.1})
+    plan = {"world": 4, "rungs": ["ddp"], "code": "abc", "machine": {"cpu": "x", "torch": "2"}}
+    with Progress(runs, plan) as first:
+        first.record("calibration", {"compute_s": 0.1})
+        state = json.loads((runs / Progress.FILE).read_text())  # saved at once, whole
+        with pytest.raises(CannotContinue, match="another launch .* is working in"):  # one launch at a time
+            Progress(runs, plan)
     (runs / "ddp").mkdir()
-    state = json.loads((runs / Progress.FILE).read_text())  # saved at once, whole
     assert state["done"] == {"calibration": {"compute_s": 0.1}} and len(state["launches"]) == 1
     assert state["group"].startswith("reproduce-")
 
-    again = Progress(runs, json.loads(json.dumps(plan)))  # the same plan, through JSON: continued
-    assert again.kept == 1 and again.done("calibration") == {"compute_s": 0.1} and again.done("netbench w4") is None
-    assert (runs / "ddp").is_dir() and len(again.state["launches"]) == 2 and again.state["group"] == state["group"]
+    with Progress(runs, json.loads(json.dumps(plan))) as again:  # the same plan, through JSON: continued
+        assert again.kept == 1 and again.done("calibration") == {"compute_s": 0.1}
+        assert again.done("netbench w4") is None and again.state["group"] == state["group"]
+    assert (runs / "ddp").is_dir() and len(json.loads((runs / Progress.FILE).read_text())["launches"]) == 2
 
-    for changed, said in [({**plan, "world": 8}, "another world (4, now 8)"), ({**plan, "code": "def"}, "another code"),
-                          ({**plan, "machine": {"cpu": "y"}}, "another machine"),
-                          ({**plan, "code": None}, "another code"),
+    for changed, said in [({**plan, "world": 8}, "another world (4, now 8)"),
+                          ({**plan, "code": "def"}, "another code (abc, now def"),
+                          ({**plan, "machine": {"cpu": "y", "torch": "2"}}, "another machine.cpu ('x', now 'y')"),
+                          ({**plan, "code": None}, "another code (abc, now None"),
                           ({**plan, "extra": 1}, "another extra (None, now 1)")]:
-        with pytest.raises(CannotContinue, match=re.escape(said)):
+        with pytest.raises(CannotContinue, match=re.escape(said) + ".*--fresh"):
             Progress(runs, changed)
-        assert (runs / "ddp").is_dir() and Progress(runs, plan).kept == 1  # untouched, still continuable
+        assert (runs / "ddp").is_dir() and kept(plan) == 1  # untouched, still continuable
 
     unknown = {**plan, "code": None}  # where git cannot say which code, nothing continues
-    Progress(tmp_path / "nogit", unknown).record("calibration", {})
+    kept(unknown, tmp_path / "nogit", job="calibration")
     with pytest.raises(CannotContinue, match="git cannot say"):
-        Progress(tmp_path / "nogit", unknown)
+        kept(unknown, tmp_path / "nogit")
 
-    finished = Progress(runs, plan)
-    finished.finish()
-    assert Progress(runs, plan).kept == 0 and not (runs / "ddp").exists()  # finished: done again
-    Progress(runs, plan).record("calibration", {})
-    assert Progress(runs, {**plan, "world": 8}, fresh=True).kept == 0  # --fresh discards another plan's
+    with Progress(runs, plan) as finished:
+        finished.finish()
+    assert kept(plan) == 0 and not (runs / "ddp").exists()  # finished: done again
+    kept(plan, job="calibration")
+    assert kept({**plan, "world": 8}, fresh=True) == 0  # --fresh discards another plan's
     (runs / Progress.FILE).write_text("{not json")
     with pytest.raises(CannotContinue, match="cannot be read"):
-        Progress(runs, plan)
-    assert Progress(runs, plan, fresh=True).kept == 0
+        kept(plan)
+    assert kept(plan, fresh=True) == 0
 
 
 def test_a_reproduction_interrupted_at_any_job_continues_to_the_same_result(tmp_path: Path, monkeypatch) -> None:

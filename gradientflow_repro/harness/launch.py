@@ -12,7 +12,6 @@ its node as torchrun would (LOCAL_RANK = rank % G, LOCAL_WORLD_SIZE = G).
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -37,24 +36,6 @@ def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
     master = net.address(0) if net else "127.0.0.1"
     logs: list[IO[str]] = []
     processes: list[subprocess.Popen] = []
-    nodes_of_several = net is not None and net.ranks_per_node > 1
-    for rank in range(world):
-        # one rank per namespace (or loopback): every rank runs on this machine, its local rank is
-        # its rank (with device=cuda, its GPU); emulated nodes of several ranks: its place in the node
-        local_rank, local_world = (net.local_rank(rank), net.ranks_per_node) if nodes_of_several else (rank, world)
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
-               "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": master, "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"),
-               "PYTHONUNBUFFERED": "1"}
-        argv = [sys.executable, *module, *overrides]
-        log = open(run_dir / f"rank{rank}.log", "w")
-        logs.append(log)
-        stdout = subprocess.PIPE if rank == 0 else log
-        if net:
-            processes.append(net.launch(rank, argv, env, stdout, cwd=REPO))
-        else:
-            processes.append(subprocess.Popen(argv, env=env, cwd=REPO, stdout=stdout, text=True,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + timeout_s
     stop = threading.Event()
 
@@ -66,9 +47,27 @@ def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
                     netemu.kill_group(process, grace_s=2.0)
                 return
 
-    guard = threading.Thread(target=watchdog, daemon=True)
-    guard.start()
-    try:
+    try:  # from the first rank on: whatever stops this launch ends the ranks started so far
+        nodes_of_several = net is not None and net.ranks_per_node > 1
+        for rank in range(world):
+            # one rank per namespace (or loopback): every rank runs on this machine, its local rank is
+            # its rank (with device=cuda, its GPU); emulated nodes of several ranks: its place in the node
+            local_rank, local_world = (net.local_rank(rank), net.ranks_per_node) if nodes_of_several else (rank, world)
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
+                   "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": master, "MASTER_PORT": str(port),
+                   "OMP_NUM_THREADS": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"),
+                   "PYTHONUNBUFFERED": "1"}
+            argv = [sys.executable, *module, *overrides]
+            log = open(run_dir / f"rank{rank}.log", "w")
+            logs.append(log)
+            stdout = subprocess.PIPE if rank == 0 else log
+            if net:
+                processes.append(net.launch(rank, argv, env, stdout, cwd=REPO))
+            else:
+                processes.append(subprocess.Popen(argv, env=env, cwd=REPO, stdout=stdout, text=True,
+                                                  stderr=subprocess.STDOUT, start_new_session=True))
+        guard = threading.Thread(target=watchdog, daemon=True)
+        guard.start()
         for line in processes[0].stdout:  # rank 0's progress, as it comes
             logs[0].write(line)
             if show and (line.startswith("[") and not line.startswith("[W") or "error" in line.lower()):
@@ -88,15 +87,6 @@ def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
             netemu.kill_group(process)
         for log in logs:
             log.close()
-
-
-def end_on_signals() -> None:
-    """Make SIGTERM (``kill``, ``timeout``, a scheduler), SIGHUP (a closed terminal) and SIGINT
-    unwind this process (``netemu.unwind``), so ``run_ranks`` ends the job's ranks (they run in
-    sessions of their own, which a signal to this process does not reach) and ``network`` removes
-    the emulated network, instead of leaving both; a second signal does not cut that short."""
-    for signum in (*netemu.UNWIND_SIGNALS, signal.SIGINT):
-        signal.signal(signum, netemu.unwind)
 
 
 def tail(path: Path, lines: int = 15) -> str:

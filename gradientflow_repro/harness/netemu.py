@@ -13,8 +13,9 @@ loopback and ``why_unavailable()`` says why.
 
 Set-up and tear-down are complete: namespaces carry a per-process prefix, processes started in
 them are killed (as process groups) before the namespaces are deleted, and deleting a namespace
-removes its veth and the bridge. Tear-down runs on normal exit, on an exception, on Ctrl-C and on
-SIGTERM.
+removes its veth and the bridge; a process started into a namespace by other means (or whose start
+was cut short) is killed too (``ip netns pids``). Tear-down runs on normal exit, on an exception,
+on Ctrl-C, SIGTERM and SIGHUP (``unwind``; ``end_on_signals`` makes the whole process unwind so).
 """
 
 from __future__ import annotations
@@ -147,9 +148,16 @@ class EmulatedNetwork:
             kill_group(process)
         self.processes = []
         for ns in namespaces(self.prefix):
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout
+            for pid in pids.split():  # what is still in it: a rank whose start was cut short
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        for signum, handler in self._previous_handlers.items():
-            signal.signal(signum, handler)
+        if not _unwinding:  # while unwinding, further signals stay ignored to the end
+            for signum, handler in self._previous_handlers.items():
+                signal.signal(signum, handler)
         self._previous_handlers = {}
 
     def __exit__(self, kind: Optional[type], error: Optional[BaseException],
@@ -174,14 +182,27 @@ def kill_group(process: subprocess.Popen, grace_s: float = 5.0) -> None:
 
 
 UNWIND_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # kill, timeout, a scheduler; a closed terminal
+STOP_SIGNALS = (*UNWIND_SIGNALS, signal.SIGINT)  # and Ctrl-C
+_unwinding = False  # a stop signal arrived: this process is cleaning up on its way out
 
 
 def unwind(signum: int, frame: object) -> None:
     """A signal handler that unwinds this process as Ctrl-C does (``KeyboardInterrupt`` for SIGINT,
-    else ``SystemExit``), so ``finally`` blocks end ranks and remove namespaces. Further SIGTERM,
-    SIGHUP and SIGINT are ignored from then on: a second signal must not cut that clean-up short."""
-    for other in (*UNWIND_SIGNALS, signal.SIGINT):
+    else ``SystemExit``), so ``finally`` blocks end ranks and remove namespaces. Every stop signal
+    is ignored from then on: a second one must not cut that clean-up short."""
+    global _unwinding
+    _unwinding = True
+    for other in STOP_SIGNALS:
         signal.signal(other, signal.SIG_IGN)
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     raise SystemExit(128 + signum)
+
+
+def end_on_signals() -> None:
+    """Make every stop signal (SIGTERM: ``kill``, ``timeout``, a scheduler; SIGHUP: a closed
+    terminal; SIGINT) unwind this process (``unwind``), so ``launch.run_ranks`` ends the job's
+    ranks (they run in sessions of their own, which a signal to this process does not reach) and
+    the emulated network is removed, instead of leaving both; a second signal does not cut that short."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, unwind)

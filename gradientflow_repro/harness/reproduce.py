@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple, Optional, Sequence
+from typing import IO, Callable, NamedTuple, Optional, Sequence
 
 from gradientflow_repro import perfmodel
 from gradientflow_repro.comm import knobs
@@ -88,8 +88,11 @@ class Timeline:
 
 
 class CannotContinue(Exception):
-    """An unfinished reproduction in the runs directory cannot be continued by this launch; it is
-    left as it is (``fresh`` discards it)."""
+    """The runs directory holds a reproduction this launch may not touch: another plan's unfinished
+    one (left as it is; ``fresh`` discards it), or one another launch is working on right now."""
+
+
+MACHINE_KEYS = ("cpu", "cpu_count", "gpu", "python", "torch")  # of environment_facts(): what times the runs
 
 
 class Progress:
@@ -100,14 +103,20 @@ class Progress:
 
     A launch with the same plan continues an unfinished reproduction: finished jobs are kept, a job
     cut short runs again. A finished reproduction, or ``fresh``, starts over in an emptied directory.
-    An unfinished one of another plan is never discarded unasked: ``CannotContinue``."""
+    An unfinished one of another plan is never discarded unasked, and no two launches work in one
+    directory at once (a lock file beside it): ``CannotContinue``. Use as a context manager."""
 
     FILE = "progress.json"
 
     def __init__(self, runs_dir: Path, plan: dict, fresh: bool = False) -> None:
         self.file = runs_dir / self.FILE
         self.started = time.time()
-        state = None if fresh else self._earlier(plan)
+        self._lock = _lock_beside(runs_dir)
+        try:
+            state = None if fresh else self._earlier(plan)
+        except CannotContinue:
+            self._lock.close()
+            raise
         if state is None:
             self.file.unlink(missing_ok=True)  # first: a start-over cut short leaves no stale plan behind
             shutil.rmtree(runs_dir, ignore_errors=True)  # a reproduction is one set of runs
@@ -127,17 +136,18 @@ class Progress:
             state = json.loads(self.file.read_text())
             state["plan"], state["group"], state["done"], state["launches"]
         except (OSError, ValueError, KeyError, TypeError) as error:
-            raise CannotContinue(f"{self.file} cannot be read ({error})") from None
+            raise CannotContinue(f"{self.file} cannot be read ({error}); --fresh discards what is in "
+                                 f"{self.file.parent} and starts over") from None
         if state.get("finished"):
             return None  # finished: a new launch is a new reproduction
-        differing = sorted(key for key in {*plan, *state["plan"]} if plan.get(key) != state["plan"].get(key))
+        differing = _differences(state["plan"], plan)
         if differing:
             raise CannotContinue(f"the unfinished reproduction in {self.file.parent} was launched with another "
-                                 + ", ".join(f"{key} ({state['plan'].get(key)!r}, now {plan.get(key)!r})"
-                                             if key not in ("code", "machine") else key for key in differing))
+                                 f"{', '.join(differing)}: launch it as before to continue it, or add --fresh "
+                                 "to discard it and start over")
         if plan["code"] is None:
             raise CannotContinue(f"git cannot say which code this is, so the unfinished reproduction in "
-                                 f"{self.file.parent} cannot be continued")
+                                 f"{self.file.parent} cannot be continued: add --fresh to start over")
         return state
 
     def done(self, job: str) -> Optional[dict]:
@@ -156,21 +166,69 @@ class Progress:
 
     @property
     def elapsed_s(self) -> float:
-        """Seconds spent on this reproduction over all its launches, this one so far included."""
-        self.state["launches"][-1]["elapsed_s"] = time.time() - self.started
+        """Seconds spent on this reproduction over all its launches, this one until now."""
+        self._stamp()
         return sum(launch["elapsed_s"] for launch in self.state["launches"])
+
+    def _stamp(self) -> None:
+        self.state["launches"][-1]["elapsed_s"] = time.time() - self.started
+
+    def save(self) -> None:
+        self._stamp()
+        temporary = self.file.with_suffix(".tmp")
+        temporary.write_text(json.dumps(self.state, indent=1))
+        os.replace(temporary, self.file)  # whole or not at all, whenever the launch is stopped
 
     def __enter__(self) -> "Progress":
         return self
 
-    def __exit__(self, *exception: object) -> None:
-        self.save()  # this launch's time, however it ends
+    def __exit__(self, kind: Optional[type], error: Optional[BaseException], trace: object) -> None:
+        try:
+            self.save()  # this launch's time, however it ends
+            stopped = kind is not None and issubclass(kind, (KeyboardInterrupt, SystemExit))
+            if stopped and not self.state.get("finished"):
+                print(f"reproduce: stopped; {len(self.state['done'])} finished jobs are kept in "
+                      f"{self.file.parent}: run the same command again to continue", file=sys.stderr, flush=True)
+        finally:
+            self._lock.close()  # releases it
 
-    def save(self) -> None:
-        self.elapsed_s  # this launch's time so far, into the state
-        temporary = self.file.with_suffix(".tmp")
-        temporary.write_text(json.dumps(self.state, indent=1))
-        os.replace(temporary, self.file)  # whole or not at all, whenever the launch is stopped
+
+def _differences(before: dict, now: dict, prefix: str = "") -> list[str]:
+    """What differs between two plans, key by key (the code's versions shortened)."""
+    said = []
+    for key in sorted({*before, *now}):
+        old, new = before.get(key), now.get(key)
+        if old == new:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            said += _differences(old, new, f"{prefix}{key}.")
+        elif key == "code":
+            said.append(f"code ({str(old)[:12]}, now {str(new)[:12]}; uncommitted changes count)")
+        else:
+            said.append(f"{prefix}{key} ({old!r}, now {new!r})")
+    return said
+
+
+def _lock_beside(runs_dir: Path) -> IO[str]:
+    """An exclusive lock on a file beside ``runs_dir`` (not in it: a start-over empties it), held
+    while the returned file stays open; CannotContinue if another launch holds it."""
+    import fcntl
+
+    runs_dir.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(runs_dir.parent / f".{runs_dir.name}.lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise CannotContinue(f"another launch (pid {holder}) is working in {runs_dir} now: wait for it or "
+                             "stop it first") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
 
 
 class Job(NamedTuple):
@@ -197,13 +255,21 @@ def check_job(label: str, world: int, repeat: int) -> Job:
     return Job("check", f"{label} w{world}", f"check {label} w{world} r{repeat}")
 
 
-def check_plan(world: int, check_worlds: Sequence[int]) -> None:
-    """Refuse check world sizes that repeat or equal the ladder's (their runs would overwrite)."""
+DEFAULT_CHECK_WORLDS = (2,)  # the model's check at a second world size (short step-time runs)
+
+
+def check_worlds_for(world: int, check_worlds: Optional[Sequence[int]]) -> list[int]:
+    """The world sizes of the step-time runs: ``check_worlds`` as given, each once and never the
+    ladder's own (its step times come from the ladder's runs; a second set would replace them), or
+    by default ``DEFAULT_CHECK_WORLDS`` without the ladder's."""
+    if check_worlds is None:
+        return [other for other in DEFAULT_CHECK_WORLDS if other != world]
     if world in check_worlds or len(set(check_worlds)) != len(check_worlds):
         raise ValueError(f"check world sizes {list(check_worlds)}: each once, and not the ladder's world size {world}")
+    return list(check_worlds)
 
 
-def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: Sequence[int] = (2,),
+def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: Optional[Sequence[int]] = None,
               repeats: int = 3, rungs: Sequence[str] = tuple(knobs.COMPARED), rate_mbit: Optional[float] = None,
               emulate: bool = True, runs_dir: Path = RUNS_DIR, report: Path = REPORT, timeout_s: float = 600,
               check_steps: int = 24, check_repeats: int = 3, netbench_launches: int = 3,
@@ -213,7 +279,7 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: S
     configuration with ``seed=r`` (initial weights and data order). ``overrides``: Hydra overrides for
     every run; ``command``: how it was invoked, for the report. An unfinished reproduction of the same
     plan continues (``Progress``); one of another plan raises ``CannotContinue`` unless ``fresh``."""
-    check_plan(world, check_worlds)
+    check_worlds = check_worlds_for(world, check_worlds)
     rungs = list(rungs)
     checked = [label for label in rungs if label in knobs.LADDER]  # the model checks the speed ladder
     seeds = list(range(repeats))
@@ -223,7 +289,7 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: S
             "rungs": rungs, "rate_mbit": rate_mbit, "emulated": reason is None, "check_steps": check_steps,
             "check_repeats": check_repeats, "netbench_launches": netbench_launches,
             "overrides": list(overrides), "code": code_version(),
-            "machine": {key: value for key, value in machine.items() if key != "git_commit"}}
+            "machine": {key: machine[key] for key in MACHINE_KEYS}}
     with Progress(runs_dir, plan, fresh) as progress:  # saved however the launch ends
         group = progress.state["group"]  # one for all launches
         base = [f"+experiment={experiment}", "save_final_params=false", f"logger.group={group}",
@@ -264,6 +330,16 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: S
 
         gradients = [elements for elements, _, _ in calibration["profile"]["tensors"]]
 
+        def trained(job: Job, title: str, run_dir: Path, launch_ranks: Callable[[], None]) -> dict:
+            """``job``'s run in ``run_dir`` (``load_run``), trained by ``launch_ranks`` unless an
+            earlier launch finished it."""
+            if not begin(job, title, run_dir):
+                return load_run(run_dir)
+            launch_ranks()
+            run = load_run(run_dir)  # readable before it counts as done
+            progress.record(job.name)
+            return run
+
         def measured_network(other: int, net: Optional[netemu.EmulatedNetwork], out: Path) -> dict:
             if begin(netbench_job(other), f"network measurement at world size {other}", out):
                 progress.record(netbench_job(other).name, {
@@ -280,13 +356,12 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: S
                   f"{measured['latency_s'] * 1e6:.0f} us", flush=True)
             for index, seed in enumerate(seeds):  # (4) every configuration to the target, seed-major
                 for label in rungs:  # (so drift spreads over all of them)
-                    run_dir, run = runs_dir / label / f"seed{seed}", None
-                    if begin(train_job(label, seed), f"[{label}] seed {seed} ({index + 1} of {repeats})", run_dir):
-                        run_ranks(world, [*base, *ladder_overrides(label), f"seed={seed}", f"run_dir={run_dir}",
-                                          f"logger.name={label}"], run_dir, f"{label} s{seed}", net, timeout_s)
-                        run = load_run(run_dir)  # readable before it counts as done
-                        progress.record(train_job(label, seed).name)
-                    runs[label].append(run or load_run(run_dir))
+                    run_dir = runs_dir / label / f"seed{seed}"
+                    runs[label].append(trained(
+                        train_job(label, seed), f"[{label}] seed {seed} ({index + 1} of {repeats})", run_dir,
+                        lambda: run_ranks(world, [*base, *ladder_overrides(label), f"seed={seed}",
+                                                  f"run_dir={run_dir}", f"logger.name={label}"],
+                                          run_dir, f"{label} s{seed}", net, timeout_s)))
             checks[world] = {label: median_step(runs[label]) for label in checked}
         for other in check_worlds:  # (5) step times at other world sizes, on a network measured there
             with network(other, rate, reason) as net:
@@ -294,16 +369,14 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: S
                 short: dict[str, list[dict]] = {label: [] for label in checked}
                 for repeat in range(1, check_repeats + 1):  # repeat-major, as the ladder
                     for label in checked:
-                        run_dir, run = runs_dir / f"check-world{other}" / label / f"r{repeat}", None
-                        if begin(check_job(label, other, repeat), f"[{label}] step-time run {repeat}/"
-                                 f"{check_repeats} at world size {other}", run_dir):
-                            run_ranks(other, [*base, *ladder_overrides(label), f"run_dir={run_dir}",
-                                              f"max_steps={check_steps}", "comm.csc_warmup_epochs=0",
-                                              "logger=jsonl", "logger.log_every=4"],
-                                      run_dir, f"{label} w{other}", net, timeout_s, show=False)
-                            run = load_run(run_dir)
-                            progress.record(check_job(label, other, repeat).name)
-                        short[label].append(run or load_run(run_dir))
+                        run_dir = runs_dir / f"check-world{other}" / label / f"r{repeat}"
+                        short[label].append(trained(
+                            check_job(label, other, repeat),
+                            f"[{label}] step-time run {repeat}/{check_repeats} at world size {other}", run_dir,
+                            lambda: run_ranks(other, [*base, *ladder_overrides(label), f"run_dir={run_dir}",
+                                                      f"max_steps={check_steps}", "comm.csc_warmup_epochs=0",
+                                                      "logger=jsonl", "logger.log_every=4"],
+                                              run_dir, f"{label} w{other}", net, timeout_s, show=False)))
                 checks[other] = {label: median_step(short[label], skip_warmup=False) for label in checked}
         timeline.end()
 
