@@ -451,6 +451,16 @@ def test_progress_continues_only_the_same_unfinished_plan_and_discards_only_when
     assert kept(plan, fresh=True) == 0
 
 
+def test_check_world_sizes_default_to_2_unless_it_is_the_ladders_and_never_repeat() -> None:
+    from gradientflow_repro.harness.reproduce import check_worlds_for
+
+    assert check_worlds_for(4, None) == [2] and check_worlds_for(2, None) == []  # make reproduce NPROC=2
+    assert check_worlds_for(4, (3, 2)) == [3, 2] and check_worlds_for(4, ()) == []
+    for given in [(4,), (2, 2)]:
+        with pytest.raises(ValueError, match="each once, and not the ladder's world size 4"):
+            check_worlds_for(4, given)
+
+
 def test_a_reproduction_interrupted_at_any_job_continues_to_the_same_result(tmp_path: Path, monkeypatch) -> None:
     """Every job of a small plan (two world sizes checked), with launches and measurements faked:
     stopped at job k, the next launch runs job k and those after it, once each, and ends with the
