@@ -164,6 +164,12 @@ def test_csc_pool_parts_and_norms_as_the_communicator_sends_them() -> None:
     assert pm.Strategy.from_knobs("gf", full_stack).noise_sketch
     assert not pm.Strategy.from_knobs("gf", full_stack, lars=False).noise_sketch
     assert not pm.Strategy.from_knobs("gf", replace(full_stack, trust_noise_correction=False)).noise_sketch
+    # the report's model check asks the runs: Lars without weight decay adapts nothing, sends none
+    from gradientflow_repro.harness.runs import sends_trust_sketches
+    assert sends_trust_sketches({"config": {"optim": {"name": "lars", "weight_decay": 5e-4}}})
+    assert not sends_trust_sketches({"config": {"optim": {"name": "lars", "weight_decay": 0.0}}})
+    assert not sends_trust_sketches({"config": {"optim": {"name": "apex_larc", "weight_decay": 5e-4}}})
+    assert sends_trust_sketches({"summary": {}})  # configuration unknown: the default recipe's
     # parts are cut by the pool's rule: a small threshold gives one part per tensor in backward order
     parts = pm.messages(PROFILE, pm.Strategy("csc", fusion="bucket", bucket_bytes=1, density=0.1,
                                              chunk_elements=1000))

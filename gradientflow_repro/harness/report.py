@@ -9,8 +9,16 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from gradientflow_repro import perfmodel as pm
+from gradientflow_repro.comm import knobs
 from gradientflow_repro.harness.profile import profile_from_json
-from gradientflow_repro.harness.runs import epochs_to_target, evaluations, is_dense, run_knobs, run_warmup_epochs
+from gradientflow_repro.harness.runs import (
+    epochs_to_target,
+    evaluations,
+    is_dense,
+    run_knobs,
+    run_warmup_epochs,
+    sends_trust_sketches,
+)
 from gradientflow_repro.harness.scaling import paper_check, plot
 
 
@@ -264,13 +272,15 @@ def _network_table(network_by_world: dict[int, dict]) -> list[str]:
 
 
 def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
-                network_by_world: dict[int, dict]) -> list[str]:
+                network_by_world: dict[int, dict], lars: bool = True) -> list[str]:
     """Predicted vs measured step times. The measured single-process profile is scaled per world
     size so that its compute equals the allreduce run's (step - synchronize wait): on a shared CPU
     the ranks slow each other; that one factor is the only thing taken from the runs. The network
-    is the one measured at that world size."""
+    is the one measured at that world size; ``lars``: the runs' Lars adapted their weight layers
+    (``runs.sends_trust_sketches``)."""
     profile = profile_from_json(calibration["profile"])
-    strategies = {s.name: s for s in pm.LADDER}
+    strategies = {label: pm.Strategy.from_knobs(label, knobs.resolve(options), lars=lars)
+                  for label, options in knobs.LADDER.items()}
     lines = ["| world | strategy | measured step (ms) | predicted step (ms) | predicted comm exposed (ms) | error |",
              "|---|---|---|---|---|---|"]
     errors = []
@@ -437,6 +447,7 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
     network_by_world = network_by_world or {world: network}  # reproductions before per-world measurement
 
     figures = path.parent
+    figures.mkdir(parents=True, exist_ok=True)  # --report may name a new directory
     facts = machine
     machine_line = facts["gpu"] or f"{facts['cpu']}, {facts['cpu_count']} cores, no GPU"
     if network["emulated"]:
@@ -499,7 +510,8 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
         "Local work on the communication path, measured in the same process per "
         f"gradient element: CSC {calibration['profile'].get('sparsify_s_per_element', 0) * 1e9:.2f} ns, "
         f"fp16 wire {calibration['profile'].get('wire_cast_s_per_element', 0) * 1e9:.2f} ns (scaled like the "
-        "compute).", "", *model_check(checks, calibration, network_by_world), "",
+        "compute).", "", *model_check(checks, calibration, network_by_world,
+                                  sends_trust_sketches(next(iter(runs.values()))[0])), "",
         "## Scaling model against the paper", "", *paper_lines, "",
         "![speedup against GPU count](scaling.png)", "",
         "## Dashboards", "",

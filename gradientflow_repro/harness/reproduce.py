@@ -280,6 +280,7 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
     every run; ``command``: how it was invoked, for the report. An unfinished reproduction of the same
     plan continues (``Progress``); one of another plan raises ``CannotContinue`` unless ``fresh``."""
     check_worlds = check_worlds_for(world, check_worlds)
+    report.parent.mkdir(parents=True, exist_ok=True)  # fails now, not after the last run, if it cannot
     rungs = list(rungs)
     checked = [label for label in rungs if label in knobs.LADDER]  # the model checks the speed ladder
     seeds = list(range(repeats))

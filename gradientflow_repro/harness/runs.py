@@ -87,3 +87,12 @@ def median_step(repeats: list[dict], skip_warmup: bool = True) -> dict:
     steps = [steady_step(run, dense_warmup_epochs(run) if skip_warmup else 0.0) for run in repeats]
     return {**{key: statistics.median(step[key] for step in steps) for key in steps[0]},
             "step_s_each": [step["step_s"] for step in steps]}
+
+
+def sends_trust_sketches(run: dict) -> bool:
+    """Whether the run's optimizer is timm's Lars adapting its weight layers, so that CSC under
+    momentum correction sends their trust ratios' noise sketches (``comm/csc.py``, ``TrustNoise``):
+    Lars adapts a group only with weight decay (``optim.parameter_groups`` gives BatchNorm and
+    biases none). A run of unknown configuration counts as the default: Lars with weight decay."""
+    optim = (run.get("config") or {}).get("optim") or {}
+    return optim.get("name", "lars") == "lars" and float(optim.get("weight_decay", 1.0)) != 0
