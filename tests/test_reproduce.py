@@ -360,8 +360,8 @@ def test_short_comparison_interrupted_continues_and_writes_a_complete_report(tmp
 
     # launch 2, the same command: continues with the one job left; the finished ones are kept as they are
     second = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    result = subprocess.CompletedProcess(command, 0, *second.communicate(timeout=600))
-    result.returncode = second.returncode
+    stdout, stderr = second.communicate(timeout=600)
+    result = subprocess.CompletedProcess(command, second.returncode, stdout, stderr)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "continuing the interrupted reproduction" in result.stdout
     assert "3 of 4 jobs done before, kept" in result.stdout
