@@ -9,7 +9,7 @@ nodes x 2, 4 ranks as 2 x 2; then the largest dense strategy again at twice the 
 network-bound check). Needs root for the emulation (else loopback, and the report says so). The
 logic: gradientflow_repro/harness/bench_cluster.py.
 
-    python scripts/bench_cluster.py [--rate-mbit 100] [--steps 5] [--layouts 8x4 8x2 4x2]
+    python scripts/bench_cluster.py [--rate-mbit 100] [--steps 7] [--layouts 8x4 8x2 4x2] [--launches 3]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 
 from gradientflow_repro.harness import bench_cluster as bench
 from gradientflow_repro.harness.netemu import end_on_signals
+from gradientflow_repro.harness.progress import CannotContinue
 
 
 def layout(text: str) -> tuple[int, int]:
@@ -39,18 +40,29 @@ def main() -> None:
                         choices=list(bench.STRATEGY_LABELS))
     parser.add_argument("--steps", type=int, default=7, help="timed steps per strategy (after --warmup)")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--launches", type=int, default=bench.LAUNCHES,
+                        help="launches of every layout, in rounds: the tables give their median and each one")
     parser.add_argument("--experiment", default="digits_cpu", help="whose model's gradients")
     parser.add_argument("--no-emulation", action="store_true", help="loopback even as root")
     parser.add_argument("--no-check", action="store_true", help="skip the network-bound check at twice the rate")
-    parser.add_argument("--runs-dir", type=Path, default=bench.RUNS_DIR, help="the ranks' logs")
+    parser.add_argument("--runs-dir", type=Path, default=bench.RUNS_DIR,
+                        help="the ranks' logs and progress.json (an interrupted benchmark continues from it)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="discard an unfinished benchmark of another plan in --runs-dir and start over")
     parser.add_argument("--out", type=Path, default=bench.OUT_MD)
     parser.add_argument("--json", type=Path, default=bench.OUT_JSON)
     args = parser.parse_args()
     end_on_signals()
-    print(bench.bench_cluster(args.out, args.json, args.rate_mbit, args.layouts, args.strategies, args.steps,
-                              args.warmup, emulate=not args.no_emulation, check=not args.no_check,
-                              experiment=args.experiment, runs_dir=args.runs_dir,
-                              command=" ".join(["python scripts/bench_cluster.py", *sys.argv[1:]])))
+    try:
+        text = bench.bench_cluster(args.out, args.json, args.rate_mbit, args.layouts, args.strategies, args.steps,
+                                   args.warmup, emulate=not args.no_emulation, check=not args.no_check,
+                                   experiment=args.experiment, runs_dir=args.runs_dir,
+                                   command=" ".join(["python scripts/bench_cluster.py", *sys.argv[1:]]),
+                                   launches=args.launches, fresh=args.fresh)
+    except CannotContinue as error:
+        print(f"bench_cluster: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(text)
 
 
 if __name__ == "__main__":

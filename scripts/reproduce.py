@@ -23,6 +23,7 @@ from pathlib import Path
 from gradientflow_repro.comm.knobs import COMPARED
 from gradientflow_repro.harness import reproduce
 from gradientflow_repro.harness.netemu import end_on_signals
+from gradientflow_repro.harness.progress import CannotContinue
 
 
 def main() -> None:
@@ -68,7 +69,7 @@ def main() -> None:
             report=args.report, timeout_s=args.timeout_s, check_steps=args.check_steps,
             check_repeats=args.check_repeats, netbench_launches=args.netbench_launches, overrides=args.overrides,
             fresh=args.fresh, command="python scripts/reproduce.py " + " ".join(sys.argv[1:]))
-    except reproduce.CannotContinue as error:
+    except CannotContinue as error:
         print(f"reproduce: error: {error}", file=sys.stderr)
         sys.exit(2)
 

@@ -408,7 +408,7 @@ def test_short_comparison_interrupted_continues_and_writes_a_complete_report(tmp
 
 
 def test_progress_continues_only_the_same_unfinished_plan_and_discards_only_when_told(tmp_path: Path) -> None:
-    from gradientflow_repro.harness.reproduce import CannotContinue, Progress
+    from gradientflow_repro.harness.progress import CannotContinue, Progress
 
     def kept(plan: dict, runs: Path = tmp_path / "runs", fresh: bool = False, job: str = "") -> int:
         with Progress(runs, plan, fresh) as progress:
@@ -603,18 +603,18 @@ def test_the_report_names_falls_after_warmup_and_dense_disagreement() -> None:
 
 
 def test_the_timeline_counts_jobs_and_estimates_the_time_left(capsys: pytest.CaptureFixture, monkeypatch) -> None:
-    from gradientflow_repro.harness import reproduce
+    from gradientflow_repro.harness import progress
 
     now = [1000.0]
-    monkeypatch.setattr(reproduce.time, "time", lambda: now[0])
-    timeline = reproduce.Timeline([("train", "a"), ("train", "b"), ("train", "a"), ("check", "a w2")])
+    monkeypatch.setattr(progress.time, "time", lambda: now[0])
+    timeline = progress.Timeline([("train", "a"), ("train", "b"), ("train", "a"), ("check", "a w2")])
     timeline.begin("train", "a", "a seed 0")
     now[0] += 60  # a took a minute
     timeline.begin("train", "b", "b seed 0")
     now[0] += 20  # b took 20 s
     timeline.begin("train", "a", "a seed 1")
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == f"reproduce: [1/4] a seed 0 | 0s so far, about {reproduce.duration(2 * 30 + 30 + 12)} left"
+    assert lines[0] == f"reproduce: [1/4] a seed 0 | 0s so far, about {progress.duration(2 * 30 + 30 + 12)} left"
     # b: no b yet, so the trainings' mean (60 s); a: 60 s; the check: its guess (12 s)
     assert lines[1] == "reproduce: [2/4] b seed 0 | 1m00s so far, about 2m12s left"
     assert lines[2] == "reproduce: [3/4] a seed 1 | 1m20s so far, about 1m12s left"  # a as a took: 60 s

@@ -7,6 +7,7 @@
     netbench.py        the network as the ring and the backend see it (``python -m ...harness.netbench``)
     profile.py         a model's backward profile (measured, or from FLOPs) and local work per element
     runs.py            a finished run's summary and records, its steady step time
+    progress.py        a long job's progress lines and its finished jobs on disk: an interrupted launch continues
     reproduce.py       the paper's comparison: calibrate, choose the link rate, train the ladder, report
     report.py          results/REPORT.md from a reproduction's runs
     scaling.py         the scaling model for any setup; by default the paper's, against its 410.2x and 2.5x

@@ -13,7 +13,12 @@ Each layout (nodes x ranks per node) is one launch of the ranks into the emulate
 (``harness.netemu``: a namespace per node, ranks of a node on its loopback, one tbf-shaped uplink
 per node), and measures in the same launch the network as an analytic model needs it: per-message
 latency and bandwidth between node leaders (the uplink), inside a node, and over the flat ring of
-all ranks, and the backend's own allreduce by message size. Each rank runs this module:
+all ranks, and the backend's own allreduce by message size. Every layout is launched ``launches``
+times, in rounds (each round launches every layout once, so a drift of the shared host touches
+them alike): with 8 ranks on 2 cores a strategy's step moves between launches far more than
+within one (the two-level ``gradientflow`` of 2x4 measured 67-82 ms in six launches, most steps of
+each within 5 ms of its median), so one launch is a draw, and what is reported and set against the
+model is the median over the launches, each launch's figure beside it. Each rank runs this module:
 
     python -m gradientflow_repro.harness.bench_cluster OUT.json SPEC.json    # RANK, WORLD_SIZE, MASTER_* set
 
@@ -33,9 +38,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from gradientflow_repro.harness import REPO, netemu
-from gradientflow_repro.harness.cluster_check import markdown_lines, network_fields
+from gradientflow_repro.harness.cluster_check import launch_of, markdown_lines, network_fields, over_launches
 from gradientflow_repro.harness.launch import network, run_ranks
 from gradientflow_repro.harness.netbench import LARGE_BYTES, ring_figures, trimmed_mean
+from gradientflow_repro.harness.progress import MACHINE_KEYS, Progress, Timeline
 
 MODULE = ("-m", "gradientflow_repro.harness.bench_cluster")
 # The leaders' ring is timed again in segments of this size: with two nodes each step of 4 MiB
@@ -55,6 +61,9 @@ LAYOUTS: tuple[tuple[int, int], ...] = ((8, 4), (8, 2), (4, 2))
 RATE_MBIT = 100.0
 STRATEGY_LABELS = ("allreduce", "ring", "ring+fp16", "lazy", "csc", "gradientflow (flat)",
                    "gradientflow (hierarchical)", "ddp-style bucketed builtin", "ddp")
+# Launches of every layout (see the module's docstring): the median of 3 is the least that outvotes one
+# launch's draw; each round takes about 8 minutes here.
+LAUNCHES = 3
 RUNS_DIR = REPO / "results" / "runs" / "bench_cluster"
 OUT_MD, OUT_JSON = REPO / "results" / "cluster_comm.md", REPO / "results" / "cluster_comm.json"
 
@@ -398,10 +407,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 # ---------------------------------------------------------------------------------------- the driver
 def run_layout(world: int, ranks_per_node: int, rate_mbit: Optional[float], labels: Sequence[str],
                model: dict[str, Any], order: list[int], run_dir: Path, reason: Optional[str], steps: int = 5,
-               warmup: int = 1, measure: Optional[str] = "full", timeout_s: float = 600) -> dict[str, Any]:
-    """One launch of ``world`` ranks as nodes of ``ranks_per_node`` on uplinks of ``rate_mbit``
-    (loopback when ``reason`` says why the network cannot be emulated): the network (``measure``:
-    "full", "links" without the builtin table, or None) and the strategies ``labels``."""
+               warmup: int = 1, measure: Optional[str] = "full", timeout_s: float = 600,
+               launch: int = 1) -> dict[str, Any]:
+    """One launch (the ``launch``-th of this layout) of ``world`` ranks as nodes of ``ranks_per_node``
+    on uplinks of ``rate_mbit`` (loopback when ``reason`` says why the network cannot be emulated):
+    the network (``measure``: "full", "links" without the builtin table, or None) and the strategies
+    ``labels``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = {"model": model, "order": order, "ranks_per_node": ranks_per_node, "steps": steps, "warmup": warmup,
             "measure": measure, "strategies": [[label, strategy_options(label, ranks_per_node)] for label in labels]}
@@ -415,7 +426,7 @@ def run_layout(world: int, ranks_per_node: int, rate_mbit: Optional[float], labe
     measured = json.loads(out.read_text())
     facts = {"layout": name, "world": world, "nodes": world // ranks_per_node, "ranks_per_node": ranks_per_node,
              "rate_mbit": rate_mbit if reason is None else None, "shaped_payload_Bps": payload_Bps,
-             "burst_payload_bytes": burst}
+             "burst_payload_bytes": burst, "launch": launch}
     return {**facts, "network": measured["network"], "launch_s": time.time() - started,
             "rows": [{**facts, **row} for row in measured["rows"]]}
 
@@ -424,40 +435,73 @@ def bench_cluster(out_md: Path = OUT_MD, out_json: Path = OUT_JSON, rate_mbit: f
                   layouts: Sequence[tuple[int, int]] = LAYOUTS, labels: Sequence[str] = STRATEGY_LABELS,
                   steps: int = 5, warmup: int = 1, emulate: bool = True, check: bool = True,
                   experiment: str = "digits_cpu", runs_dir: Path = RUNS_DIR, measure: Optional[str] = "full",
-                  command: str = "python scripts/bench_cluster.py") -> str:
-    """Every layout, then the network-bound check (the dense fp32 strategies of the first layout
-    again at twice the rate and unshaped); writes ``out_json`` (raw rows) and ``out_md``; returns
-    the Markdown."""
+                  command: str = "python scripts/bench_cluster.py", launches: int = LAUNCHES,
+                  fresh: bool = False) -> str:
+    """Every layout ``launches`` times, in rounds, and after the first round the network-bound check
+    (the dense fp32 strategies of the first layout again at twice the rate and unshaped); writes
+    ``out_json`` (raw rows, each with its launch) and ``out_md``; returns the Markdown. Each finished
+    launch is saved as it ends (``progress.Progress`` in ``runs_dir``): run again with the same plan
+    (these options, the code, the machine), an interrupted benchmark keeps them and goes on; another
+    plan raises ``CannotContinue`` unless ``fresh``."""
+    from gradientflow_repro.harness import code_version
     from gradientflow_repro.tracking import environment_facts
 
-    started = time.time()
+    if launches < 1:
+        raise ValueError(f"--launches {launches}: must be at least 1")
     reason = netemu.why_unavailable() if emulate else "disabled by --no-emulation"
-    model = model_spec(experiment)
-    order = backward_order(model)
-    params = [p for p in build(model).parameters() if p.requires_grad]
-    tensors = [[params[i].numel(), params[i].dim() <= 1] for i in order]
-    model = {**model, "tensors_in_backward_order": tensors, "parameters": sum(t[0] for t in tensors)}
-    print(f"bench_cluster: {model['name']} ({model['parameters'] / 1e6:.2f}M parameters, {len(tensors)} tensors); "
-          f"network: {'emulated, uplinks %g Mbit/s' % rate_mbit if reason is None else 'loopback (' + reason + ')'}",
-          flush=True)
-    results = []
-    for world, per_node in layouts:
-        print(f"bench_cluster: {world // per_node} nodes x {per_node} ranks ({time.time() - started:.0f}s elapsed)",
-              flush=True)
-        results.append(run_layout(world, per_node, rate_mbit, labels, model, order,
-                                  runs_dir / f"{world // per_node}x{per_node}", reason, steps, warmup, measure))
-    rate_check = None
-    if check and reason is None:
-        rate_check = network_bound_check(results[0], model, order, runs_dir / "rate_check", steps, warmup)
-    facts = {"machine": environment_facts(), "command": command, "elapsed_s": time.time() - started,
-             "emulated": reason is None, "why_not": reason, "rate_mbit": rate_mbit if reason is None else None,
-             "steps": steps, "warmup": warmup, "model": model, "rate_check": rate_check,
-             "layouts": [{k: v for k, v in r.items() if k != "rows"} for r in results],
-             "rows": [row for r in results for row in r["rows"]]}
-    out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(facts, indent=1))
-    text = markdown(facts)
-    out_md.write_text(text)
+    machine = environment_facts()
+    plan = {"layouts": [list(layout) for layout in layouts], "launches": launches, "strategies": list(labels),
+            "steps": steps, "warmup": warmup, "rate_mbit": rate_mbit, "emulated": reason is None, "check": check,
+            "experiment": experiment, "measure": measure, "code": code_version(),
+            "machine": {key: machine[key] for key in MACHINE_KEYS}}
+    with Progress(runs_dir, plan, fresh, name="bench_cluster", what="cluster benchmark") as progress:
+        model = model_spec(experiment)
+        order = backward_order(model)
+        params = [p for p in build(model).parameters() if p.requires_grad]
+        tensors = [[params[i].numel(), params[i].dim() <= 1] for i in order]
+        model = {**model, "tensors_in_backward_order": tensors, "parameters": sum(t[0] for t in tensors)}
+        kept = f"; continuing: {progress.kept} finished launch(es) kept" if progress.kept else ""
+        print(f"bench_cluster: {model['name']} ({model['parameters'] / 1e6:.2f}M parameters, {len(tensors)} tensors); "
+              f"network: {'emulated, uplinks %g Mbit/s' % rate_mbit if reason is None else 'loopback (' + reason + ')'}"
+              f"{kept}", flush=True)
+        jobs = [(launch, world, per_node) for launch in range(1, launches + 1) for world, per_node in layouts]
+        checked = check and reason is None
+        planned = [(f"{w // n}x{n} launch{k}", "launch", f"{w // n}x{n}") for k, w, n in jobs]  # name, kind, key
+        if checked:
+            planned.insert(len(layouts), ("rate check", "check", "rate"))  # after the first round
+        timeline = Timeline([(kind, key) for name, kind, key in planned if progress.done(name) is None],
+                            name="bench_cluster", guess_s={"launch": 200.0, "check": 150.0})
+        results, rate_check = [], None
+        for index, (launch, world, per_node) in enumerate(jobs):
+            name = f"{world // per_node}x{per_node}"
+            job = f"{name} launch{launch}"
+            result = progress.done(job)
+            if result is None:
+                timeline.begin("launch", name, f"launch {launch}/{launches} of {world // per_node} nodes x "
+                               f"{per_node} ranks")
+                result = run_layout(world, per_node, rate_mbit, labels, model, order,
+                                    runs_dir / name / f"launch{launch}", reason, steps, warmup, measure, launch=launch)
+                progress.record(job, result)
+            results.append(result)
+            if index + 1 == len(layouts) and checked:  # after the first round
+                rate_check = progress.done("rate check")
+                if rate_check is None:
+                    timeline.begin("check", "rate", f"network-bound check on {results[0]['layout']} "
+                                   "(twice the rate, and unshaped)")
+                    rate_check = network_bound_check(results[0], model, order, runs_dir / "rate_check", steps, warmup)
+                    progress.record("rate check", rate_check)
+        timeline.end()
+        facts = {"machine": machine, "command": command, "elapsed_s": progress.elapsed_s,
+                 "invocations": len(progress.state["launches"]),
+                 "emulated": reason is None, "why_not": reason, "rate_mbit": rate_mbit if reason is None else None,
+                 "steps": steps, "warmup": warmup, "launches": launches, "model": model, "rate_check": rate_check,
+                 "layouts": [{k: v for k, v in r.items() if k != "rows"} for r in results],
+                 "rows": [row for r in results for row in r["rows"]]}
+        out_json.parent.mkdir(parents=True, exist_ok=True)
+        out_json.write_text(json.dumps(facts, indent=1))
+        text = markdown(facts)
+        out_md.write_text(text)
+        progress.finish()
     print(f"bench_cluster: wrote {out_md} and {out_json} in {facts['elapsed_s']:.0f}s", flush=True)
     return text
 
@@ -509,7 +553,7 @@ def _size(nbytes: float) -> str:
 
 def markdown(facts: dict[str, Any]) -> str:
     """results/cluster_comm.md from the facts ``bench_cluster`` writes as JSON."""
-    machine, model = facts["machine"], facts["model"]
+    machine, model, launches = facts["machine"], facts["model"], facts.get("launches", 1)
     where = (f"emulated cluster (`harness.netemu`): a network namespace per node, its ranks on the node's "
              f"loopback (unshaped), one uplink per node shaped by `tc tbf` to {facts['rate_mbit']:g} Mbit/s"
              if facts["emulated"] else f"loopback, not emulated ({facts['why_not']})")
@@ -517,15 +561,20 @@ def markdown(facts: dict[str, Any]) -> str:
         "# Communication alone on an emulated cluster", "",
         f"Machine: {machine['cpu']}, {machine['cpu_count']} cores, no GPU; torch {machine['torch']}, commit "
         f"{machine['git_commit']}. Network: {where}.",
-        f"Command: `{facts['command']}` ({facts['elapsed_s']:.0f} s).", "",
+        f"Command: `{facts['command']}` ({facts['elapsed_s']:.0f} s"
+        + (f", in {facts['invocations']} invocations: interrupted, then continued" if facts.get("invocations", 1) > 1
+           else "") + ").", "",
         f"Gradients: `{model['name']}` of the `{model['experiment']}` experiment (width {model['width']}, "
         f"{model['image_size']} px, {model['num_classes']} classes): {model['parameters'] / 1e6:.2f}M parameters "
         f"in {len(model['tensors_in_backward_order'])} tensors, {model['parameters'] * 4 / 2**20:.1f} MiB in fp32. "
         "Each rank replays backward without computing: every parameter gets a fixed random gradient in the "
         "order a real backward completes them, with nothing in between, so the communicators' hooks (and "
         "DDP's) fire as in training; then `synchronize()`. Communication time: backward start to the end "
-        "of `synchronize()` on the slowest rank, median (min-max) of "
-        f"{facts['steps']} steps after {facts['warmup']} warm-up. CSC and gradientflow are in their sparse "
+        f"of `synchronize()` on the slowest rank; each launch's figure is the median of {facts['steps']} steps "
+        f"after {facts['warmup']} warm-up, and every layout was launched {launches} time(s), in rounds (each "
+        "round launches every layout once): the tables give the median of the launches' figures, the range of "
+        "all steps, and each launch's figure (with 8 ranks on 2 cores a step moves between launches more than "
+        "within one). CSC and gradientflow are in their sparse "
         "phase (density 0.1). Bytes and collectives: rank 0's per step (a node leader; builtin collectives "
         "count the ring-equivalent 2(N-1)/N of the payload). The raw rows and the measured networks, "
         "for an analytic model: `results/cluster_comm.json` (`layouts[].network.model_network` holds "
@@ -555,7 +604,7 @@ def markdown(facts: dict[str, Any]) -> str:
         lines.append("")
     elif facts["emulated"]:
         lines += ["## Network-bound check", "", "Not run (--no-check).", ""]
-    lines += ["## Network per layout (measured in the same launch)", "",
+    lines += ["## Network per layout and launch", "",
               "Rings of one element per rank (latency) and of 8 MiB (bandwidth), in 4 MiB segments (our "
               "ring's default) and, between leaders, also in 1 MiB segments (see `SEGMENT_BYTES` in "
               "`harness/bench_cluster.py`); a ring of two ranks, as the leaders' of 2 nodes, cuts both to "
@@ -564,7 +613,7 @@ def markdown(facts: dict[str, Any]) -> str:
               "of the rings whose flows cross each uplink once each way, the flat ring and the leaders' (contention "
               "on a shared host slows a ring by an amount that changes between launches), at most the shaped rate "
               "(`harness/cluster_check.py`).", "",
-              "| layout | uplink payload rate | leaders: latency, bandwidth (1 MiB segments) "
+              "| layout, launch | uplink payload rate | leaders: latency, bandwidth (1 MiB segments) "
               "| inside a node: latency, bandwidth | flat ring of all ranks: latency, bandwidth "
               "| one-value MAX allreduce (the fp16 scale) |",
               "|---|---|---|---|---|---|"]
@@ -580,43 +629,56 @@ def markdown(facts: dict[str, Any]) -> str:
         net = layout["network"] or {}
         rate = f"{layout['shaped_payload_Bps'] / 1e6:.1f} MB/s" if layout["shaped_payload_Bps"] else "unshaped"
         tiny = f"{net['tiny_allreduce_s'] * 1e6:.0f} us" if net.get("tiny_allreduce_s") else "-"
-        lines.append(f"| {layout['layout']} ({layout['world']} ranks) | {rate} | {ring(net.get('leaders'))} "
+        lines.append(f"| {layout['layout']} ({layout['world']} ranks), {launch_of(layout)} | {rate} "
+                     f"| {ring(net.get('leaders'))} "
                      f"| {ring(net.get('intra'))} | {ring(net.get('flat'))} | {tiny} |")
     lines.append("")
-    tables = [layout for layout in facts["layouts"] if (layout["network"] or {}).get("builtin_cost_by_size")]
-    if tables:
-        lines += ["Builtin (gloo) allreduce by size, seconds per call back to back:", "",
-                  "| size | " + " | ".join(t["layout"] for t in tables) + " |",
-                  "|---|" + "---|" * len(tables)]
-        for i, (size, _) in enumerate(tables[0]["network"]["builtin_cost_by_size"]):
-            lines.append(f"| {_size(size)} | " + " | ".join(
-                f"{t['network']['builtin_cost_by_size'][i][1] * 1e3:.2f} ms" for t in tables) + " |")
-        lines.append("")
+    tables: dict[str, list[list[list[float]]]] = {}  # layout -> each launch's [size, seconds] pairs
     for layout in facts["layouts"]:
-        rows = [r for r in facts["rows"] if r["layout"] == layout["layout"] and r["world"] == layout["world"]]
-        base = next((r for r in rows if r["strategy"] == "allreduce" and r["error"] is None), None)
+        table = (layout["network"] or {}).get("builtin_cost_by_size")
+        if table:
+            tables.setdefault(layout["layout"], []).append(table)
+    if tables:
+        lines += ["Builtin (gloo) allreduce by size, seconds per call back to back (median over the launches; each "
+                  "launch's model uses its own table):", "",
+                  "| size | " + " | ".join(tables) + " |", "|---|" + "---|" * len(tables)]
+        first = next(iter(tables.values()))[0]
+        for i, (size, _) in enumerate(first):
+            lines.append(f"| {_size(size)} | " + " | ".join(
+                f"{statistics.median(table[i][1] for table in each) * 1e3:.2f} ms" for each in tables.values()) + " |")
+        lines.append("")
+    rows_of_every_launch = over_launches(facts["rows"])
+    for layout in facts["layouts"]:
+        if launch_of(layout) != 1:
+            continue
+        rows = [r for r in rows_of_every_launch if r["layout"] == layout["layout"] and r["world"] == layout["world"]]
+        base = next((r for r in rows if r["strategy"] == "allreduce" and "comm_s_launches" in r), None)
         lines += [f"## {layout['nodes']} nodes x {layout['ranks_per_node']} ranks ({layout['world']} ranks)", "",
-                  "| strategy | comm s/step: median (min-max) | vs allreduce | MiB sent/step | collectives/step |",
-                  "|---|---|---|---|---|"]
+                  "| strategy | comm s/step: median (min-max) | each launch | vs allreduce | MiB sent/step "
+                  "| collectives/step |", "|---|---|---|---|---|---|"]
         for r in rows:
-            if r["error"]:
-                lines.append(f"| {r['strategy']} | failed: {r['error'][:200]} | | | |")
+            if "comm_s_launches" not in r:
+                lines.append(f"| {r['strategy']} | failed: {r['error'][:200]} | | | | |")
                 continue
             versus = f"{base['comm_s_median'] / r['comm_s_median']:.2f}x" if base else "-"
+            failed = f" (failed in launch {', '.join(map(str, r['failed_launches']))})" if r["failed_launches"] else ""
             lines.append(f"| {r['strategy']} | {r['comm_s_median']:.3f} ({r['comm_s_min']:.3f}-{r['comm_s_max']:.3f}) "
-                         f"| {versus} | {r['bytes_per_step'] / 2**20:.2f} | {r['collectives_per_step']:.0f} |")
+                         f"| {', '.join(f'{s:.3f}' for s in r['comm_s_launches'])}{failed} | {versus} "
+                         f"| {r['bytes_per_step'] / 2**20:.2f} | {r['collectives_per_step']:.0f} |")
         lines.append("")
     if facts["emulated"]:
+        names = list(dict.fromkeys(layout["layout"] for layout in facts["layouts"]))
         lines += ["## The scaling model against these measurements", "",
                   "`gradientflow_repro/perfmodel.py` fed with each layout's measured network "
                   "(`harness/cluster_check.py` says how; nothing fitted to the step times). Our algorithms send "
                   "messages up to this network's "
                   "switch-over between recursive doubling and the ring (`comm.small_message_kb`, from the model "
                   "on the figures measured at the start of each launch: " + ", ".join(
-                      f"{layout['layout']} {_switch_over_note(facts, layout['layout'])}" for layout in facts["layouts"])
+                      f"{name} {_switch_over_note(facts, name)}" for name in names)
                   + "). CSC's and the fp16 wire's local work per element, measured in each launch as a step does "
-                  "it (every rank at once on the shared cores, the slowest rank's time): " + ", ".join(
-                      f"{layout['layout']} {_local_work_note(layout)}" for layout in facts["layouts"])
+                  "it (every rank at once on the shared cores, the slowest rank's time), launch by launch: "
+                  + "; ".join(f"{name} " + ", ".join(_local_work_note(layout) for layout in facts["layouts"]
+                                                   if layout["layout"] == name) for name in names)
                   + ". Each emulated uplink also passes a burst at once after it has idled (tbf's bucket, "
                   f"{netemu.BURST_BYTES >> 10} KiB: {_burst_ms(facts)} of the uplink's time), which the model "
                   "spends and refills (`perfmodel.Network.burst_bytes`).", "",
@@ -628,7 +690,7 @@ def _local_work_note(layout: dict[str, Any]) -> str:
     work = (layout["network"] or {}).get("local_work_in_step")
     if not work:
         return "not measured"
-    return (f"{work['sparsify_s_per_element'] * 1e9:.1f} and {work['wire_cast_s_per_element'] * 1e9:.1f} ns")
+    return f"{work['sparsify_s_per_element'] * 1e9:.1f} and {work['wire_cast_s_per_element'] * 1e9:.1f} ns"
 
 
 def _burst_ms(facts: dict[str, Any]) -> str:

@@ -443,7 +443,7 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
                  machine: dict, network_by_world: Optional[dict[int, dict]] = None, check_repeats: int = 1,
                  launches: Optional[list[dict]] = None) -> None:
     """Writes ``path`` and its figures beside it. ``machine``: environment_facts() of the run;
-    ``launches``: the reproduction's launches (``reproduce.Progress``), when it was interrupted and continued."""
+    ``launches``: the reproduction's launches (``progress.Progress``), when it was interrupted and continued."""
     network_by_world = network_by_world or {world: network}  # reproductions before per-world measurement
 
     figures = path.parent
