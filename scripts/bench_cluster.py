@@ -6,8 +6,10 @@ tbf-shaped uplink per node), every strategy replaying a model's real gradients i
 with no computation, so the network is the limit: the numbers an analytic scaling model is checked
 against, with the network measured in the same launches. Layouts: 8 ranks as 2 nodes x 4 and 4
 nodes x 2, 4 ranks as 2 x 2; then the largest dense strategy again at twice the rate (the
-network-bound check). Needs root for the emulation (else loopback, and the report says so). The
-logic: gradientflow_repro/harness/bench_cluster.py.
+network-bound check, after the first round). Every layout is launched 3 times in rounds
+(--launches): the tables give the median over the launches and each launch's figure. Stopped, the
+same command continues from the finished launches (--fresh discards them). Needs root for the
+emulation (else loopback, and the report says so). The logic: gradientflow_repro/harness/bench_cluster.py.
 
     python scripts/bench_cluster.py [--rate-mbit 100] [--steps 7] [--layouts 8x4 8x2 4x2] [--launches 3]
 """
@@ -31,6 +33,13 @@ def layout(text: str) -> tuple[int, int]:
     return world, per_node
 
 
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be at least 1")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate-mbit", type=float, default=bench.RATE_MBIT, help="per node uplink")
@@ -40,7 +49,7 @@ def main() -> None:
                         choices=list(bench.STRATEGY_LABELS))
     parser.add_argument("--steps", type=int, default=7, help="timed steps per strategy (after --warmup)")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--launches", type=int, default=bench.LAUNCHES,
+    parser.add_argument("--launches", type=positive, default=bench.LAUNCHES,
                         help="launches of every layout, in rounds: the tables give their median and each one")
     parser.add_argument("--experiment", default="digits_cpu", help="whose model's gradients")
     parser.add_argument("--no-emulation", action="store_true", help="loopback even as root")
@@ -52,6 +61,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=bench.OUT_MD)
     parser.add_argument("--json", type=Path, default=bench.OUT_JSON)
     args = parser.parse_args()
+    if len(set(args.layouts)) != len(args.layouts):
+        parser.error(f"--layouts: each layout once ({' '.join(f'{w}x{n}' for w, n in args.layouts)})")
     end_on_signals()
     try:
         text = bench.bench_cluster(args.out, args.json, args.rate_mbit, args.layouts, args.strategies, args.steps,

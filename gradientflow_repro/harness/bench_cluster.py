@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -460,7 +461,7 @@ def bench_cluster(out_md: Path = OUT_MD, out_json: Path = OUT_JSON, rate_mbit: f
         params = [p for p in build(model).parameters() if p.requires_grad]
         tensors = [[params[i].numel(), params[i].dim() <= 1] for i in order]
         model = {**model, "tensors_in_backward_order": tensors, "parameters": sum(t[0] for t in tensors)}
-        kept = f"; continuing: {progress.kept} finished launch(es) kept" if progress.kept else ""
+        kept = f"; continuing: {progress.kept} finished job(s) kept" if progress.kept else ""
         print(f"bench_cluster: {model['name']} ({model['parameters'] / 1e6:.2f}M parameters, {len(tensors)} tensors); "
               f"network: {'emulated, uplinks %g Mbit/s' % rate_mbit if reason is None else 'loopback (' + reason + ')'}"
               f"{kept}", flush=True)
@@ -479,8 +480,10 @@ def bench_cluster(out_md: Path = OUT_MD, out_json: Path = OUT_JSON, rate_mbit: f
             if result is None:
                 timeline.begin("launch", name, f"launch {launch}/{launches} of {world // per_node} nodes x "
                                f"{per_node} ranks")
-                result = run_layout(world, per_node, rate_mbit, labels, model, order,
-                                    runs_dir / name / f"launch{launch}", reason, steps, warmup, measure, launch=launch)
+                run_dir = runs_dir / name / f"launch{launch}"
+                shutil.rmtree(run_dir, ignore_errors=True)  # a launch cut short left its logs: start clean
+                result = run_layout(world, per_node, rate_mbit, labels, model, order, run_dir, reason, steps, warmup,
+                                    measure, launch=launch)
                 progress.record(job, result)
             results.append(result)
             if index + 1 == len(layouts) and checked:  # after the first round
@@ -488,8 +491,13 @@ def bench_cluster(out_md: Path = OUT_MD, out_json: Path = OUT_JSON, rate_mbit: f
                 if rate_check is None:
                     timeline.begin("check", "rate", f"network-bound check on {results[0]['layout']} "
                                    "(twice the rate, and unshaped)")
-                    rate_check = network_bound_check(results[0], model, order, runs_dir / "rate_check", steps, warmup)
-                    progress.record("rate check", rate_check)
+                    try:
+                        rate_check = network_bound_check(results[0], model, order, runs_dir / "rate_check", steps,
+                                                         warmup)
+                        progress.record("rate check", rate_check)
+                    except RuntimeError as error:  # said in the report; the rounds go on (not kept: tried again)
+                        rate_check = {"layout": results[0]["layout"], "error": str(error)}
+                        print(f"bench_cluster: {error}", flush=True)
         timeline.end()
         facts = {"machine": machine, "command": command, "elapsed_s": progress.elapsed_s,
                  "invocations": len(progress.state["launches"]),
@@ -580,11 +588,13 @@ def markdown(facts: dict[str, Any]) -> str:
         "for an analytic model: `results/cluster_comm.json` (`layouts[].network.model_network` holds "
         "`perfmodel.Network`'s fields).", ""]
     check = facts.get("rate_check")
-    if check:
+    if check and check.get("error"):
+        lines += ["## Network-bound check", "", f"Failed on layout {check['layout']}: {check['error']}", ""]
+    elif check:
         bandwidth = check["leader_bandwidth_Bps"]
         lines += [
             "## Network-bound check", "",
-            f"The largest dense strategy of layout {check['layout']} (`{check['strategy']}`, fp32, "
+            f"The largest dense strategy of layout {check['layout']} (its first launch; `{check['strategy']}`, fp32, "
             f"{check['bytes_per_step'] / 2**20:.2f} MiB/step) takes {check['comm_s']:.3f} s/step at "
             f"{check['rate_mbit']:g} Mbit/s per uplink and {check['double_comm_s']:.3f} s at "
             f"{check['double_rate_mbit']:g} Mbit/s: {check['speedup']:.2f}x faster (2x if purely "

@@ -138,8 +138,10 @@ def predictions(facts: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _percents(values: list[float]) -> str:
-    return ", ".join(f"{value * 100:+.0f}%" for value in values)
+def _each_launch(launches: int, figures: dict[int, float], form: str, suffix: str = "") -> str:
+    """One figure per launch, in launch order; "-" where the strategy failed or was not modelled."""
+    return ", ".join(format(figures[launch], form) + suffix if launch in figures else "-"
+                     for launch in range(1, launches + 1))
 
 
 def markdown_lines(facts: dict[str, Any]) -> list[str]:
@@ -153,7 +155,7 @@ def markdown_lines(facts: dict[str, Any]) -> list[str]:
     for row in rows:
         lines.append(f"| {row['layout']} | {row['strategy']} | {row['comm_s_median'] * 1e3:.1f} "
                      f"| {row['predicted_s'] * 1e3:.1f} | {row['error'] * 100:+.0f}% "
-                     f"| {_percents(row['error_launches'])} |")
+                     f"| {_each_launch(launches, dict(zip(row['launches'], row['error_launches'])), '+.0%')} |")
     unmodelled = sorted({layout["layout"] for layout in facts["layouts"]
                          if not (layout["network"] or {}).get("local_work_in_step")})
     if unmodelled:
@@ -174,11 +176,11 @@ def markdown_lines(facts: dict[str, Any]) -> list[str]:
         if full and ddp:
             ratio = full["comm_s_median"] / ddp["comm_s_median"]
             ddp_by_launch = dict(zip(ddp["launches"], ddp["comm_s_launches"]))
-            ratios = [seconds / ddp_by_launch[launch] for launch, seconds
-                      in zip(full["launches"], full["comm_s_launches"]) if launch in ddp_by_launch]
+            ratios = {launch: seconds / ddp_by_launch[launch] for launch, seconds
+                      in zip(full["launches"], full["comm_s_launches"]) if launch in ddp_by_launch}
             lines.append(f"- {layout}: `gradientflow` (hierarchical) communicates {ratio:.2f}x as long as "
                          f"DDP-style bucketed builtin allreduce ({full['comm_s_median'] * 1e3:.0f} against "
                          f"{ddp['comm_s_median'] * 1e3:.0f} ms per step, medians; side by side in each launch: "
-                         f"{', '.join(f'{r:.2f}x' for r in ratios)}). Goal at "
+                         f"{_each_launch(launches, ratios, '.2f', 'x')}). Goal at "
                          f"most {GOAL_RATIO}x: {'met' if ratio <= GOAL_RATIO else 'NOT met'}.")
     return lines
