@@ -605,7 +605,10 @@ def markdown(facts: dict[str, Any]) -> str:
             f"bandwidth (1 MiB segments) in the same launches: " + ", ".join(
                 f"{name} {value / 1e6:.1f} MB/s" for name, value in
                 (("at the rate", bandwidth["rate"]), ("at twice the rate", bandwidth["double"]),
-                 ("unshaped", bandwidth["unshaped"])) if value) + ".", "",
+                 ("unshaped", bandwidth["unshaped"])) if value) + "."
+            + ("" if check["network_bound"] else " On this machine the CPU and per-message costs weigh too much at "
+               "this rate for the model check to be one of the network: run again with a lower `--rate-mbit` (the "
+               "dense strategies then take longer)."), "",
             f"Every dense fp32 strategy of layout {check['layout']}:", "",
             f"| strategy | at {check['rate_mbit']:g} Mbit/s | at {check['double_rate_mbit']:g} Mbit/s | speed-up "
             "| unshaped | unshaped / at the rate |", "|---|---|---|---|---|---|"]
