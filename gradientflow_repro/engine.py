@@ -54,6 +54,9 @@ class Trainer:
         self.train_model = self.comm.attach(self.model, self.optimizer)
         self._print(f"communication: {cfg.comm.strategy}, {self.comm.summing}")
         self.precision = Precision(cfg.precision, device)
+        if self.precision.emulated_bf16:
+            self._print("warning: precision=bf16 on a CPU without native bf16 (no AVX-512 BF16 or AMX): oneDNN "
+                        "emulates it, so each step takes many times its fp32 time; precision=fp32 is faster here")
         self.criterion = nn.CrossEntropyLoss()
         self.model.train()
         self.progress = Progress()

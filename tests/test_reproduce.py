@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from gradientflow_repro import perfmodel as pm
 from gradientflow_repro.comm import knobs
@@ -718,3 +719,20 @@ def test_the_convergence_study_runs_whole_schedules_and_continues_where_it_stopp
     command[command.index("--targets") - 1] += " comm.release_cap=2"  # nomc changed: trained again
     changed = study()
     assert "1 of 2 runs kept from before" in changed and "[1/1] [nomc] seed 0" in changed
+
+
+def test_a_cpu_that_emulates_bf16_trains_the_comparison_in_fp32(monkeypatch) -> None:
+    from gradientflow_repro import precision
+    from gradientflow_repro.harness.reproduce import machine_overrides
+
+    monkeypatch.setattr(precision, "native_bf16", lambda device: False)
+    assert machine_overrides("digits_cpu") == ["precision=fp32"]  # digits_cpu: bf16 autocast on the CPU
+    assert machine_overrides("digits_cpu", ["model.width=0.125"]) == ["precision=fp32"]
+    assert machine_overrides("digits_cpu", ["precision=bf16"]) == []  # asked for by name: kept
+    assert machine_overrides("digits_cpu", ["precision.dtype=bf16"]) == []
+    assert machine_overrides("digits_cpu", ["device=cuda"]) == []  # not on this CPU
+    assert not precision.Precision(precision.PrecisionConfig(dtype="fp32"), torch.device("cpu")).emulated_bf16
+    assert precision.Precision(precision.PrecisionConfig(dtype="bf16"), torch.device("cpu")).emulated_bf16
+    monkeypatch.setattr(precision, "native_bf16", lambda device: True)
+    assert machine_overrides("digits_cpu") == []
+    assert not precision.Precision(precision.PrecisionConfig(dtype="bf16"), torch.device("cpu")).emulated_bf16

@@ -32,7 +32,7 @@ from gradientflow_repro.harness import REPO, code_version
 from gradientflow_repro.harness.launch import run_ranks
 from gradientflow_repro.harness.progress import Timeline
 from gradientflow_repro.harness.report import density_label, falls, falls_after_warmup, plot_top1, run_seed, spread
-from gradientflow_repro.harness.reproduce import EXPERIMENT_OVERRIDES, ladder_overrides
+from gradientflow_repro.harness.reproduce import EXPERIMENT_OVERRIDES, ladder_overrides, machine_overrides
 from gradientflow_repro.harness.runs import evaluations, is_dense, load_run, run_warmup_epochs
 from gradientflow_repro.tracking import duration, environment_facts
 
@@ -126,6 +126,10 @@ def study(*, configs: dict[str, list[str]], experiment: str = "digits_cpu", worl
         raise ValueError(f"experiment {experiment!r} sets no target_top1: give --targets")
     if fresh:
         shutil.rmtree(runs_dir, ignore_errors=True)
+    adapted = machine_overrides(experiment, [*EXPERIMENT_OVERRIDES.get(experiment, []), *overrides])
+    if adapted:  # as make reproduce does: bf16 emulated by this CPU would take many times as long
+        print(f"convergence: this CPU emulates bf16: every run trains with {' '.join(adapted)}", flush=True)
+    overrides = [*adapted, *overrides]  # so the study's report lists them
     base = [f"+experiment={experiment}", "target_top1=null", "save_final_params=false", "resume=never",
             "logger=jsonl", *EXPERIMENT_OVERRIDES.get(experiment, []), *overrides]
     jobs = [(label, seed, runs_dir / label / f"seed{seed}") for seed in seeds for label in configs]

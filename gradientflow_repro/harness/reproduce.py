@@ -43,6 +43,30 @@ RUNS_DIR = REPO / "results" / "runs" / "reproduce"
 REPORT = REPO / "results" / "REPORT.md"
 
 
+def machine_overrides(experiment: str, overrides: Sequence[str] = ()) -> list[str]:
+    """Overrides this machine needs for every run: ``precision=fp32`` where the experiment (with
+    ``overrides``) trains under bf16 autocast on a CPU that only emulates bf16 (``precision.native_bf16``),
+    since there bf16 makes each step many times slower, the link rate follows the compute down, and
+    the comparison takes hours instead of minutes; nothing where the overrides choose a precision."""
+    import torch
+
+    from gradientflow_repro.precision import native_bf16
+
+    if any(o.lstrip("+").split("=")[0].split(".")[0] == "precision" for o in overrides):
+        return []
+    from hydra import compose, initialize_config_dir
+
+    from gradientflow_repro.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        cfg = compose("config", overrides=[f"+experiment={experiment}", *overrides])
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    if cfg.precision.dtype == "bf16" and on_cpu and not native_bf16(torch.device("cpu")):
+        return ["precision=fp32"]
+    return []
+
+
 def ladder_overrides(label: str) -> list[str]:
     """The Hydra overrides of one compared configuration (``comm=NAME comm.KEY=VALUE``)."""
     return knobs.hydra_overrides(knobs.COMPARED[label])
@@ -110,8 +134,12 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
             "machine": {key: machine[key] for key in MACHINE_KEYS}}
     with Progress(runs_dir, plan, fresh) as progress:  # saved however the launch ends
         group = progress.state["group"]  # one for all launches
+        adapted = machine_overrides(experiment, [*EXPERIMENT_OVERRIDES.get(experiment, []), *overrides])
+        if adapted:
+            print(f"reproduce: this CPU emulates bf16 (no AVX-512 BF16 or AMX): every run trains with "
+                  f"{' '.join(adapted)} (bf16 would take many times as long here)", flush=True)
         base = [f"+experiment={experiment}", "save_final_params=false", f"logger.group={group}",
-                "resume=never", *EXPERIMENT_OVERRIDES.get(experiment, []), *overrides]
+                "resume=never", *EXPERIMENT_OVERRIDES.get(experiment, []), *adapted, *overrides]
         jobs = [calibration_job(), netbench_job(world), *[train_job(label, seed) for seed in seeds for label in rungs],
                 *[job for other in check_worlds for job in
                   [netbench_job(other), *[check_job(label, other, repeat + 1)
