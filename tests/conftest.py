@@ -33,11 +33,23 @@ FAST = ["+experiment=digits_cpu", "model.width=0.125", "logger=jsonl", "logger.l
         "threads_per_rank=1", "dist_timeout_s=60"]
 
 
+def for_this_cpu(overrides: list[str]) -> list[str]:
+    """``overrides`` and what this machine needs, as ``make reproduce`` adds it: digits_cpu trains
+    under bf16 autocast, which a CPU without native bf16 emulates at many times fp32's time, so
+    there a run trains in fp32 unless it names a precision (the tests about bf16 do)."""
+    from gradientflow_repro.harness.reproduce import machine_overrides
+
+    try:
+        return [*overrides, *machine_overrides(overrides)]
+    except Exception:  # noqa: BLE001 (overrides that do not compose: the run itself must say why, as it is)
+        return overrides
+
+
 def torchrun(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 240,
              check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
                f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-               "-m", "gradientflow_repro.train", f"run_dir={run_dir}", *overrides]
+               "-m", "gradientflow_repro.train", f"run_dir={run_dir}", *for_this_cpu(overrides)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     if check and result.returncode != 0:

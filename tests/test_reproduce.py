@@ -726,13 +726,13 @@ def test_a_cpu_that_emulates_bf16_trains_the_comparison_in_fp32(monkeypatch) -> 
     from gradientflow_repro.harness.reproduce import machine_overrides
 
     monkeypatch.setattr(precision, "native_bf16", lambda device: False)
-    assert machine_overrides("digits_cpu") == ["precision=fp32"]  # digits_cpu: bf16 autocast on the CPU
-    assert machine_overrides("digits_cpu", ["model.width=0.125"]) == ["precision=fp32"]
-    assert machine_overrides("digits_cpu", ["precision=bf16"]) == []  # asked for by name: kept
-    assert machine_overrides("digits_cpu", ["precision.dtype=bf16"]) == []
-    assert machine_overrides("digits_cpu", ["device=cuda"]) == []  # not on this CPU
+    assert machine_overrides(["+experiment=digits_cpu"]) == ["precision=fp32"]  # digits_cpu: bf16 autocast on the CPU
+    assert machine_overrides(["+experiment=digits_cpu", "model.width=0.125"]) == ["precision=fp32"]
+    assert machine_overrides(["+experiment=digits_cpu", "precision=bf16"]) == []  # asked for by name: kept
+    assert machine_overrides(["+experiment=digits_cpu", "precision.dtype=bf16"]) == []
+    assert machine_overrides(["+experiment=digits_cpu", "device=cuda"]) == []  # not on this CPU
     assert not precision.Precision(precision.PrecisionConfig(dtype="fp32"), torch.device("cpu")).emulated_bf16
     assert precision.Precision(precision.PrecisionConfig(dtype="bf16"), torch.device("cpu")).emulated_bf16
     monkeypatch.setattr(precision, "native_bf16", lambda device: True)
-    assert machine_overrides("digits_cpu") == []
+    assert machine_overrides(["+experiment=digits_cpu"]) == []
     assert not precision.Precision(precision.PrecisionConfig(dtype="bf16"), torch.device("cpu")).emulated_bf16

@@ -43,11 +43,12 @@ RUNS_DIR = REPO / "results" / "runs" / "reproduce"
 REPORT = REPO / "results" / "REPORT.md"
 
 
-def machine_overrides(experiment: str, overrides: Sequence[str] = ()) -> list[str]:
-    """Overrides this machine needs for every run: ``precision=fp32`` where the experiment (with
-    ``overrides``) trains under bf16 autocast on a CPU that only emulates bf16 (``precision.native_bf16``),
-    since there bf16 makes each step many times slower, the link rate follows the compute down, and
-    the comparison takes hours instead of minutes; nothing where the overrides choose a precision."""
+def machine_overrides(overrides: Sequence[str]) -> list[str]:
+    """Overrides this machine needs for every run of a study: ``precision=fp32`` where the runs (Hydra
+    ``overrides``, the experiment among them) train under bf16 autocast on a CPU that only emulates
+    bf16 (``precision.native_bf16``), since there bf16 makes each step many times slower, the link
+    rate follows the compute down, and the comparison takes hours instead of minutes; nothing where
+    the overrides choose a precision (asked for by name, it is what runs)."""
     import torch
 
     from gradientflow_repro.precision import native_bf16
@@ -60,7 +61,7 @@ def machine_overrides(experiment: str, overrides: Sequence[str] = ()) -> list[st
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
-        cfg = compose("config", overrides=[f"+experiment={experiment}", *overrides])
+        cfg = compose("config", overrides=list(overrides))
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
     if cfg.precision.dtype == "bf16" and on_cpu and not native_bf16(torch.device("cpu")):
         return ["precision=fp32"]
@@ -134,7 +135,8 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
             "machine": {key: machine[key] for key in MACHINE_KEYS}}
     with Progress(runs_dir, plan, fresh) as progress:  # saved however the launch ends
         group = progress.state["group"]  # one for all launches
-        adapted = machine_overrides(experiment, [*EXPERIMENT_OVERRIDES.get(experiment, []), *overrides])
+        adapted = machine_overrides([f"+experiment={experiment}", *EXPERIMENT_OVERRIDES.get(experiment, []),
+                                     *overrides])
         if adapted:
             print(f"reproduce: this CPU emulates bf16 (no AVX-512 BF16 or AMX): every run trains with "
                   f"{' '.join(adapted)} (bf16 would take many times as long here)", flush=True)
