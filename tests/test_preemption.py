@@ -17,7 +17,7 @@ from gradientflow_repro.checkpoint import complete_checkpoints
 from gradientflow_repro.preemption import EXIT_REQUEUE, StopRequests
 from gradientflow_repro.tracking import read_records
 
-from conftest import FAST, REPO, final_params, free_port, torchrun
+from conftest import FAST, REPO, final_params, for_this_cpu, free_port, torchrun
 
 
 def _children(pid: int) -> list[int]:
@@ -37,7 +37,7 @@ def _steps_done(run_dir: Path) -> int:
 def _start(world: int, overrides: list[str], run_dir: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
                f"--nproc-per-node={world}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-               "-m", "gradientflow_repro.train", f"run_dir={run_dir}", *overrides]
+               "-m", "gradientflow_repro.train", f"run_dir={run_dir}", *for_this_cpu(overrides)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env)
