@@ -1023,18 +1023,13 @@ def _images_per_s(name: str, device: torch.device, batch: int = 128, warmup: int
 
 def _trainer_for_sync_count(device: torch.device, run_dir: Path) -> Any:
     """A Trainer from the composed configuration: gradientflow, fp16, synthetic 64 px images."""
-    from hydra import compose, initialize_config_dir
-
-    from gradientflow_repro.config import register_configs
     from gradientflow_repro.distributed import discover_world
     from gradientflow_repro.engine import Trainer
+    from gradientflow_repro.harness import compose
 
-    register_configs()
-    overrides = [*TRAIN_OVERRIDES, "comm=gradientflow", "comm.csc_warmup_epochs=0", f"run_dir={run_dir}",
-                 "resume=never", "logger.log_every=1000000", "data.image_size=64",
-                 "data.synthetic_train_size=1024", "data.synthetic_val_size=128"]
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
+    cfg = compose([*TRAIN_OVERRIDES, "comm=gradientflow", "comm.csc_warmup_epochs=0", f"run_dir={run_dir}",
+                   "resume=never", "logger.log_every=1000000", "data.image_size=64",
+                   "data.synthetic_train_size=1024", "data.synthetic_val_size=128"])
     return Trainer(cfg, discover_world({}), device)
 
 

@@ -721,12 +721,18 @@ def test_the_convergence_study_runs_whole_schedules_and_continues_where_it_stopp
     assert "1 of 2 runs kept from before" in changed and "[1/1] [nomc] seed 0" in changed
 
 
-def test_a_cpu_that_emulates_bf16_trains_the_comparison_in_fp32(monkeypatch) -> None:
+def test_a_cpu_that_emulates_bf16_trains_the_comparison_in_fp32(monkeypatch, capsys) -> None:
     from gradientflow_repro import precision
     from gradientflow_repro.harness.reproduce import machine_overrides
 
     monkeypatch.setattr(precision, "native_bf16", lambda device: False)
     assert machine_overrides(["+experiment=digits_cpu"]) == ["precision=fp32"]  # digits_cpu: bf16 autocast on the CPU
+    assert capsys.readouterr().out == ""  # said only by a program that adapts its runs
+    assert machine_overrides(["+experiment=digits_cpu"], program="study") == ["precision=fp32"]
+    assert capsys.readouterr().out.startswith("study: this CPU emulates bf16")
+    assert machine_overrides(["+experiment=digits_cpu", "precision=fp32"], program="study") == []
+    assert machine_overrides(["+experiment=resnet50_512gpu"], program="study") == []  # fp16 on GPUs: not bf16
+    assert capsys.readouterr().out == ""
     assert machine_overrides(["+experiment=digits_cpu", "model.width=0.125"]) == ["precision=fp32"]
     assert machine_overrides(["+experiment=digits_cpu", "precision=bf16"]) == []  # asked for by name: kept
     assert machine_overrides(["+experiment=digits_cpu", "precision.dtype=bf16"]) == []

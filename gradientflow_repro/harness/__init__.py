@@ -17,7 +17,8 @@
     wandb_report.py    a W&B report of one reproduction
     imagenet.py        check an ImageNet-layout folder, arrange a flat validation set
 
-``code_version`` says which code a launch runs (kept runs must match it).
+``code_version`` says which code a launch runs (kept runs must match it); ``compose`` is the
+configuration a launch would run, composed in this process.
 Importing the package imports nothing heavy; each module imports what it needs.
 """
 
@@ -26,7 +27,10 @@ from __future__ import annotations
 import hashlib
 import subprocess
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: configs/, results/ (an editable install)
 
@@ -44,3 +48,17 @@ def code_version() -> Optional[str]:
     if head.returncode or diff.returncode:
         return None
     return head.stdout.strip() + (f"+{hashlib.sha256(diff.stdout).hexdigest()[:16]}" if diff.stdout else "")
+
+
+def compose(overrides: Sequence[str]) -> "DictConfig":
+    """The configuration ``gradientflow_repro.train`` runs with these Hydra ``overrides``, composed in
+    this process from the checkout's ``configs/`` (no Hydra app, no run directory, nothing validated):
+    how the benchmarks, profiles and checks read an experiment instead of restating it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from gradientflow_repro.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        return hydra_compose(config_name="config", overrides=list(overrides))

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from gradientflow_repro.harness import REPO, netemu
+from gradientflow_repro.harness import REPO, compose, netemu
 from gradientflow_repro.harness.cluster_check import launch_of, markdown_lines, network_fields, over_launches
 from gradientflow_repro.harness.launch import network, run_ranks
 from gradientflow_repro.harness.netbench import LARGE_BYTES, ring_figures, trimmed_mean
@@ -99,13 +99,7 @@ def dense_fp32(options: dict[str, Any]) -> bool:
 def model_spec(experiment: str = "digits_cpu", overrides: Sequence[str] = ()) -> dict[str, Any]:
     """The experiment's model as ``build_model`` takes it (name, classes, image size, width, dropout),
     read from its composed configuration, so the bench follows the experiment."""
-    from hydra import compose, initialize_config_dir
-
-    from gradientflow_repro.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
-        cfg = compose("config", overrides=[f"+experiment={experiment}", *overrides])
+    cfg = compose([f"+experiment={experiment}", *overrides])
     return {"experiment": experiment, "name": cfg.model.name, "num_classes": cfg.data.num_classes,
             "image_size": cfg.data.image_size, "width": cfg.model.width, "dropout": cfg.model.dropout}
 

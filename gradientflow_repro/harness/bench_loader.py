@@ -20,7 +20,7 @@ from gradientflow_repro.data.dali import DaliSource
 from gradientflow_repro.data.digits import build_digits
 from gradientflow_repro.data.folder import TorchvisionSource
 from gradientflow_repro.data.listing import ImageOptions, list_image_folder
-from gradientflow_repro.harness import REPO
+from gradientflow_repro.harness import REPO, compose
 from gradientflow_repro.tracking import environment_facts
 
 
@@ -64,18 +64,13 @@ def loader_rate(kind: type, root: Path, threads: int, batch: int, batches: int, 
 
 def step_overhead(steps: int, rounds: int) -> tuple[float, float]:
     """Median seconds per step of ``Trainer.train_step`` and of a plain loop, alternated."""
-    from hydra import compose, initialize_config_dir
-
-    from gradientflow_repro.config import register_configs
     from gradientflow_repro.distributed import discover_world
     from gradientflow_repro.engine import Trainer
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
-        cfg = compose(config_name="config", overrides=[
-            "+experiment=digits_cpu", "data=synthetic", "data.num_classes=10", "data.image_size=32",
-            "global_batch_size=64", "logger=jsonl", "logger.log_every=10", "resume=never",
-            f"run_dir={REPO / 'results' / 'runs' / 'bench_overhead'}", "threads_per_rank=2"])
+    cfg = compose([
+        "+experiment=digits_cpu", "data=synthetic", "data.num_classes=10", "data.image_size=32",
+        "global_batch_size=64", "logger=jsonl", "logger.log_every=10", "resume=never",
+        f"run_dir={REPO / 'results' / 'runs' / 'bench_overhead'}", "threads_per_rank=2"])
     torch.set_num_threads(2)
     trainer = Trainer(cfg, discover_world({}), torch.device("cpu"))
     images, labels = next(trainer.data.train_batches(0))

@@ -126,9 +126,8 @@ def study(*, configs: dict[str, list[str]], experiment: str = "digits_cpu", worl
         raise ValueError(f"experiment {experiment!r} sets no target_top1: give --targets")
     if fresh:
         shutil.rmtree(runs_dir, ignore_errors=True)
-    adapted = machine_overrides([f"+experiment={experiment}", *EXPERIMENT_OVERRIDES.get(experiment, []), *overrides])
-    if adapted:  # as make reproduce does: bf16 emulated by this CPU would take many times as long
-        print(f"convergence: this CPU emulates bf16: every run trains with {' '.join(adapted)}", flush=True)
+    adapted = machine_overrides([f"+experiment={experiment}", *EXPERIMENT_OVERRIDES.get(experiment, []), *overrides],
+                                program="convergence")  # as make reproduce does
     overrides = [*adapted, *overrides]  # so the study's report lists them
     base = [f"+experiment={experiment}", "target_top1=null", "save_final_params=false", "resume=never",
             "logger=jsonl", *EXPERIMENT_OVERRIDES.get(experiment, []), *overrides]

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
-from gradientflow_repro.harness import REPO
+from gradientflow_repro.harness import compose
 from gradientflow_repro.perfmodel import ModelProfile, TensorProfile
 
 if TYPE_CHECKING:
@@ -181,14 +181,10 @@ def profile_model(out: Path, overrides: Sequence[str], world: int = 4) -> None:
     """The configured model's per-tensor backward profile in this process, on the per-rank batch of
     ``world`` ranks, and the local work per element; written to ``out`` as JSON."""
     import torch
-    from hydra import compose, initialize_config_dir
 
-    from gradientflow_repro.config import register_configs
     from gradientflow_repro.models import build_model
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
-        cfg = compose("config", overrides=list(overrides))
+    cfg = compose(overrides)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = build_model(cfg.model.name, cfg.data.num_classes, cfg.data.image_size, cfg.model.width,

@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from gradientflow_repro import perfmodel
 from gradientflow_repro.comm import knobs
-from gradientflow_repro.harness import REPO, code_version, netemu
+from gradientflow_repro.harness import REPO, code_version, compose, netemu
 from gradientflow_repro.harness.launch import network, run_ranks
 from gradientflow_repro.harness.netbench import measure_network
 from gradientflow_repro.harness.progress import MACHINE_KEYS, Progress, Timeline
@@ -43,29 +43,28 @@ RUNS_DIR = REPO / "results" / "runs" / "reproduce"
 REPORT = REPO / "results" / "REPORT.md"
 
 
-def machine_overrides(overrides: Sequence[str]) -> list[str]:
+def machine_overrides(overrides: Sequence[str], program: Optional[str] = None) -> list[str]:
     """Overrides this machine needs for every run of a study: ``precision=fp32`` where the runs (Hydra
     ``overrides``, the experiment among them) train under bf16 autocast on a CPU that only emulates
     bf16 (``precision.native_bf16``), since there bf16 makes each step many times slower, the link
     rate follows the compute down, and the comparison takes hours instead of minutes; nothing where
-    the overrides choose a precision (asked for by name, it is what runs)."""
+    the overrides choose a precision (asked for by name, it is what runs). With ``program``, a line
+    that it adapts the runs is printed under that name."""
     import torch
 
     from gradientflow_repro.precision import native_bf16
 
-    if any(o.lstrip("+").split("=")[0].split(".")[0] == "precision" for o in overrides):
-        return []
-    from hydra import compose, initialize_config_dir
-
-    from gradientflow_repro.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
-        cfg = compose("config", overrides=list(overrides))
+    if native_bf16(torch.device("cpu")) or any(o.lstrip("+").split("=")[0].split(".")[0] == "precision"
+                                               for o in overrides):
+        return []  # before composing: the common case costs nothing
+    cfg = compose(overrides)
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    if cfg.precision.dtype == "bf16" and on_cpu and not native_bf16(torch.device("cpu")):
-        return ["precision=fp32"]
-    return []
+    if cfg.precision.dtype != "bf16" or not on_cpu:
+        return []
+    if program:
+        print(f"{program}: this CPU emulates bf16 (no AVX-512 BF16 or AMX): every run trains with precision=fp32 "
+              f"(bf16 would take many times as long here)", flush=True)
+    return ["precision=fp32"]
 
 
 def ladder_overrides(label: str) -> list[str]:
@@ -136,10 +135,7 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
     with Progress(runs_dir, plan, fresh) as progress:  # saved however the launch ends
         group = progress.state["group"]  # one for all launches
         adapted = machine_overrides([f"+experiment={experiment}", *EXPERIMENT_OVERRIDES.get(experiment, []),
-                                     *overrides])
-        if adapted:
-            print(f"reproduce: this CPU emulates bf16 (no AVX-512 BF16 or AMX): every run trains with "
-                  f"{' '.join(adapted)} (bf16 would take many times as long here)", flush=True)
+                                     *overrides], program="reproduce")
         base = [f"+experiment={experiment}", "save_final_params=false", f"logger.group={group}",
                 "resume=never", *EXPERIMENT_OVERRIDES.get(experiment, []), *adapted, *overrides]
         jobs = [calibration_job(), netbench_job(world), *[train_job(label, seed) for seed in seeds for label in rungs],
