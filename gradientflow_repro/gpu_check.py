@@ -725,10 +725,8 @@ def _lars_run(options: dict[str, Any], rank: int, device: torch.device) -> dict[
     the optimizer): the parameters before and after (on the CPU), the chunks chosen at each step,
     and whether the trust ratio's noise correction has running means in every pool part that has
     layers to correct."""
-    from timm.optim import Lars
-
     from gradientflow_repro.comm.factory import build_communicator
-    from gradientflow_repro.optim import parameter_groups
+    from gradientflow_repro.optim import Lars, parameter_groups
 
     torch.manual_seed(0)
     model = SmallNet().to(device)

@@ -9,15 +9,48 @@ per iteration over the warm-up, then decays polynomially (power 2 by default) to
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
+import types
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from timm.optim import Lars
 from torch import nn
 
 if TYPE_CHECKING:  # only for hints: the GPU check imports this module where Hydra is not installed
     from gradientflow_repro.config import OptimConfig
+
+
+def _timm_lars() -> type[torch.optim.Optimizer]:
+    """timm's ``Lars`` class, without running timm's package ``__init__``. That imports timm's model
+    zoo and through it torchvision and ``torch._dynamo``: 3-4 s per process on a 2-core CPU, paid by
+    every rank of every launch, none of which uses a timm model. ``timm/optim/lars.py`` needs only
+    torch and its sibling ``_helpers.py``, so those files run unchanged as modules of a private
+    package whose path is timm's ``optim`` folder. Where timm's own module is loaded already, its
+    class is the one used."""
+    if (loaded := sys.modules.get("timm.optim.lars")) is not None:
+        return loaded.Lars
+    spec = importlib.util.find_spec("timm")  # finds the package without running it
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("timm is not installed: it provides the Lars optimizer (requirements.txt)")
+    if _TIMM_OPTIM not in sys.modules:
+        package = types.ModuleType(_TIMM_OPTIM, "timm's optim folder, without timm's package __init__")
+        package.__path__ = [str(Path(next(iter(spec.submodule_search_locations))) / "optim")]
+        sys.modules[_TIMM_OPTIM] = package
+    return importlib.import_module(f"{_TIMM_OPTIM}.lars").Lars
+
+
+_TIMM_OPTIM = "gradientflow_repro._timm_optim"
+Lars = _timm_lars()
+
+
+def is_lars(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is timm's Lars, as loaded here or by ``import timm`` (two classes then)."""
+    own = sys.modules.get("timm.optim.lars")
+    return isinstance(optimizer, (Lars, *([own.Lars] if own is not None else [])))
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -252,6 +252,20 @@ def allowed_environment(env: Optional[dict[str, str]] = None) -> dict[str, str]:
             if name.startswith(ENV_ALLOWED_PREFIXES) and not any(w in name for w in ENV_SECRET_WORDS)}
 
 
+# key in a run's summary: the distributions that may provide it (DALI's name says its CUDA)
+VERSIONED = {"torchvision": ("torchvision",), "dali": ("nvidia-dali-cuda130", "nvidia-dali-cuda120", "nvidia-dali"),
+             "timm": ("timm",), "hydra": ("hydra-core",), "wandb": ("wandb",)}
+
+
+def _installed_version(distribution: str) -> Optional[str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
 def environment_facts() -> dict[str, Any]:
     """What produced a number: commit, library versions, hardware."""
     import torch
@@ -259,11 +273,9 @@ def environment_facts() -> dict[str, Any]:
     facts: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                              "platform": platform.platform(), "cpu": _cpu_model(),
                              "cpu_count": os.cpu_count()}
-    for module in ("torchvision", "nvidia.dali", "timm", "hydra", "wandb"):
-        try:
-            facts[module.split(".")[-1]] = __import__(module, fromlist=["__version__"]).__version__
-        except Exception:  # noqa: BLE001
-            facts[module.split(".")[-1]] = None
+    for key, distributions in VERSIONED.items():  # read from the installed metadata: importing
+        facts[key] = next((version for name in distributions  # torchvision and timm takes seconds
+                           if (version := _installed_version(name)) is not None), None)
     facts["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     facts["git_commit"] = _git_commit()
     return facts

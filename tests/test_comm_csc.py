@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from timm.optim import Lars
 from torch import nn
 
 from gradientflow_repro import perfmodel as pm
@@ -26,7 +25,7 @@ from gradientflow_repro.comm.csc import (
 )
 from gradientflow_repro.comm.lazy import LazyAllreduce
 from gradientflow_repro.comm.ring import ring_sum
-from gradientflow_repro.optim import parameter_groups
+from gradientflow_repro.optim import Lars, parameter_groups
 
 from conftest import assert_no_failures, spawn
 

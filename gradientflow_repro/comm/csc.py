@@ -88,7 +88,6 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
-from timm.optim import Lars
 from torch import nn
 
 from gradientflow_repro.comm.base import CommStats, GradScale, SumFn, scratch
@@ -97,6 +96,7 @@ from gradientflow_repro.comm.knobs import TRUST_SKETCH_BUCKETS
 from gradientflow_repro.comm.lazy import Bucket, LazyAllreduce
 from gradientflow_repro.comm.pool import csc_parts
 from gradientflow_repro.comm.recursive_doubling import small_sum
+from gradientflow_repro.optim import is_lars
 
 
 def chunk_l1_norms(chunks: torch.Tensor) -> torch.Tensor:
@@ -468,7 +468,7 @@ class LocalStep:
 
     def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[Bucket], world: int = 1,
                  noise_correction: bool = True) -> None:
-        if not isinstance(optimizer, (Lars, torch.optim.SGD)):
+        if not (is_lars(optimizer) or isinstance(optimizer, torch.optim.SGD)):
             raise ValueError(f"csc: momentum correction with {type(optimizer).__name__}: only SGD and timm's "
                              "Lars are supported (an optimizer that rescales every update would rescale CSC's "
                              "accumulated velocity); use optim.name=lars or comm.momentum_correction=false")

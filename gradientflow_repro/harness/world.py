@@ -55,10 +55,23 @@ def _spawned(rank: int, world: int, port: int, fn: Callable[..., Any], args: tup
     run_rank(fn, rank, world, f"tcp://127.0.0.1:{port}", *args, backend=backend, timeout_s=timeout_s)
 
 
+# What every process imports, imported once by multiprocessing's fork server that the processes
+# are forked from (a fresh interpreter per process would import them anew: 4-8 s of CPU each on a
+# 2-core machine, most of a small test's time). torch._dynamo is there because any optimizer
+# imports it on first use. Importing starts no thread and touches no GPU, so forking stays safe.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "gradientflow_repro.distributed",
+           "gradientflow_repro.comm.factory"]
+
+
 def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo", timeout_s: float = 60.0) -> None:
-    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes forming one ``backend`` group
-    on 127.0.0.1 (collective timeout ``timeout_s``); a failure in any rank fails."""
+    """Run ``fn(rank, world, *args)`` in ``world`` new processes forming one ``backend`` group on
+    127.0.0.1 (collective timeout ``timeout_s``); a failure in any rank fails. The processes come
+    from the fork server (``PRELOAD``), each prepared as a spawned one is (the caller's ``sys.path``,
+    ``fn`` and ``args`` pickled), so ``fn`` must be importable by name."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)  # read when the server starts
     mp.start_processes(_spawned, args=(world, free_port(), fn, args, backend, timeout_s), nprocs=world,
-                       join=True, start_method="spawn")
+                       join=True, start_method="forkserver")

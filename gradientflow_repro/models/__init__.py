@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torchvision
 from torch import nn
 
 from gradientflow_repro.models.alexnet_bn import AlexNetBN
@@ -14,10 +13,12 @@ def build_model(name: str, num_classes: int, image_size: int, width: float = 1.0
     (PyTorch's default 0.1 averages over about the last 20 steps)."""
     if name == "alexnet_bn":
         model = AlexNetBN(num_classes, image_size, width, dropout)
-    elif name == "alexnet":
-        model = torchvision.models.alexnet(weights=None, num_classes=num_classes, dropout=dropout)
-    elif name == "resnet50":
-        model = torchvision.models.resnet50(weights=None, num_classes=num_classes)
+    elif name in ("alexnet", "resnet50"):
+        # imported here: torchvision brings torch._dynamo (seconds per rank), which AlexNet-BN does not need
+        from torchvision import models
+
+        model = (models.alexnet(weights=None, num_classes=num_classes, dropout=dropout) if name == "alexnet"
+                 else models.resnet50(weights=None, num_classes=num_classes))
     else:
         raise ValueError(f"unknown model '{name}' (allowed: alexnet_bn, alexnet, resnet50)")
     for module in model.modules():
