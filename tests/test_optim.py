@@ -87,3 +87,29 @@ def test_schedule_from_config_scales_with_global_batch() -> None:
     assert (schedule.warmup_steps, schedule.total_steps) == (25, 950)
     assert schedule(24) == 512.0
     assert schedule(25 + 925 // 2) == pytest.approx((512 - 0.5) * (1 - 462 / 925) + 0.5)
+
+
+def test_lars_is_timms_own_class_loaded_without_timms_model_zoo() -> None:
+    """A rank imports timm's Lars from timm's own file, without timm's package (its model zoo pulls
+    in torchvision and torch._dynamo: seconds per process); timm's class, once imported, counts too."""
+    import subprocess
+    import sys
+
+    probe = ("import importlib.util, inspect, sys\n"
+             "import gradientflow_repro.engine\n"
+             "from gradientflow_repro.optim import Lars\n"
+             "assert not {'timm', 'torchvision'} & set(sys.modules), sorted(m for m in sys.modules if 'timm' in m)[:5]\n"
+             "print(inspect.getsourcefile(Lars))\n"
+             "print(importlib.util.find_spec('timm.optim.lars').origin)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ours, timms = out.stdout.split()
+    assert ours == timms  # the very file timm ships
+
+    import timm.optim
+
+    from gradientflow_repro.optim import Lars, is_lars
+
+    params = [nn.Parameter(torch.ones(2, 2))]
+    assert is_lars(Lars(params, lr=0.1)) and is_lars(timm.optim.Lars(params, lr=0.1))
+    assert not is_lars(torch.optim.SGD(params, lr=0.1))
