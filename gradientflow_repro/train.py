@@ -46,6 +46,7 @@ def main(cfg: DictConfig) -> None:
     from gradientflow_repro.engine import Trainer, TrainingError
 
     agreed_errors = (TrainingError, DatasetError, CheckpointError)  # every rank, same message
+    optimizers_without_dynamo()
     torch.set_num_threads(max(1, cfg.threads_per_rank))
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -78,6 +79,24 @@ def main(cfg: DictConfig) -> None:
         distributed.destroy_process_group()
     if summary["exit_code"]:  # stopped by a signal after a checkpoint; 75 asks for a requeue
         sys.exit(summary["exit_code"])
+
+
+def optimizers_without_dynamo() -> None:
+    """``torch.optim.Optimizer`` marks ``add_param_group``, ``zero_grad``, ``state_dict`` and
+    ``load_state_dict`` as not to be traced by ``torch.compile`` (``torch._disable_dynamo``). That
+    marker imports ``torch._dynamo`` on a method's first call only to build itself: 3 s per rank on
+    a 2-core CPU, at every launch (the optimizer's constructor calls ``add_param_group``). A training
+    process of this package compiles nothing, and outside a compiled region the marked method runs
+    just as the plain one, so here the marker torch caches on the plain function is that function.
+    Where torch's wrapper is not the one recognised here, nothing changes (dynamo is imported)."""
+    import torch
+
+    for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
+        method = getattr(torch.optim.Optimizer, name)
+        plain = getattr(method, "__wrapped__", None)
+        if plain is not None and method.__code__.co_filename.endswith("_compile.py") and \
+                "__dynamo_disable" in method.__code__.co_names:
+            setattr(plain, "__dynamo_disable", plain)  # the cache slot torch._disable_dynamo reads first
 
 
 def configure_backends(device: torch.device, deterministic: bool) -> None:

@@ -113,3 +113,28 @@ def test_lars_is_timms_own_class_loaded_without_timms_model_zoo() -> None:
     params = [nn.Parameter(torch.ones(2, 2))]
     assert is_lars(Lars(params, lr=0.1)) and is_lars(timm.optim.Lars(params, lr=0.1))
     assert not is_lars(torch.optim.SGD(params, lr=0.1))
+
+
+def test_a_training_process_uses_its_optimizer_without_importing_dynamo() -> None:
+    """``train.optimizers_without_dynamo``: building, stepping, clearing, saving and restoring the
+    optimizer import no ``torch._dynamo`` (3 s per rank), and the restored optimizer steps as the
+    saved one does. If torch changes its marker, the first assertion says so."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, torch\n"
+             "from gradientflow_repro.train import optimizers_without_dynamo\n"
+             "optimizers_without_dynamo()\n"
+             "from gradientflow_repro.optim import Lars\n"
+             "p, q = torch.nn.Parameter(torch.ones(3, 3)), torch.nn.Parameter(torch.ones(3, 3))\n"
+             "a, b = Lars([p], lr=0.1, momentum=0.9, weight_decay=0.01), Lars([q], lr=0.1, momentum=0.9)\n"
+             "p.grad = torch.full((3, 3), 0.5); a.step(); saved = __import__('io').BytesIO()\n"
+             "torch.save(a.state_dict(), saved); saved.seek(0); b.load_state_dict(torch.load(saved)); a.zero_grad()\n"
+             "assert p.grad is None\n"
+             "with torch.no_grad(): q.copy_(p)\n"
+             "p.grad, q.grad = torch.full((3, 3), 0.25), torch.full((3, 3), 0.25); a.step(); b.step()\n"
+             "assert torch.equal(p, q)\n"
+             "print('dynamo imported' if 'torch._dynamo' in sys.modules else 'no dynamo')\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["no", "dynamo"], out.stdout
