@@ -89,21 +89,26 @@ def test_schedule_from_config_scales_with_global_batch() -> None:
     assert schedule(25 + 925 // 2) == pytest.approx((512 - 0.5) * (1 - 462 / 925) + 0.5)
 
 
-def test_lars_is_timms_own_class_loaded_without_timms_model_zoo() -> None:
-    """A rank imports timm's Lars from timm's own file, without timm's package (its model zoo pulls
-    in torchvision and torch._dynamo: seconds per process); timm's class, once imported, counts too."""
+def _fresh_process(probe: str) -> list[str]:
+    """The words ``probe`` prints, run by a fresh interpreter (what a rank has imported at start)."""
     import subprocess
     import sys
 
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.split()
+
+
+def test_lars_is_timms_own_class_loaded_without_timms_model_zoo() -> None:
+    """A rank imports timm's Lars from timm's own file, without timm's package (its model zoo pulls
+    in torchvision and torch._dynamo: seconds per process); timm's class, once imported, counts too."""
     probe = ("import importlib.util, inspect, sys\n"
              "import gradientflow_repro.engine\n"
              "from gradientflow_repro.optim import Lars\n"
              "assert not {'timm', 'torchvision'} & set(sys.modules), sorted(sys.modules)[-5:]\n"
              "print(inspect.getsourcefile(Lars))\n"
              "print(importlib.util.find_spec('timm.optim.lars').origin)\n")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    ours, timms = out.stdout.split()
+    ours, timms = _fresh_process(probe)
     assert ours == timms  # the very file timm ships
 
     import timm.optim
@@ -118,10 +123,7 @@ def test_lars_is_timms_own_class_loaded_without_timms_model_zoo() -> None:
 def test_a_training_process_uses_its_optimizer_without_importing_dynamo() -> None:
     """``train.optimizers_without_dynamo``: building, stepping, clearing, saving and restoring the
     optimizer import no ``torch._dynamo`` (3 s per rank), and the restored optimizer steps as the
-    saved one does. If torch changes its marker, the first assertion says so."""
-    import subprocess
-    import sys
-
+    saved one does. If torch changes its marker, the last assertion says so."""
     probe = ("import sys, torch\n"
              "from gradientflow_repro.train import optimizers_without_dynamo\n"
              "optimizers_without_dynamo()\n"
@@ -135,6 +137,4 @@ def test_a_training_process_uses_its_optimizer_without_importing_dynamo() -> Non
              "p.grad, q.grad = torch.full((3, 3), 0.25), torch.full((3, 3), 0.25); a.step(); b.step()\n"
              "assert torch.equal(p, q)\n"
              "print('dynamo imported' if 'torch._dynamo' in sys.modules else 'no dynamo')\n")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["no", "dynamo"], out.stdout
+    assert _fresh_process(probe) == ["no", "dynamo"]
