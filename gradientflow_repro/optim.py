@@ -35,7 +35,8 @@ def _timm_lars() -> type[torch.optim.Optimizer]:
         return loaded.Lars
     spec = importlib.util.find_spec("timm")  # finds the package without running it
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("timm is not installed: it provides the Lars optimizer (requirements.txt)")
+        raise ModuleNotFoundError("timm is not installed: it provides the Lars optimizer (requirements.txt)",
+                                  name="timm")  # named: the GPU check skips what needs a missing package
     if _TIMM_OPTIM not in sys.modules:
         package = types.ModuleType(_TIMM_OPTIM, "timm's optim folder, without timm's package __init__")
         package.__path__ = [str(Path(next(iter(spec.submodule_search_locations))) / "optim")]

@@ -88,7 +88,8 @@ def optimizers_without_dynamo() -> None:
     a 2-core CPU, at every launch (the optimizer's constructor calls ``add_param_group``). A training
     process of this package compiles nothing, and outside a compiled region the marked method runs
     just as the plain one, so here the marker torch caches on the plain function is that function.
-    Where torch's wrapper is not the one recognised here, nothing changes (dynamo is imported)."""
+    Where torch's wrapper is not the one recognised here, nothing changes (dynamo is imported); torch's
+    own optimizers (SGD under ``optim.name=apex_larc``) still import it in their ``step``."""
     import torch
 
     for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):

@@ -59,8 +59,9 @@ write_conf() {
     echo "KillWait=10"
     # sbatch --wait polls after 2, 8, 32, 32... s, quadrupling only while its poll is below half of
     # MinJobAge (so that an ended job is not purged unseen): with the default 300 a 10 s job returned
-    # after 42 s. Ended jobs are kept 4 s here, so sbatch polls every 2 s
-    echo "MinJobAge=4"
+    # after 42 s. Ended jobs are kept 5 s here (5/2 is 2 in Slurm's integer arithmetic), so sbatch
+    # polls every 2 s and the tests' 0.5 s polls of a job's state still see it ended
+    echo "MinJobAge=5"
     # Credentials live 10 s instead of 120: Slurm holds a requeued job that long (the preemption
     # test waits for it). Starting it sooner by hand fails it with "Job credential revoked".
     echo "AuthInfo=cred_expire=10"

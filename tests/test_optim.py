@@ -138,3 +138,17 @@ def test_a_training_process_uses_its_optimizer_without_importing_dynamo() -> Non
              "assert torch.equal(p, q)\n"
              "print('dynamo imported' if 'torch._dynamo' in sys.modules else 'no dynamo')\n")
     assert _fresh_process(probe) == ["no", "dynamo"]
+
+
+def test_without_timm_the_error_names_the_package(monkeypatch) -> None:
+    """The GPU check skips an item whose import fails for a missing package it can name."""
+    import importlib.util
+    import sys
+
+    from gradientflow_repro import optim
+
+    monkeypatch.delitem(sys.modules, "timm.optim.lars", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModuleNotFoundError, match="timm is not installed") as raised:
+        optim._timm_lars()
+    assert raised.value.name == "timm"

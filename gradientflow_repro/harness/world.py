@@ -1,5 +1,5 @@
 """A process group on this machine for tests and benchmarks: a free port, and a function run in N
-spawned processes that form one gloo (or NCCL) world.
+new processes (forked from multiprocessing's fork server) that form one gloo (or NCCL) world.
 
 ``spawn(fn, world, *args)`` starts ``world`` processes; each joins the group on 127.0.0.1 with a
 timeout, runs ``fn(rank, world, *args)``, meets the others at a barrier (nobody tears its
@@ -67,7 +67,9 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
     """Run ``fn(rank, world, *args)`` in ``world`` new processes forming one ``backend`` group on
     127.0.0.1 (collective timeout ``timeout_s``); a failure in any rank fails. The processes come
     from the fork server (``PRELOAD``), each prepared as a spawned one is (the caller's ``sys.path``,
-    ``fn`` and ``args`` pickled), so ``fn`` must be importable by name."""
+    ``fn`` and ``args`` pickled), so ``fn`` must be importable by name. Their environment variables
+    are the server's, from when it started (the first ``spawn`` of this process): pass what a rank
+    needs in ``args``, not through ``os.environ``."""
     import multiprocessing
 
     import torch.multiprocessing as mp
