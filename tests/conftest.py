@@ -45,12 +45,20 @@ def for_this_cpu(overrides: list[str]) -> list[str]:
         return overrides
 
 
-def torchrun(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 240,
-             check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def torchrun_command(nproc: int, overrides: list[str], run_dir: Path,
+                     env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of a training launch by torchrun on loopback, for
+    ``subprocess`` (``cwd=REPO``): one thread per rank, wandb offline, and this CPU's precision
+    override (``for_this_cpu``). The one definition, so every test launches training alike."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
                f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
                "-m", "gradientflow_repro.train", f"run_dir={run_dir}", *for_this_cpu(overrides)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
+    return command, {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
+
+
+def torchrun(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 240,
+             check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    command, env = torchrun_command(nproc, overrides, run_dir, env)
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     if check and result.returncode != 0:
         raise AssertionError(f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n"

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from gradientflow_repro.checkpoint import complete_checkpoints
 from gradientflow_repro.preemption import EXIT_REQUEUE, StopRequests
 from gradientflow_repro.tracking import read_records
 
-from conftest import FAST, REPO, final_params, for_this_cpu, free_port, torchrun
+from conftest import FAST, REPO, final_params, torchrun, torchrun_command
 
 
 def _children(pid: int) -> list[int]:
@@ -35,10 +34,7 @@ def _steps_done(run_dir: Path) -> int:
 
 
 def _start(world: int, overrides: list[str], run_dir: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-               f"--nproc-per-node={world}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-               "-m", "gradientflow_repro.train", f"run_dir={run_dir}", *for_this_cpu(overrides)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    command, env = torchrun_command(world, overrides, run_dir)
     return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env)
 
