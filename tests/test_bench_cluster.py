@@ -155,3 +155,23 @@ def test_a_strategy_that_failed_in_a_launch_is_counted_over_the_others() -> None
     assert combined["csc"]["launches"] == [1, 3] and combined["csc"]["failed_launches"] == [2]
     assert combined["csc"]["comm_s_median"] == pytest.approx(0.3)
     assert "comm_s_launches" not in combined["ring"] and combined["ring"]["error"] == "RuntimeError: y"
+
+
+def test_a_failed_network_bound_check_names_a_rate_that_would_pass() -> None:
+    from gradientflow_repro.harness.bench_cluster import SUGGESTED_SPEEDUP, _suggestion, rate_for_speedup
+
+    fixed, wire_at_100 = 0.309, 1.176  # the split of results/cluster_comm.md's failed check on a slow machine
+
+    def step(rate: float) -> float:
+        return fixed + wire_at_100 * 100 / rate
+
+    suggested = rate_for_speedup(100, step(100), step(200))
+    assert 40 < suggested < 55
+    assert step(suggested) / step(2 * suggested) == pytest.approx(SUGGESTED_SPEEDUP)
+    assert step(suggested / 2) / step(suggested) > SUGGESTED_SPEEDUP  # lower is more network-bound
+    assert rate_for_speedup(100, 1.0, 0.5) == 100  # no fixed part: already purely network-bound
+    assert rate_for_speedup(100, 1.0, 1.0) is None  # no wire part: no rate helps
+    check = {"rate_mbit": 100, "comm_s": step(100), "double_comm_s": step(200), "suggested_rate_mbit": suggested}
+    assert f"`--rate-mbit {int(suggested)}` or lower" in _suggestion(check)
+    assert "0.309 s fixed, 1.176 s on the wire" in _suggestion(check)
+    assert _suggestion({"rate_mbit": 100, "comm_s": 1.0, "double_comm_s": 1.0}) == ""  # JSON from before

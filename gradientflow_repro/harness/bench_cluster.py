@@ -30,6 +30,7 @@ per-message costs alone take). ``scripts/bench_cluster.py`` is the command line.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -489,6 +490,12 @@ def bench_cluster(out_md: Path = OUT_MD, out_json: Path = OUT_JSON, rate_mbit: f
                         rate_check = network_bound_check(results[0], model, order, runs_dir / "rate_check", steps,
                                                          warmup)
                         progress.record("rate check", rate_check)
+                        if not rate_check["network_bound"]:  # said now, not only after the last round
+                            print(f"bench_cluster: NOT network-bound at {rate_mbit:g} Mbit/s "
+                                  f"({rate_check['speedup']:.2f}x at twice the rate, "
+                                  f"{NETWORK_BOUND_SPEEDUP:g}x required): the model check will not be one of "
+                                  f"the network; stop and run again with a lower --rate-mbit{_suggestion(rate_check)}",
+                                  flush=True)
                     except RuntimeError as error:  # said in the report; the rounds go on (not kept: tried again)
                         rate_check = {"layout": results[0]["layout"], "error": str(error)}
                         print(f"bench_cluster: {error}", flush=True)
@@ -506,6 +513,27 @@ def bench_cluster(out_md: Path = OUT_MD, out_json: Path = OUT_JSON, rate_mbit: f
         progress.finish()
     print(f"bench_cluster: wrote {out_md} and {out_json} in {facts['elapsed_s']:.0f}s", flush=True)
     return text
+
+
+NETWORK_BOUND_SPEEDUP = 1.7  # at twice the rate the largest dense strategy must be this much faster
+SUGGESTED_SPEEDUP = 1.8  # what a suggested lower rate aims at: a margin over the requirement, for noise
+
+
+def rate_for_speedup(rate_mbit: float, at_rate_s: float, at_double_s: float,
+                     speedup: float = SUGGESTED_SPEEDUP) -> Optional[float]:
+    """The highest uplink rate at which a step measured at ``rate_mbit`` (``at_rate_s``) and at
+    twice it (``at_double_s``) would be ``speedup`` times faster at twice that rate, by the split
+    these two imply: a fixed part (CPU, per-message costs) f and a wire part w that scales with 1/rate,
+    t = f + w, t2 = f + w/2. At rate r the wire part is w * rate_mbit / r, and (f + w') / (f + w'/2)
+    >= s needs w' >= f (s - 1) / (1 - s/2). None when the two times show no wire part, ``rate_mbit``
+    itself when they show no fixed part."""
+    wire = 2.0 * (at_rate_s - at_double_s)
+    fixed = at_rate_s - wire
+    if wire <= 0 or not 1.0 < speedup < 2.0:
+        return None
+    if fixed <= 0:
+        return rate_mbit
+    return rate_mbit * wire / (fixed * (speedup - 1.0) / (1.0 - speedup / 2.0))
 
 
 def network_bound_check(layout: dict[str, Any], model: dict[str, Any], order: list[int], run_dir: Path,
@@ -539,7 +567,8 @@ def network_bound_check(layout: dict[str, Any], model: dict[str, Any], order: li
     leaders = {name: (run["network"] or {}).get("leaders") for name, run in
                (("rate", layout), ("double", runs["double"]), ("unshaped", runs["unshaped"]))}
     return {"layout": layout["layout"], "rate_mbit": rate, "double_rate_mbit": 2 * rate, **head,
-            "network_bound": head["speedup"] >= 1.7, "rows": rows,
+            "network_bound": head["speedup"] >= NETWORK_BOUND_SPEEDUP, "rows": rows,
+            "suggested_rate_mbit": rate_for_speedup(rate, head["comm_s"], head["double_comm_s"]),
             "leader_bandwidth_Bps": {name: f["segmented"]["bandwidth_Bps"] if f else None
                                      for name, f in leaders.items()},
             "networks": {name: run["network"] for name, run in runs.items()}}
@@ -551,6 +580,17 @@ def _size(nbytes: float) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:g} {unit}"
     return f"{nbytes:g} B"
+
+
+def _suggestion(check: dict[str, Any]) -> str:
+    """The remedy's rate, from the check's two times (``rate_for_speedup``); older JSON lacks it."""
+    rate = check.get("suggested_rate_mbit")
+    if rate is None:
+        return ""
+    wire = 2.0 * (check["comm_s"] - check["double_comm_s"])
+    return (f"; by the split these two times imply ({check['comm_s'] - wire:.3f} s fixed, {wire:.3f} s on the wire "
+            f"at {check['rate_mbit']:g} Mbit/s), `--rate-mbit {math.floor(rate)}` or lower should give "
+            f"{SUGGESTED_SPEEDUP:g}x")
 
 
 def markdown(facts: dict[str, Any]) -> str:
@@ -592,7 +632,7 @@ def markdown(facts: dict[str, Any]) -> str:
             f"{check['bytes_per_step'] / 2**20:.2f} MiB/step) takes {check['comm_s']:.3f} s/step at "
             f"{check['rate_mbit']:g} Mbit/s per uplink and {check['double_comm_s']:.3f} s at "
             f"{check['double_rate_mbit']:g} Mbit/s: {check['speedup']:.2f}x faster (2x if purely "
-            f"network-bound, at least 1.7x required): "
+            f"network-bound, at least {NETWORK_BOUND_SPEEDUP:g}x required): "
             f"**{'network-bound' if check['network_bound'] else 'NOT network-bound'}**. Unshaped it takes "
             f"{check['unshaped_comm_s']:.3f} s ({100 * check['unshaped_share']:.0f}% of its time at "
             f"{check['rate_mbit']:g} Mbit/s): what CPU and per-message costs alone cost. Leader-to-leader ring "
@@ -602,7 +642,7 @@ def markdown(facts: dict[str, Any]) -> str:
                  ("unshaped", bandwidth["unshaped"])) if value) + "."
             + ("" if check["network_bound"] else " On this machine the CPU and per-message costs weigh too much at "
                "this rate for the model check to be one of the network: run again with a lower `--rate-mbit` (the "
-               "dense strategies then take longer)."), "",
+               "dense strategies then take longer)" + _suggestion(check) + "."), "",
             f"Every dense fp32 strategy of layout {check['layout']}:", "",
             f"| strategy | at {check['rate_mbit']:g} Mbit/s | at {check['double_rate_mbit']:g} Mbit/s | speed-up "
             "| unshaped | unshaped / at the rate |", "|---|---|---|---|---|---|"]
