@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from gradientflow_repro.harness import bench_cluster as bench
-from gradientflow_repro.harness.netemu import end_on_signals
+from gradientflow_repro.harness.netemu import run_script
 from gradientflow_repro.harness.progress import CannotContinue
 
 
@@ -63,7 +63,6 @@ def main() -> None:
     args = parser.parse_args()
     if len(set(args.layouts)) != len(args.layouts):
         parser.error(f"--layouts: each layout once ({' '.join(f'{w}x{n}' for w, n in args.layouts)})")
-    end_on_signals()
     try:
         text = bench.bench_cluster(args.out, args.json, args.rate_mbit, args.layouts, args.strategies, args.steps,
                                    args.warmup, emulate=not args.no_emulation, check=not args.no_check,
@@ -77,4 +76,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from gradientflow_repro.harness import convergence
-from gradientflow_repro.harness.netemu import end_on_signals
+from gradientflow_repro.harness.netemu import run_script
 
 
 def main() -> None:
@@ -44,7 +44,6 @@ def main() -> None:
         convergence.experiment_target(args.experiment)  # the preset exists
     except ValueError as error:
         parser.error(str(error))
-    end_on_signals()
     convergence.study(configs=configs, experiment=args.experiment, world=args.world, seeds=args.seeds,
                       targets=args.targets, runs_dir=args.runs_dir, out=args.out, overrides=args.overrides,
                       timeout_s=args.timeout_s, fresh=args.fresh,
@@ -52,4 +51,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from gradientflow_repro.comm.knobs import COMPARED
 from gradientflow_repro.harness import reproduce
-from gradientflow_repro.harness.netemu import end_on_signals
+from gradientflow_repro.harness.netemu import run_script
 from gradientflow_repro.harness.progress import CannotContinue
 
 
@@ -58,7 +58,6 @@ def main() -> None:
         reproduce.check_worlds_for(args.world, args.check_world)
     except ValueError as error:
         parser.error(f"--check-world: {error}")
-    end_on_signals()
     if args.report_only:
         reproduce.report_from(args.runs_dir, args.report)
         return
@@ -75,4 +74,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -300,6 +300,25 @@ def test_a_signal_unwinds_once_and_a_second_does_not_cut_the_clean_up_short(monk
             signal.signal(signum, handler)
 
 
+def test_ctrl_c_ends_a_script_with_130_and_no_traceback(tmp_path: Path) -> None:
+    """``run_script``: Ctrl-C unwinds the script (``finally`` runs, as the ranks' and the network's
+    clean-up does) and it exits as a shell reports SIGINT, without a traceback after its own last line."""
+    script = tmp_path / "long.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "from gradientflow_repro.harness.netemu import run_script\n"
+        "def main():\n"
+        "    try:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "        time.sleep(30)\n"
+        "    finally:\n"
+        "        print('cleaned up', flush=True)\n"
+        "run_script(main)\n")
+    done = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 128 + signal.SIGINT, done.stderr
+    assert done.stdout == "cleaned up\n" and "Traceback" not in done.stderr, done.stderr
+
+
 # ---------------------------------------------------------------- the comparison, short
 def _running_with(text: str) -> list[str]:
     """Command lines of this machine's processes that contain ``text``."""

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Optional, Sequence
+from typing import IO, Callable, Optional, Sequence
 
 PREFIX = "gfr"
 SUBNET = "10.77.0"
@@ -197,6 +197,18 @@ def unwind(signum: int, frame: object) -> None:
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     raise SystemExit(128 + signum)
+
+
+def run_script(main: Callable[[], None]) -> None:
+    """Run a long script's ``main`` under ``end_on_signals``. By the time a Ctrl-C has unwound it,
+    its ranks are ended, its network removed and what finished is kept and said
+    (``progress.Progress``), so it exits with 130 (128 + SIGINT, as a shell reports it) and no
+    traceback; other signals exit with 128 + their number (``unwind``)."""
+    end_on_signals()
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(128 + signal.SIGINT)
 
 
 def end_on_signals() -> None:
