@@ -11,7 +11,7 @@ network-bound check, after the first round). Every layout is launched 3 times in
 same command continues from the finished launches (--fresh discards them). Needs root for the
 emulation (else loopback, and the report says so). The logic: gradientflow_repro/harness/bench_cluster.py.
 
-    python scripts/bench_cluster.py [--rate-mbit 100] [--steps 7] [--layouts 8x4 8x2 4x2] [--launches 3]
+    python scripts/bench_cluster.py [--rate-mbit 50] [--steps 7] [--layouts 8x4 8x2 4x2] [--launches 3]
 """
 
 from __future__ import annotations
