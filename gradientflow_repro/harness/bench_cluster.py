@@ -521,6 +521,13 @@ NETWORK_BOUND_SPEEDUP = 1.7  # at twice the rate the largest dense strategy must
 SUGGESTED_SPEEDUP = 1.8  # what a suggested lower rate aims at: a margin over the requirement, for noise
 
 
+def _fixed_and_wire(at_rate_s: float, at_double_s: float) -> tuple[float, float]:
+    """The fixed part f and the wire part w of a step that takes f + w at some rate and f + w/2 at
+    twice it."""
+    wire = 2.0 * (at_rate_s - at_double_s)
+    return at_rate_s - wire, wire
+
+
 def rate_for_speedup(rate_mbit: float, at_rate_s: float, at_double_s: float,
                      speedup: float = SUGGESTED_SPEEDUP) -> Optional[float]:
     """The highest uplink rate at which a step measured at ``rate_mbit`` (``at_rate_s``) and at
@@ -529,8 +536,7 @@ def rate_for_speedup(rate_mbit: float, at_rate_s: float, at_double_s: float,
     t = f + w, t2 = f + w/2. At rate r the wire part is w * rate_mbit / r, and (f + w') / (f + w'/2)
     >= s needs w' >= f (s - 1) / (1 - s/2). None when the two times show no wire part, ``rate_mbit``
     itself when they show no fixed part."""
-    wire = 2.0 * (at_rate_s - at_double_s)
-    fixed = at_rate_s - wire
+    fixed, wire = _fixed_and_wire(at_rate_s, at_double_s)
     if wire <= 0 or not 1.0 < speedup < 2.0:
         return None
     if fixed <= 0:
@@ -589,8 +595,8 @@ def _suggestion(check: dict[str, Any]) -> str:
     rate = check.get("suggested_rate_mbit")
     if rate is None:
         return ""
-    wire = 2.0 * (check["comm_s"] - check["double_comm_s"])
-    return (f"; by the split these two times imply ({check['comm_s'] - wire:.3f} s fixed, {wire:.3f} s on the wire "
+    fixed, wire = _fixed_and_wire(check["comm_s"], check["double_comm_s"])
+    return (f"; by the split these two times imply ({fixed:.3f} s fixed, {wire:.3f} s on the wire "
             f"at {check['rate_mbit']:g} Mbit/s), `--rate-mbit {math.floor(rate)}` or lower should give "
             f"{SUGGESTED_SPEEDUP:g}x")
 
