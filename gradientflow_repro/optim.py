@@ -24,6 +24,9 @@ if TYPE_CHECKING:  # only for hints: the GPU check imports this module where Hyd
     from gradientflow_repro.config import OptimConfig
 
 
+_TIMM_OPTIM = "gradientflow_repro._timm_optim"  # the private package timm's optim folder is loaded as
+
+
 def _timm_lars() -> type[torch.optim.Optimizer]:
     """timm's ``Lars`` class, without running timm's package ``__init__``. That imports timm's model
     zoo and through it torchvision and ``torch._dynamo``: 3-4 s per process on a 2-core CPU, paid by
@@ -44,7 +47,6 @@ def _timm_lars() -> type[torch.optim.Optimizer]:
     return importlib.import_module(f"{_TIMM_OPTIM}.lars").Lars
 
 
-_TIMM_OPTIM = "gradientflow_repro._timm_optim"
 Lars = _timm_lars()
 
 
