@@ -1,5 +1,6 @@
-"""Shared helpers: the embedded dataset, launching real multi-process training with torchrun, and
-(from ``gradientflow_repro.harness.world``) ``spawn`` and ``free_port`` for gloo processes."""
+"""Shared helpers: the embedded dataset, launching real multi-process training with torchrun or as
+``make reproduce`` does (``train``), and (from ``gradientflow_repro.harness.world``) ``spawn`` and
+``free_port`` for gloo processes."""
 
 from __future__ import annotations
 
@@ -64,6 +65,19 @@ def torchrun(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 2
         raise AssertionError(f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
                              f"{result.stderr[-6000:]}")
     return result
+
+
+def train(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 240) -> str:
+    """A training launch on loopback by ``harness.launch.run_ranks``, as ``make reproduce`` launches
+    its ranks: the environment torchrun gives (rank, local rank, world size, master), one thread per
+    rank, wandb offline, this CPU's precision override. The ranks are forked from this process
+    (``harness.preloaded``) where that is safe, so they skip seconds of imports each; tests of what
+    torchrun itself does (the entry point, a lost rank, signals) use ``torchrun``. Returns rank 0's
+    output; a failed rank fails with every failed rank's last lines."""
+    from gradientflow_repro.harness.launch import run_ranks
+
+    run_ranks(nproc, [f"run_dir={run_dir}", *for_this_cpu(overrides)], run_dir, "train", None, timeout, show=False)
+    return (run_dir / "rank0.log").read_text()
 
 
 def wandb_history_keys(wandb_file: Path) -> set[str]:

@@ -41,7 +41,7 @@ from mlperf_logging import compliance_checker
 
 from gradientflow_repro.mlperf_log import MlperfLog
 
-from conftest import REPO, torchrun
+from conftest import REPO, train
 
 RULESET = "4.0.0"
 CLOSED_CONFIG = f"training_{RULESET}/closed_common.yaml"
@@ -66,8 +66,8 @@ RUN = ["+experiment=digits_cpu", "model.name=resnet50", "data=synthetic", "data.
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     run_dir = tmp_path_factory.mktemp("mlperf") / "run"
-    result = torchrun(2, RUN, run_dir)
-    return run_dir, result.stdout
+    train(2, RUN, run_dir)
+    return run_dir, "".join((run_dir / f"rank{rank}.log").read_text() for rank in range(2))
 
 
 def events(log: Path) -> list[dict]:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
-from gradientflow_repro.harness import netemu
+from gradientflow_repro.harness import netemu, preloaded
 from gradientflow_repro.harness.launch import network, run_ranks
 
 # Each rank: its node's namespace, its local rank, the address gloo bound to; then rank 0 times an
@@ -45,7 +46,18 @@ run_rank(probe, int(os.environ['RANK']), int(os.environ['WORLD_SIZE']), 'env://'
 """
 
 
-def test_two_nodes_of_two_ranks_share_a_shaped_uplink_and_talk_inside_unshaped(tmp_path: Path) -> None:
+@pytest.mark.parametrize("started", ["interpreter", "forked"])
+def test_two_nodes_of_two_ranks_share_a_shaped_uplink_and_talk_inside_unshaped(
+        started: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank a fresh interpreter (``-c``), or forked from this process into its node's
+    namespace (``-m``, ``harness.preloaded``), as training ranks are."""
+    module: tuple[str, ...] = ("-c", PROBE)
+    if started == "forked":
+        (tmp_path / "netemu_probe.py").write_text(PROBE)
+        monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path)])  # the ranks' sys.path is ours
+        module = ("-m", "netemu_probe")
+        # this test process may run torch's compute threads (earlier tests); the probe's ranks use one
+        monkeypatch.setattr(preloaded, "_threads_after_preload", 10 ** 6)
     reason = netemu.why_unavailable()
     if reason:
         if os.environ.get("REQUIRE_NETEMU_TESTS") == "1":
@@ -57,7 +69,8 @@ def test_two_nodes_of_two_ranks_share_a_shaped_uplink_and_talk_inside_unshaped(t
         assert set(netemu.namespaces(net.prefix)) == {f"{net.prefix}sw", f"{net.prefix}n0", f"{net.prefix}n1"}
         assert [net.address(r) for r in range(4)] == ["10.77.0.1", "10.77.0.1", "10.77.0.2", "10.77.0.2"]
         assert net.namespace(1) == net.namespace(0) != net.namespace(2) == net.namespace(3)
-        run_ranks(4, [], tmp_path, "probe", net, timeout_s=120, show=False, module=("-c", PROBE))
+        run_ranks(4, [], tmp_path, "probe", net, timeout_s=120, show=False, module=module)
+        assert all(isinstance(p, preloaded.ForkedRank) == (started == "forked") for p in net.processes)
         line = next(line for line in (tmp_path / "rank0.log").read_text().splitlines() if line.startswith("[probe]"))
         result = json.loads(line[len("[probe] "):])
         payload_Bps = net.payload_Bps

@@ -16,7 +16,7 @@ from gradientflow_repro.checkpoint import complete_checkpoints
 from gradientflow_repro.preemption import EXIT_REQUEUE, StopRequests
 from gradientflow_repro.tracking import read_records
 
-from conftest import FAST, REPO, final_params, torchrun, torchrun_command
+from conftest import FAST, REPO, final_params, torchrun, torchrun_command, train
 
 
 def _children(pid: int) -> list[int]:
@@ -59,7 +59,7 @@ def test_signal_to_one_rank_checkpoints_all_and_resumes_exactly(tmp_path: Path, 
     common = [*FAST, f"data.root={digits_root}", "global_batch_size=128", "epochs=3",
               "optim.warmup_epochs=1", "eval_every_epochs=1", "save_final_params=true",
               "deterministic=true", "checkpoint.every_epochs=100"]
-    torchrun(world, common, tmp_path / "straight")
+    train(world, common, tmp_path / "straight")  # the reference: launched as make reproduce does
 
     run_dir = tmp_path / "preempted"
     job = _start(world, common, run_dir)

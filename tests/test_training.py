@@ -1,4 +1,6 @@
-"""Real multi-process training: torchrun with gloo ranks on this machine, the actual entry point."""
+"""Real multi-process training with gloo ranks on this machine: under torchrun, the actual entry
+point (the first test); the rest launched as ``make reproduce`` launches (``conftest.train``: the same
+module, environment and ranks, forked from the test process to skip each rank's imports)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 from gradientflow_repro.harness.wandb_report import PANELS, X_AXIS
 from gradientflow_repro.tracking import read_records
 
-from conftest import FAST, final_params, torchrun, wandb_history_keys
+from conftest import FAST, final_params, torchrun, train, wandb_history_keys
 
 
 def params_only(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -57,8 +59,8 @@ def test_allreduce_and_ddp_leave_the_same_parameters(world: int, tmp_path: Path,
     common = [*FAST, f"data.root={digits_root}", "global_batch_size=64", "epochs=1",
               "optim.warmup_epochs=0.5", "max_steps=3", "precision=fp32", "save_final_params=true",
               "model.dropout=0"]
-    torchrun(world, [*common, "comm=allreduce"], tmp_path / "allreduce")
-    torchrun(world, [*common, "comm=ddp"], tmp_path / "ddp")
+    train(world, [*common, "comm=allreduce"], tmp_path / "allreduce")
+    train(world, [*common, "comm=ddp"], tmp_path / "ddp")
     for rank in range(world):
         a = params_only(final_params(tmp_path / "allreduce", rank))
         b = params_only(final_params(tmp_path / "ddp", rank))
@@ -77,14 +79,14 @@ def test_interrupted_run_resumes_to_exactly_the_same_parameters(comm: list[str],
     common = [*FAST, f"data.root={digits_root}", "global_batch_size=128", "epochs=2",
               "optim.warmup_epochs=1", "eval_every_epochs=1", "save_final_params=true",
               "deterministic=true", *comm]
-    torchrun(world, common, tmp_path / "straight")
-    torchrun(world, [*common, "max_steps=15"], tmp_path / "cut")  # stops mid-epoch 2, checkpoints
+    train(world, common, tmp_path / "straight")
+    train(world, [*common, "max_steps=15"], tmp_path / "cut")  # stops mid-epoch 2, checkpoints
     assert (tmp_path / "cut" / "checkpoints" / "step_000000015").is_dir()
     if comm:  # the cut is in CSC's sparse phase: it holds the optimizer settings it took over
         saved = torch.load(tmp_path / "cut" / "checkpoints" / "step_000000015" / "rank_00000.pt", weights_only=False)
         assert saved["comm"]["optimizer_taken"] is not None, "the cut is not in CSC's sparse phase"
-    resumed = torchrun(world, common, tmp_path / "cut")
-    assert "resumed from" in resumed.stdout and "at step 15" in resumed.stdout
+    resumed = train(world, common, tmp_path / "cut")
+    assert "resumed from" in resumed and "at step 15" in resumed
     for rank in range(world):
         a, b = final_params(tmp_path / "straight", rank), final_params(tmp_path / "cut", rank)
         assert a.keys() == b.keys()
@@ -106,12 +108,12 @@ def test_paper_strategies_leave_the_same_parameters_as_allreduce(tmp_path: Path,
     common = [*FAST, f"data.root={digits_root}", "global_batch_size=64", "epochs=1",
               "optim.warmup_epochs=0.5", "max_steps=3", "precision=fp32", "save_final_params=true",
               "comm.bucket_mb=0.1", "comm.segment_kb=64", "model.dropout=0"]
-    torchrun(world, [*common, "comm=allreduce"], tmp_path / "allreduce")
+    train(world, [*common, "comm=allreduce"], tmp_path / "allreduce")
     reference = [params_only(final_params(tmp_path / "allreduce", r)) for r in range(world)]
     runs = {"ring": [], "lazy": [], "hierarchical": ["comm.ranks_per_node=2"],
             "gradientflow": ["comm.density=1.0", "comm.chunk_size=1000"]}
     for strategy, extra in runs.items():
-        torchrun(world, [*common, f"comm={strategy}", *extra], tmp_path / strategy)
+        train(world, [*common, f"comm={strategy}", *extra], tmp_path / strategy)
         # fp16 gradients differ from fp32 by 2^-11 relative, which small-batch BatchNorm amplifies
         rtol, atol = (2e-2, 5e-3) if strategy == "gradientflow" else (1e-4, 1e-6)
         for rank in range(world):
@@ -122,7 +124,7 @@ def test_paper_strategies_leave_the_same_parameters_as_allreduce(tmp_path: Path,
         summary = json.loads((tmp_path / strategy / "summary.json").read_text())
         assert summary["bytes_per_step"] > 0 and summary["collectives_per_step"] > 0
     # and tightly: the same stack with an fp32 wire matches allreduce to float rounding
-    torchrun(world, [*common, "comm=gradientflow", "comm.wire=fp32", "comm.density=1.0"],
+    train(world, [*common, "comm=gradientflow", "comm.wire=fp32", "comm.density=1.0"],
              tmp_path / "gradientflow_fp32")
     for rank in range(world):
         mine = params_only(final_params(tmp_path / "gradientflow_fp32", rank))
@@ -133,7 +135,7 @@ def test_paper_strategies_leave_the_same_parameters_as_allreduce(tmp_path: Path,
 def test_gradientflow_at_density_0_1_reaches_the_digits_target(tmp_path: Path, digits_root: Path) -> None:
     """The paper's full stack (ring, fp16 wire, lazy pool with overlap, CSC sending 10% of the
     chunks after one dense epoch) still trains the embedded digits to the experiment's target (97% top-1)."""
-    torchrun(4, ["+experiment=digits_cpu", "comm=gradientflow", "comm.density=0.1",
+    train(4, ["+experiment=digits_cpu", "comm=gradientflow", "comm.density=0.1",
                  "comm.chunk_size=4096", "logger=jsonl", "logger.log_every=11", f"data.root={digits_root}"],
              tmp_path / "run", timeout=420)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -6,7 +6,9 @@ rank's output in ``rank<r>.log``, and ends every rank when one fails or the dead
 it raises with the failed ranks' last lines): nothing waits forever. ``network`` is the emulated
 network (``harness.netemu``) when it can be had, else nothing (loopback); with ``ranks_per_node``
 G > 1 it emulates nodes of G ranks sharing one shaped uplink, and each rank is told its place in
-its node as torchrun would (LOCAL_RANK = rank % G, LOCAL_WORLD_SIZE = G).
+its node as torchrun would (LOCAL_RANK = rank % G, LOCAL_WORLD_SIZE = G). Ranks of a module are
+forked from this process, which imports torch and the rest once (``harness.preloaded``), where that
+is safe; elsewhere, and for other programs, each is a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Optional, Sequence
 
-from gradientflow_repro.harness import REPO, netemu
+from gradientflow_repro.harness import REPO, netemu, preloaded
 
 TRAIN = ("-m", "gradientflow_repro.train")
 
@@ -35,7 +37,7 @@ def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
     port = 29400 + (os.getpid() + int(time.time())) % 2000
     master = net.address(0) if net else "127.0.0.1"
     logs: list[IO[str]] = []
-    processes: list[subprocess.Popen] = []
+    processes: list[subprocess.Popen | preloaded.ForkedRank] = []
     deadline = time.monotonic() + timeout_s
     stop = threading.Event()
 
@@ -47,6 +49,8 @@ def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
                     netemu.kill_group(process, grace_s=2.0)
                 return
 
+    forked = preloaded.fork_available(module)  # decided once: every rank of a launch starts alike
+    guard: Optional[threading.Thread] = None
     try:  # from the first rank on: whatever stops this launch ends the ranks started so far
         nodes_of_several = net is not None and net.ranks_per_node > 1
         for rank in range(world):
@@ -57,15 +61,10 @@ def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
                    "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": master, "MASTER_PORT": str(port),
                    "OMP_NUM_THREADS": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"),
                    "PYTHONUNBUFFERED": "1"}
-            argv = [sys.executable, *module, *overrides]
             log = open(run_dir / f"rank{rank}.log", "w")
             logs.append(log)
-            stdout = subprocess.PIPE if rank == 0 else log
-            if net:
-                processes.append(net.launch(rank, argv, env, stdout, cwd=REPO))
-            else:
-                processes.append(subprocess.Popen(argv, env=env, cwd=REPO, stdout=stdout, text=True,
-                                                  stderr=subprocess.STDOUT, start_new_session=True))
+            processes.append(start_rank(rank, module, overrides, env, subprocess.PIPE if rank == 0 else log, net,
+                                        forked))
         guard = threading.Thread(target=watchdog, daemon=True)
         guard.start()
         for line in processes[0].stdout:  # rank 0's progress, as it comes
@@ -87,6 +86,26 @@ def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
             netemu.kill_group(process)
         for log in logs:
             log.close()
+        if guard is not None:
+            guard.join(timeout=5)  # gone before the next launch forks (preloaded.fork_available)
+
+
+def start_rank(rank: int, module: Sequence[str], overrides: Sequence[str], env: dict[str, str],
+               stdout: IO[str] | int, net: Optional[netemu.EmulatedNetwork],
+               forked: bool) -> "subprocess.Popen | preloaded.ForkedRank":
+    """Start one rank of ``python *module *overrides`` with ``env``, in ``rank``'s network namespace
+    if ``net``, in a session of its own, output and errors to ``stdout``: ``forked`` from this
+    process (``harness.preloaded``), else as a fresh interpreter."""
+    if forked:
+        rank_env = net.rank_env(env) if net else env
+        process = preloaded.fork_rank(module[1], overrides, rank_env, stdout, REPO,
+                                      net.namespace_file(rank) if net else None)
+        return net.adopt(process) if net else process
+    argv = [sys.executable, *module, *overrides]
+    if net:
+        return net.launch(rank, argv, env, stdout, cwd=REPO)
+    return subprocess.Popen(argv, env=env, cwd=REPO, stdout=stdout, text=True, stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 def tail(path: Path, lines: int = 15) -> str:

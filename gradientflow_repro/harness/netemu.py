@@ -28,9 +28,13 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Callable, Optional, Sequence
+from typing import IO, TYPE_CHECKING, Callable, Optional, Sequence
+
+if TYPE_CHECKING:
+    from gradientflow_repro.harness import preloaded
 
 PREFIX = "gfr"
+NETNS_DIR = Path("/var/run/netns")  # where `ip netns add` binds each namespace
 SUBNET = "10.77.0"
 # tbf counts whole Ethernet frames (1514 bytes carry 1448 of TCP payload at MTU 1500)
 FRAME_EFFICIENCY = 1448 / 1514
@@ -134,12 +138,25 @@ class EmulatedNetwork:
     def launch(self, rank: int, argv: Sequence[str], env: dict[str, str], stdout: IO | int,
                cwd: Optional[Path] = None) -> subprocess.Popen:
         """Start ``argv`` in the namespace of ``rank``'s node, in a new process group (killed on
-        close). GLOO_SOCKET_IFNAME=eth0 makes gloo bind to the node's address, which the node's
-        other ranks reach over loopback and other nodes through the shaped uplink."""
+        close), with ``rank_env(env)``."""
         command = ["ip", "netns", "exec", self.namespace(rank), *argv]
-        process = subprocess.Popen(command, env={**env, "GLOO_SOCKET_IFNAME": "eth0"}, cwd=cwd,
-                                   stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True,
-                                   text=True)
+        process = subprocess.Popen(command, env=self.rank_env(env), cwd=cwd, stdout=stdout,
+                                   stderr=subprocess.STDOUT, start_new_session=True, text=True)
+        return self.adopt(process)
+
+    @staticmethod
+    def rank_env(env: dict[str, str]) -> dict[str, str]:
+        """``env`` for a rank in a node: GLOO_SOCKET_IFNAME=eth0 makes gloo bind to the node's
+        address, which the node's other ranks reach over loopback and other nodes through the
+        shaped uplink."""
+        return {**env, "GLOO_SOCKET_IFNAME": "eth0"}
+
+    def namespace_file(self, rank: int) -> Path:
+        """Where ``ip netns`` keeps the namespace of ``rank``'s node (what ``setns`` enters)."""
+        return NETNS_DIR / self.namespace(rank)
+
+    def adopt(self, process: "subprocess.Popen | preloaded.ForkedRank") -> "subprocess.Popen | preloaded.ForkedRank":
+        """Count ``process``, started into one of the namespaces, among those killed on close."""
         self.processes.append(process)
         return process
 

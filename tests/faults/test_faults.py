@@ -16,7 +16,7 @@ from PIL import Image
 from gradientflow_repro.checkpoint import complete_checkpoints, find_resumable
 from gradientflow_repro.tracking import read_records
 
-from conftest import FAST, final_params, torchrun
+from conftest import FAST, final_params, torchrun, train
 
 COMMON = [*FAST, "global_batch_size=96", "epochs=3", "optim.warmup_epochs=1", "eval_every_epochs=1",
           "dist_timeout_s=30", "save_final_params=true"]
@@ -158,7 +158,7 @@ def test_rank_death_under_torchrun_leaves_finished_params_of_a_resumed_run_exact
     """Nothing is lost: after a rank dies, resuming ends with the parameters of a run that never
     failed (deterministic CPU training)."""
     overrides = [*COMMON, f"data.root={digits_root}", "checkpoint.every_epochs=1", "deterministic=true"]
-    torchrun(2, overrides, tmp_path / "straight")
+    train(2, overrides, tmp_path / "straight")
     failed, _ = _run(2, overrides, tmp_path / "failed", "kill@forward:rank=0:step=20")
     assert failed.returncode != 0
     resumed, _ = _run(2, overrides, tmp_path / "failed")

@@ -1,0 +1,247 @@
+"""Ranks forked from the launching process, which has imported torch once, instead of started as
+fresh interpreters.
+
+A rank's first seconds go to importing torch, Hydra, DALI, wandb and this package: about 3 s of CPU
+per rank at every launch, so four ranks on two cores wait some 6 s before their first step, and a
+reproduction launches its ranks about fifty times. Here the launching process imports those modules
+once (``preload``) and each rank is a ``fork`` of it that then becomes what ``python -m MODULE
+ARGS`` would have been: a session (process group) of its own, its node's network namespace
+(``setns``, as ``ip netns exec`` does), its output on the file given, exactly the environment
+given, signal and exit handlers as a fresh interpreter has them, the module run as ``__main__``
+(``runpy``, as ``-m`` does), that command line in ``ps`` (``setproctitle``) and the
+interpreter's exit status. ``ForkedRank`` offers what
+``launch.run_ranks`` and ``netemu.kill_group`` use of a ``subprocess.Popen``.
+
+Forked only where that is safe (``fork_available``): on Linux, where no GPU device exists (a CUDA
+or ROCm context does not survive a fork, and a launcher that asked torch about GPUs may hold one),
+while the launcher runs no other thread than importing started (a fork copies only the caller's
+thread, and with it any lock another one held), for ranks started as ``-m MODULE``; and not where ``LAUNCH_RANKS=exec``
+asks for fresh interpreters. Elsewhere ``launch.run_ranks`` starts them as before. What the
+launcher had already written to its own output is flushed before the fork, so it is not repeated.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import faulthandler
+import importlib
+import io
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import IO, Optional, Sequence
+
+# What a training rank, the network measurement and the cluster benchmark import (the rest they
+# import is small). Importing them starts no Python thread and touches no GPU.
+PRELOAD = ("torch", "torch.distributed", "hydra", "omegaconf", "nvidia.dali", "wandb",
+           "gradientflow_repro.engine", "gradientflow_repro.checkpoint", "gradientflow_repro.distributed",
+           "gradientflow_repro.comm.factory")
+GPU_DEVICES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")  # NVIDIA's and AMD's
+CLONE_NEWNET = 0x40000000
+
+
+def fork_available(module: Sequence[str]) -> bool:
+    """Whether ranks of ``module`` (``("-m", NAME)`` or other interpreter arguments) may be forked
+    from this process (the module's docstring says when); if so, ``PRELOAD`` is imported now."""
+    if not (sys.platform == "linux" and len(module) == 2 and module[0] == "-m"
+            and os.environ.get("LAUNCH_RANKS", "fork") != "exec"
+            and not any(os.path.exists(device) for device in GPU_DEVICES)):
+        return False
+    preload()
+    # one Python thread, and no native thread beyond what importing started (torch's compute
+    # threads, once started by an operation here, would be copied mid-work)
+    return threading.active_count() == 1 and _threads() <= _threads_after_preload
+
+
+_threads_after_preload: Optional[int] = None  # set by preload()
+
+
+def preload() -> None:
+    """Import ``PRELOAD`` here, once; a module that cannot be imported is left to the rank."""
+    global _threads_after_preload
+    if _threads_after_preload is not None:
+        return
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    _threads_after_preload = _threads()
+
+
+def _threads() -> int:
+    """Threads of this process, native ones included."""
+    return len(os.listdir("/proc/self/task"))
+
+
+class ForkedRank:
+    """A forked rank, seen as ``subprocess.Popen`` sees a child: ``pid`` (also its process group),
+    ``stdout`` (a pipe's reading end, or None), ``poll()``, ``wait(timeout)`` and ``returncode``
+    (negative: the signal that ended it). Safe to poll from two threads."""
+
+    def __init__(self, pid: int, stdout: Optional[IO[str]], args: list[str]) -> None:
+        self.pid, self.stdout, self.args = pid, stdout, args
+        self.returncode: Optional[int] = None
+        self._lock = threading.Lock()
+
+    def poll(self) -> Optional[int]:
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # reaped by someone else: its status is lost
+                    pid, status = self.pid, 255 << 8
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+
+def fork_rank(module: str, args: Sequence[str], env: dict[str, str], stdout: IO[str] | int,
+              cwd: Path, namespace: Optional[Path] = None) -> ForkedRank:
+    """Fork a rank that runs ``python -m module *args`` with exactly ``env``, in ``cwd``, in the
+    network namespace bound at ``namespace`` (``/var/run/netns/NAME``) if given, writing its output
+    and errors to ``stdout`` (an open file, or ``subprocess.PIPE``: then ``ForkedRank.stdout``
+    reads it). Returns once the rank runs in its own session and namespace; raises if it could not
+    get there (the rank is then gone). Its ``sys.path`` is this process's, the working directory first."""
+    preload()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # else the rank would write the launcher's buffered lines again
+    read_end = write_end = None
+    if stdout == subprocess.PIPE:
+        read_end, write_end = os.pipe()
+        out_fd = write_end
+    else:
+        out_fd = stdout.fileno()
+    ready_read, ready_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the rank: never returns
+        os.close(ready_read)
+        _become(module, list(args), env, out_fd, cwd, namespace, ready_write)
+    os.close(ready_write)
+    if write_end is not None:
+        os.close(write_end)
+    with os.fdopen(ready_read, "rb") as ready:
+        said = ready.read()  # empty: the rank closed the pipe without a word (it died)
+    rank = ForkedRank(pid, None if read_end is None else os.fdopen(read_end, "r", errors="replace"),
+                      [sys.executable, "-m", module, *args])
+    if said != b"ok":
+        rank.wait(timeout=10)
+        if rank.stdout:
+            rank.stdout.close()
+        raise RuntimeError(f"a rank of {module} could not start: "
+                           f"{said.decode(errors='replace') or f'exit {rank.returncode}'}")
+    return rank
+
+
+def _become(module: str, args: list[str], env: dict[str, str], out_fd: int, cwd: Path,
+            namespace: Optional[Path], ready: int) -> None:
+    """In the forked child: become ``python -m module *args`` and exit with its status."""
+    try:
+        os.setsid()  # its own process group, so that ending it ends what it starts
+        if namespace is not None:
+            with open(namespace, "rb") as handle:  # as `ip netns exec` does
+                if ctypes.CDLL(None, use_errno=True).setns(handle.fileno(), CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns({namespace})")
+        os.chdir(cwd)
+        os.dup2(out_fd, 1)
+        os.dup2(out_fd, 2)
+        _fresh_signals()
+        os.write(ready, b"ok")
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # as subprocess's close_fds: nothing of the launcher's
+    except BaseException as error:  # noqa: BLE001 - the launcher reports it
+        try:
+            os.write(ready, f"{type(error).__name__}: {error}".encode())
+        finally:
+            os._exit(127)
+    code = 1
+    try:
+        sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True,
+                                                       write_through=True)
+        sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), errors="backslashreplace",
+                                                       line_buffering=True, write_through=True)
+        _show_command([sys.executable, "-m", module, *args])  # first: it finds its room next to the environment
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv = [module, *args]
+        sys.path[0] = str(cwd)  # as `python -m` puts the working directory first
+        atexit._clear()  # the launcher's exit handlers are not the rank's
+        faulthandler.disable()
+        _forget_hydra()
+        sys.modules.pop(module, None)  # run anew as __main__, as -m does
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as stop:
+        code = _exit_status(stop.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = 128 + signal.SIGINT
+    except BaseException:  # noqa: BLE001 - printed as the interpreter prints an uncaught error
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            threading._shutdown()  # as the interpreter's exit: wait for the rank's own threads
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _fresh_signals() -> None:
+    """Every signal's handler as a fresh interpreter has it: Python's own for SIGINT, SIGPIPE and
+    SIGXFSZ ignored, the system's default for the rest (the launcher's unwinding handlers are not
+    the rank's); no signal blocked."""
+    for signum in signal.valid_signals():
+        if signum in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            signal.signal(signum, signal.SIG_DFL)
+        except (OSError, ValueError, RuntimeError):
+            pass
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def _show_command(argv: list[str]) -> None:
+    """Show ``argv`` as this process's command line (``ps``, ``/proc/PID/cmdline``), as a fresh
+    interpreter's would read, instead of the launcher's; cut to the room the launcher's had."""
+    try:
+        from setproctitle import setproctitle
+    except ImportError:  # a requirement; without it, ps shows the launcher's command line
+        return
+    setproctitle(" ".join(argv))
+
+
+def _forget_hydra() -> None:
+    """A launcher that composed a config holds Hydra's global state; ``@hydra.main`` starts anew."""
+    hydra_core = sys.modules.get("hydra.core.global_hydra")
+    if hydra_core is not None:
+        hydra_core.GlobalHydra.instance().clear()
+
+
+def _exit_status(code: object) -> int:
+    """What the interpreter exits with for ``sys.exit(code)``."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
