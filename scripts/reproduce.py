@@ -45,8 +45,9 @@ def main() -> None:
     parser.add_argument("--report", type=Path, default=reproduce.REPORT)
     parser.add_argument("--timeout-s", type=float, default=600, help="per training run")
     parser.add_argument("--check-steps", type=int, default=24, help="steps of each step-time run")
-    parser.add_argument("--check-repeats", type=int, default=3, help="step-time runs per strategy and world size")
-    parser.add_argument("--netbench-launches", type=int, default=3,
+    parser.add_argument("--check-repeats", type=int, default=reproduce.CHECK_REPEATS,
+                        help="step-time runs per strategy and world size")
+    parser.add_argument("--netbench-launches", type=int, default=reproduce.NETBENCH_LAUNCHES,
                         help="launches of the network measurement per world size (figures are averaged)")
     parser.add_argument("--fresh", action="store_true",
                         help="discard an unfinished reproduction in --runs-dir and start over")

@@ -97,6 +97,11 @@ def check_job(label: str, world: int, repeat: int) -> Job:
 
 
 DEFAULT_CHECK_WORLDS = (2,)  # the model's check at a second world size (short step-time runs)
+# Repeats of the measurements around the ladder, two each: the model's step-time runs per strategy
+# and world size (their median) and launches of the network measurement (their mean). With three
+# each they took 9.6 of the 26.7 minutes of the 49c474e run on a slow 2-core machine (the budget is 20).
+CHECK_REPEATS = 2
+NETBENCH_LAUNCHES = 2
 
 
 def check_worlds_for(world: int, check_worlds: Optional[Sequence[int]]) -> list[int]:
@@ -113,7 +118,7 @@ def check_worlds_for(world: int, check_worlds: Optional[Sequence[int]]) -> list[
 def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: Optional[Sequence[int]] = None,
               repeats: int = 3, rungs: Sequence[str] = tuple(knobs.COMPARED), rate_mbit: Optional[float] = None,
               emulate: bool = True, runs_dir: Path = RUNS_DIR, report: Path = REPORT, timeout_s: float = 600,
-              check_steps: int = 24, check_repeats: int = 3, netbench_launches: int = 3,
+              check_steps: int = 24, check_repeats: int = CHECK_REPEATS, netbench_launches: int = NETBENCH_LAUNCHES,
               overrides: Sequence[str] = (), fresh: bool = False,
               command: str = "python scripts/reproduce.py") -> None:
     """Run the whole comparison into ``runs_dir`` and write ``report``. Repeat r trains every
