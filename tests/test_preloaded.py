@@ -35,6 +35,8 @@ if how == "raise":
     raise ValueError("raised in the rank")
 if how == "wait":
     time.sleep(60)
+if how == "interrupt":
+    raise KeyboardInterrupt
 sys.exit(int(how))
 """
 
@@ -76,6 +78,21 @@ def test_errors_and_signals_end_a_forked_rank_as_they_end_an_interpreter(probe_m
         assert failed.wait(timeout=30) == 1 and failed.stdout is None
     text = log.read_text()
     assert "Traceback (most recent call last)" in text and "ValueError: raised in the rank" in text
+    interrupted = preloaded.fork_rank(probe_module, ["interrupt"], {}, subprocess.PIPE, tmp_path)
+    assert interrupted.wait(timeout=30) == -signal.SIGINT  # as CPython ends on an uncaught Ctrl-C
+    assert "KeyboardInterrupt" in interrupted.stdout.read()
+    interrupted.stdout.close()
+    # the launcher's multiprocessing children are its own: a rank's exit leaves them be
+    import multiprocessing
+    helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+    helper.start()
+    try:
+        with open(tmp_path / "quick.log", "w") as out:
+            assert preloaded.fork_rank(probe_module, ["0"], {}, out, tmp_path).wait(timeout=30) == 0
+        assert helper.is_alive()
+    finally:
+        helper.kill()
+        helper.join()
     waiting = preloaded.fork_rank(probe_module, ["wait"], {}, subprocess.PIPE, tmp_path)
     assert waiting.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):

@@ -87,7 +87,7 @@ def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
         for log in logs:
             log.close()
         if guard is not None:
-            guard.join(timeout=5)  # gone before the next launch forks (preloaded.fork_available)
+            guard.join(timeout=60)  # gone before the next launch forks (preloaded.fork_available)
 
 
 def start_rank(rank: int, module: Sequence[str], overrides: Sequence[str], env: dict[str, str],

@@ -25,10 +25,12 @@ from __future__ import annotations
 import atexit
 import ctypes
 import faulthandler
+import gc
 import importlib
 import io
 import os
 import runpy
+import select
 import signal
 import subprocess
 import sys
@@ -44,6 +46,8 @@ PRELOAD = ("torch", "torch.distributed", "hydra", "omegaconf", "nvidia.dali", "w
            "gradientflow_repro.engine", "gradientflow_repro.checkpoint", "gradientflow_repro.distributed",
            "gradientflow_repro.comm.factory")
 GPU_DEVICES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")  # NVIDIA's and AMD's
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # held back while a rank is forked
+HANDSHAKE_S = 30.0  # from fork to the rank in its session and namespace: milliseconds
 CLONE_NEWNET = 0x40000000
 
 
@@ -128,17 +132,37 @@ def fork_rank(module: str, args: Sequence[str], env: dict[str, str], stdout: IO[
     else:
         out_fd = stdout.fileno()
     ready_read, ready_write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the rank: never returns
-        os.close(ready_read)
-        _become(module, list(args), env, out_fd, cwd, namespace, ready_write)
-    os.close(ready_write)
-    if write_end is not None:
-        os.close(write_end)
-    with os.fdopen(ready_read, "rb") as ready:
-        said = ready.read()  # empty: the rank closed the pipe without a word (it died)
-    rank = ForkedRank(pid, None if read_end is None else os.fdopen(read_end, "r", errors="replace"),
-                      [sys.executable, "-m", module, *args])
+    gc.collect()  # what is garbage now is the launcher's to finalize, not the rank's (it freezes the rest)
+    # a stop signal waits until the rank is accounted for: else its unwinding could lose the rank
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    pid = None
+    try:
+        pid = os.fork()
+        if pid == 0:  # the rank: never returns
+            os.close(ready_read)
+            _become(module, list(args), env, out_fd, cwd, namespace, ready_write)
+        os.close(ready_write)
+        ready_write = None
+        if write_end is not None:
+            os.close(write_end)
+            write_end = None
+        with os.fdopen(ready_read, "rb") as ready:
+            ready_read = None
+            if not select.select([ready], [], [], HANDSHAKE_S)[0]:
+                raise RuntimeError(f"a rank of {module} did not start within {HANDSHAKE_S:.0f} s")
+            said = ready.read()  # empty: the rank closed the pipe without a word (it died)
+        rank = ForkedRank(pid, None if read_end is None else os.fdopen(read_end, "r", errors="replace"),
+                          [sys.executable, "-m", module, *args])
+    except BaseException:
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        for fd in (ready_read, ready_write, read_end, write_end):
+            if fd is not None:
+                os.close(fd)
+        raise
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     if said != b"ok":
         rank.wait(timeout=10)
         if rank.stdout:
@@ -179,8 +203,7 @@ def _become(module: str, args: list[str], env: dict[str, str], out_fd: int, cwd:
         os.environ.update(env)
         sys.argv = [module, *args]
         sys.path[0] = str(cwd)  # as `python -m` puts the working directory first
-        atexit._clear()  # the launcher's exit handlers are not the rank's
-        faulthandler.disable()
+        _fresh_interpreter_state(env)
         _forget_hydra()
         sys.modules.pop(module, None)  # run anew as __main__, as -m does
         runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -189,7 +212,7 @@ def _become(module: str, args: list[str], env: dict[str, str], out_fd: int, cwd:
         code = _exit_status(stop.code)
     except KeyboardInterrupt:
         traceback.print_exc()
-        code = 128 + signal.SIGINT
+        code = -signal.SIGINT  # the interpreter ends itself by SIGINT then (below)
     except BaseException:  # noqa: BLE001 - printed as the interpreter prints an uncaught error
         traceback.print_exc()
         code = 1
@@ -199,8 +222,11 @@ def _become(module: str, args: list[str], env: dict[str, str], out_fd: int, cwd:
             atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
+            if code < 0:
+                signal.signal(-code, signal.SIG_DFL)
+                os.kill(os.getpid(), -code)
         finally:
-            os._exit(code)
+            os._exit(code & 0xFF)
 
 
 def _fresh_signals() -> None:
@@ -228,6 +254,39 @@ def _show_command(argv: list[str]) -> None:
     except ImportError:  # a requirement; without it, ps shows the launcher's command line
         return
     setproctitle(" ".join(argv))
+
+
+def _fresh_interpreter_state(env: dict[str, str]) -> None:
+    """What the launcher's process holds that a fresh interpreter would not, undone in the rank:
+    objects inherited are frozen (never collected here, so no finalizer of the launcher's closes a
+    descriptor the rank reuses); its exit handlers, ``weakref.finalize`` callbacks, logging
+    handlers and multiprocessing children are the launcher's, so the rank forgets them (as
+    multiprocessing's own forked children do) and registers the standard ones anew; torch's thread
+    count is what ``OMP_NUM_THREADS`` in ``env`` would have given at import."""
+    import logging
+    import weakref
+
+    gc.freeze()
+    atexit._clear()
+    weakref.finalize._registry.clear()
+    weakref.finalize._registered_with_atexit = False  # the rank's own register it again
+    logging._handlerList[:] = []  # Hydra's logging set-up would close the launcher's files
+    logging.root.handlers.clear()
+    atexit.register(logging.shutdown)
+    if "multiprocessing.process" in sys.modules:
+        from multiprocessing import process, util
+
+        process._children = set()
+        util._finalizer_registry.clear()
+        util._run_after_forkers()
+        atexit.register(util._exit_function)
+    faulthandler.disable()
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # forked from a thread other than the launcher's main one
+        pass
+    if "torch" in sys.modules and env.get("OMP_NUM_THREADS", "").isdigit():
+        sys.modules["torch"].set_num_threads(max(1, int(env["OMP_NUM_THREADS"])))
 
 
 def _forget_hydra() -> None:
