@@ -40,13 +40,14 @@ import traceback
 from pathlib import Path
 from typing import IO, Optional, Sequence
 
+from gradientflow_repro.harness.netemu import STOP_SIGNALS
+
 # What a training rank, the network measurement and the cluster benchmark import (the rest they
 # import is small). Importing them starts no Python thread and touches no GPU.
 PRELOAD = ("torch", "torch.distributed", "hydra", "omegaconf", "nvidia.dali", "wandb",
            "gradientflow_repro.engine", "gradientflow_repro.checkpoint", "gradientflow_repro.distributed",
            "gradientflow_repro.comm.factory")
 GPU_DEVICES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")  # NVIDIA's and AMD's
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # held back while a rank is forked
 HANDSHAKE_S = 30.0  # from fork to the rank in its session and namespace: milliseconds
 CLONE_NEWNET = 0x40000000
 
@@ -133,7 +134,8 @@ def fork_rank(module: str, args: Sequence[str], env: dict[str, str], stdout: IO[
         out_fd = stdout.fileno()
     ready_read, ready_write = os.pipe()
     gc.collect()  # what is garbage now is the launcher's to finalize, not the rank's (it freezes the rest)
-    # a stop signal waits until the rank is accounted for: else its unwinding could lose the rank
+    # a stop signal (the launcher's: netemu.STOP_SIGNALS) waits until the rank is accounted for:
+    # else its unwinding could lose the rank
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     pid = None
     try:
