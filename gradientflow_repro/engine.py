@@ -50,7 +50,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, cfg.global_batch_size)
         phases.done("model")
         self.comm = build_communicator(OmegaConf.to_container(cfg.comm), device,
-                                       world.local_world_size, world.local_rank)
+                                       world.local_world_size, world.local_rank, cfg.optim.warmup_epochs)
         self.train_model = self.comm.attach(self.model, self.optimizer)
         self._print(f"communication: {cfg.comm.strategy}, {self.comm.summing}")
         self.precision = Precision(cfg.precision, device)

@@ -87,6 +87,22 @@ def test_density_falls_exponentially_after_the_dense_warmup() -> None:
                         warmup_epochs=1.0, density_ramp_epochs=-1)
 
 
+def test_dense_warmup_follows_the_learning_rate_warmup_unless_set() -> None:
+    """The presets' ``comm.csc_warmup_epochs: null``: dense until the learning rate's warm-up ends
+    (what the trainer passes), a number on its own; built outside training (no warm-up), sparse at once."""
+    from gradientflow_repro.comm.factory import build_communicator
+
+    for options, lr_warmup, dense_until in (({"strategy": "gradientflow"}, 2.0, 2.0),
+                                            ({"strategy": "csc"}, 5.0, 5.0),
+                                            ({"strategy": "gradientflow", "csc_warmup_epochs": 1}, 2.0, 1.0),
+                                            ({"strategy": "gradientflow", "csc_warmup_epochs": 0}, 2.0, 0.0),
+                                            ({"strategy": "gradientflow"}, 0.0, 0.0)):
+        comm = build_communicator(options, CPU, lr_warmup_epochs=lr_warmup)
+        before = [comm.density_at(e) for e in (0.0, dense_until - 0.01) if 0 <= e < dense_until]
+        assert before == [1.0] * len(before) and comm.density_at(dense_until) == 0.1, (options, lr_warmup)
+    assert build_communicator({"strategy": "gradientflow"}, CPU).density_at(0.0) == 0.1
+
+
 def test_release_cap_holds_back_what_exceeds_it() -> None:
     """A chosen chunk sends at most cap x the norm of this step's addition; the rest stays in its
     residual (held back + sent = the chunk); chunks under the cap are sent whole and cleared, and so

@@ -51,11 +51,17 @@ def test_reproduce_runs_the_knobs_ladder_and_skips_csc_warmup_only() -> None:
     assert ladder_overrides("gradientflow-no-mc") == ["comm=gradientflow", "comm.momentum_correction=false",
                                                       "comm.momentum_masking=false"]
     assert set(knobs.COMPARED) - set(knobs.LADDER) == {"gradientflow@0.01", "gradientflow-no-mc"}
-    warmups = {label: dense_warmup_epochs({"summary": {}, "comm": options})
+    # CSC's dense warm-up: the learning rate's (the presets), or comm.csc_warmup_epochs where set
+    config = {"optim": {"warmup_epochs": 2.5}}
+    warmups = {label: dense_warmup_epochs({"summary": {}, "comm": options, "config": config})
                for label, options in knobs.LADDER.items()}
     assert warmups == {"allreduce": 0.0, "ddp": 0.0, "ring": 0.0, "ring+fp16": 0.0, "ring+fp16+lazy": 0.0,
-                       "gradientflow": 1.0}
-    assert dense_warmup_epochs({"summary": {"strategy": "csc"}}) == 1.0  # a run without its options
+                       "gradientflow": 2.5}
+    assert dense_warmup_epochs({"summary": {}, "config": config,
+                                "comm": {"strategy": "gradientflow", "csc_warmup_epochs": 1}}) == 1.0
+    assert dense_warmup_epochs({"summary": {}, "config": config,
+                                "comm": {"strategy": "gradientflow", "density": 1.0}}) == 0.0  # never sparse
+    assert dense_warmup_epochs({"summary": {"strategy": "csc"}}) == 0.0  # a run without its configuration
 
 
 def test_pack_parts_closes_a_part_at_the_threshold() -> None:

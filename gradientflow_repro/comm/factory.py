@@ -18,7 +18,14 @@ from gradientflow_repro.comm.compression import Fp16Wire
 from gradientflow_repro.comm.csc import CSCCommunicator
 from gradientflow_repro.comm.ddp import DDPCommunicator
 from gradientflow_repro.comm.hierarchical import HierarchicalSum
-from gradientflow_repro.comm.knobs import SMALL_MESSAGE_BYTES, CommConfig, resolve, small_message_bytes, two_level
+from gradientflow_repro.comm.knobs import (
+    SMALL_MESSAGE_BYTES,
+    CommConfig,
+    csc_warmup,
+    resolve,
+    small_message_bytes,
+    two_level,
+)
 from gradientflow_repro.comm.lazy import LazyAllreduce
 from gradientflow_repro.comm.recursive_doubling import SizedSum
 from gradientflow_repro.comm.ring import DEFAULT_SEGMENT_BYTES, ring_sum
@@ -55,17 +62,20 @@ def build_sum(algorithm: str, wire: str, ranks_per_node: int | None = None,
 
 
 def build_communicator(options: Union[Mapping[str, Any], CommConfig], device: torch.device,
-                       ranks_per_node: int | None = None, local_rank: int | None = None) -> Communicator:
+                       ranks_per_node: int | None = None, local_rank: int | None = None,
+                       lr_warmup_epochs: float = 0.0) -> Communicator:
     """The communicator of ``options`` (``comm.*``, resolved against its preset). ``ranks_per_node``
     and ``local_rank`` come from the launcher (``distributed.World``); ``comm.ranks_per_node``
     overrides the former, to emulate nodes on one machine (then the launcher's local rank says
-    nothing about that layout)."""
+    nothing about that layout). ``lr_warmup_epochs``: the optimizer's learning-rate warm-up, which
+    CSC's dense warm-up follows unless ``comm.csc_warmup_epochs`` is set (``knobs.csc_warmup``;
+    0, as without a training run: sparse from the first step)."""
     knobs = resolve(options)
     if knobs.ranks_per_node:
         ranks_per_node, local_rank = knobs.ranks_per_node, None
     sum_fn = build_sum(knobs.algorithm, knobs.wire, ranks_per_node, knobs.segment_kb, local_rank,
                        small_message_bytes(knobs))
-    communicator = _communicator(knobs, device, sum_fn)
+    communicator = _communicator(knobs, device, sum_fn, lr_warmup_epochs)
     communicator.summing = describe_sum(knobs.algorithm, knobs.wire, ranks_per_node)
     return communicator
 
@@ -81,14 +91,14 @@ def describe_sum(algorithm: str, wire: str, ranks_per_node: int | None) -> str:
     return how + (", fp16 wire" if wire == "fp16" else "")
 
 
-def _communicator(knobs: CommConfig, device: torch.device, sum_fn: SumFn) -> Communicator:
+def _communicator(knobs: CommConfig, device: torch.device, sum_fn: SumFn, lr_warmup_epochs: float) -> Communicator:
     if knobs.fusion == "ddp":
         custom = (knobs.algorithm, knobs.wire) != ("builtin", "fp32")
         return DDPCommunicator(device, knobs.ddp_bucket_mb, sum_fn if custom else None)
     bucket_bytes = int(knobs.bucket_mb * 2**20)
     if knobs.sparsity == "csc":
         return CSCCommunicator(device, sum_fn, bucket_bytes, knobs.overlap, chunk_size=knobs.chunk_size,
-                               density=knobs.density, warmup_epochs=knobs.csc_warmup_epochs,
+                               density=knobs.density, warmup_epochs=csc_warmup(knobs, lr_warmup_epochs),
                                momentum_correction=knobs.momentum_correction,
                                momentum_masking=knobs.momentum_masking,
                                density_ramp_epochs=knobs.density_ramp_epochs, release_cap=knobs.release_cap,

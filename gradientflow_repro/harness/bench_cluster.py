@@ -321,7 +321,7 @@ def _run_strategy(rank: int, spec: dict[str, Any], label: str, options: dict[str
         train = comm.attach(replay, optimizer)
         seconds, sent, collectives, waits = [], [], [], []
         for step in range(spec["warmup"] + spec["steps"]):
-            comm.begin_step(epoch=10.0)  # CSC: past its one-epoch dense warm-up
+            comm.begin_step(epoch=10.0)  # CSC: past any dense warm-up
             out = train()  # builds the chain (and under DDP, its forward bookkeeping)
             elapsed = _slowest_backward_s(out, comm.synchronize)
             comm.end_step(True)

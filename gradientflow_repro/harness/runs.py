@@ -62,7 +62,7 @@ def run_warmup_epochs(run: dict) -> float:
 
 def dense_warmup_epochs(run: dict) -> float:
     """Epochs the run trained densely before its steady state (``knobs.dense_warmup_epochs``)."""
-    return knobs.dense_warmup_epochs(run_knobs(run))
+    return knobs.dense_warmup_epochs(run_knobs(run), run_warmup_epochs(run))
 
 
 def steady_step(run: dict, after_epoch: float = 0.0) -> dict[str, float]:
