@@ -619,7 +619,28 @@ def test_the_report_names_falls_after_warmup_and_dense_disagreement() -> None:
     rows = {row.split("|")[1].strip(): row for row in table[2:]}
     assert "| 0.1 | not reached (1 of 2 not reached)" not in rows["gradientflow"]
     assert rows["gradientflow"].split("|")[3].strip() == "4 (1 of 2 not reached)"
-    assert rows["ddp"].split("|")[4].strip() == "90.5 [84.0-97.0]"
+    # of them sparse: after the dense warm-up, the learning rate's (1 epoch here); dense runs have none
+    assert rows["gradientflow"].split("|")[4].strip() == "3 (1 of 2 not reached)"
+    assert rows["ddp"].split("|")[4].strip() == "-"
+    assert rows["ddp"].split("|")[5].strip() == "90.5 [84.0-97.0]"
+
+
+def test_the_report_says_how_many_epochs_to_target_were_sparse() -> None:
+    """The epochs goal is stated with how many of the sparse strategy's epochs sent sparsely (after
+    its dense warm-up, the learning rate's: 1 epoch in these runs); a target reached within one sparse
+    epoch is called out, since it then says little about what sparse communication costs."""
+    from gradientflow_repro.harness.report import _convergence_section
+
+    ddp = [_fake_run("ddp", s, [80, 95, 98]) for s in range(3)]
+    slow = {"ddp": ddp, "gradientflow": [_fake_run("gradientflow", s, [80, 90, 95, 98]) for s in range(3)]}
+    text = "\n".join(_convergence_section(slow))
+    assert ("`gradientflow` (density 0.1): 4 epochs to target against 3 for dense training (medians): +33%, "
+            "3 of them sparse, after 1 dense. Goal at density 0.1: within 10%: NOT met.") in text
+    assert "say little" not in text
+    quick = {"ddp": ddp, "gradientflow": [_fake_run("gradientflow", s, [80, 98]) for s in range(3)]}
+    text = "\n".join(_convergence_section(quick))
+    assert "-33%, 1 of them sparse, after 1 dense. Goal at density 0.1: within 10%: met." in text
+    assert "- `gradientflow`: at most one sparse epoch before the target (median)" in text
 
 
 def test_the_timeline_counts_jobs_and_estimates_the_time_left(capsys: pytest.CaptureFixture, monkeypatch) -> None:

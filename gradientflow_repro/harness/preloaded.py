@@ -43,8 +43,10 @@ from typing import IO, Optional, Sequence
 from gradientflow_repro.harness.netemu import STOP_SIGNALS
 
 # What a training rank, the network measurement and the cluster benchmark import (the rest they
-# import is small). Importing them starts no Python thread and touches no GPU.
-PRELOAD = ("torch", "torch.distributed", "hydra", "omegaconf", "nvidia.dali", "wandb",
+# import is small). Importing them starts no Python thread and touches no GPU. torch._dynamo is
+# there for `ddp`: DDP imports it when it wraps the model (some 5 s of CPU per rank on a slow 2-core
+# machine, every `ddp` launch), which the launcher pays once.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "hydra", "omegaconf", "nvidia.dali", "wandb",
            "gradientflow_repro.engine", "gradientflow_repro.checkpoint", "gradientflow_repro.distributed",
            "gradientflow_repro.comm.factory")
 GPU_DEVICES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")  # NVIDIA's and AMD's
