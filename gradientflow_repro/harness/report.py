@@ -432,7 +432,7 @@ def _convergence_section(runs: dict[str, list[dict]]) -> list[str]:
             extra = mine / dense - 1
             goal = (f" Goal at density 0.1: within 10%: {'met' if extra <= 0.1 else 'NOT met'}."
                     if label == "gradientflow" and abs(density - 0.1) < 1e-9 else "")
-            sparse = statistics.median(sparse_epochs_to_target(r) for r in items if epochs_to_target(r) is not None)
+            sparse = _median([sparse_epochs_to_target(r) for r in items])  # of the seeds that reached it
             lines.append(f"- {name}: {mine:.0f} epochs to target against {dense:.0f} for "
                          f"dense training (medians): {extra:+.0%}, {sparse:.0f} of them sparse, after "
                          f"{dense_warmup_epochs(items[0]):g} dense.{goal}")
