@@ -52,7 +52,8 @@ class Trainer:
         self.comm = build_communicator(OmegaConf.to_container(cfg.comm), device,
                                        world.local_world_size, world.local_rank, cfg.optim.warmup_epochs)
         self.train_model = self.comm.attach(self.model, self.optimizer)
-        self._print(f"communication: {cfg.comm.strategy}, {self.comm.summing}")
+        self._print(f"communication: {cfg.comm.strategy}, {self.comm.summing}"
+                    + (f"; {self.comm.schedule}" if self.comm.schedule else ""))
         self.precision = Precision(cfg.precision, device)
         if self.precision.emulated_bf16:
             self._print("warning: precision=bf16 on a CPU without native bf16 (no AVX-512 BF16 or AMX): oneDNN "

@@ -101,6 +101,35 @@ def test_dense_warmup_follows_the_learning_rate_warmup_unless_set() -> None:
         before = [comm.density_at(e) for e in (0.0, dense_until - 0.01) if 0 <= e < dense_until]
         assert before == [1.0] * len(before) and comm.density_at(dense_until) == 0.1, (options, lr_warmup)
     assert build_communicator({"strategy": "gradientflow"}, CPU).density_at(0.0) == 0.1
+    # the run's first lines say the resolved warm-up (its saved config says null) and where it came from
+    assert (build_communicator({"strategy": "gradientflow"}, CPU, lr_warmup_epochs=2.0).schedule
+            == "dense for the first 2 epoch(s) (the learning rate's warm-up), then density 0.1")
+    assert (build_communicator({"strategy": "csc", "csc_warmup_epochs": 1.5}, CPU, lr_warmup_epochs=2.0).schedule
+            == "dense for the first 1.5 epoch(s) (comm.csc_warmup_epochs), then density 0.1")
+    assert build_communicator({"strategy": "gradientflow"}, CPU).schedule == "density 0.1 from the first step"
+    assert build_communicator({"strategy": "lazy"}, CPU, lr_warmup_epochs=2.0).schedule == ""
+
+
+def test_a_checkpoint_resumes_only_under_the_dense_warmup_it_was_saved_with() -> None:
+    """The warm-up follows optim.warmup_epochs by default: a resume that changed that alone would move
+    CSC's switch to sparse (or send a sparse run back to dense) unannounced, so it is refused, naming
+    the setting that keeps the saved one; the same warm-up, or a state saved before it was kept, loads."""
+    from gradientflow_repro.checkpoint import CheckpointError
+    from gradientflow_repro.comm.factory import build_communicator
+
+    def attached(lr_warmup: float) -> CSCCommunicator:
+        comm = build_communicator({"strategy": "gradientflow", "bucket_mb": 0.004}, CPU, lr_warmup_epochs=lr_warmup)
+        model = Net()
+        comm.attach(model, _optimizer_of("lars", model))
+        return comm
+
+    saved = attached(2.0).state_dict()
+    assert saved["warmup_epochs"] == 2.0
+    attached(2.0).load_state_dict(saved)
+    with pytest.raises(CheckpointError, match=r"dense warm-up was 2 epochs when this checkpoint was saved, now it "
+                                              r"is 5 .* resume with comm.csc_warmup_epochs=2 to keep"):
+        attached(5.0).load_state_dict(saved)
+    attached(5.0).load_state_dict({key: value for key, value in saved.items() if key != "warmup_epochs"})
 
 
 def test_release_cap_holds_back_what_exceeds_it() -> None:

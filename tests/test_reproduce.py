@@ -537,7 +537,14 @@ def test_a_reproduction_interrupted_at_any_job_continues_to_the_same_result(tmp_
         return {key: value for key, value in facts.items() if key not in ("elapsed_s", "launches", "machine")}
 
     reference, every_job = launch("whole"), list(ran)
-    assert len(every_job) == 1 + 1 + 4 + 2 * (1 + 4) + 1 and every_job[-1] == "report"
+    # calibration, network, 2 x 2 runs to the target, 2 short runs of the sparse rung at world size 4,
+    # then at world sizes 2 and 3 a network measurement and 2 x 2 short runs each, the report
+    assert len(every_job) == 1 + 1 + 4 + 2 + 2 * (1 + 4) + 1 and every_job[-1] == "report"
+    at_ladder = reference["checks"]["4"]
+    assert [run["label"] for run in at_ladder["allreduce"]["runs"]] == ["allreduce s0", "allreduce s1"]
+    assert [run["label"] for run in at_ladder["gradientflow"]["runs"]] == ["gradientflow w4"] * 2
+    assert all("comm.csc_warmup_epochs=0" in run["argv"] for run in at_ladder["gradientflow"]["runs"])
+    assert reference["short_at_world"] == ["gradientflow"]
     for index, stopped in enumerate(every_job):
         ran.clear()
         stop_at[0] = stopped
@@ -641,6 +648,12 @@ def test_the_report_says_how_many_epochs_to_target_were_sparse() -> None:
     text = "\n".join(_convergence_section(quick))
     assert "-33%, 1 of them sparse, after 1 dense. Goal at density 0.1: within 10%: met." in text
     assert "- `gradientflow`: at most one sparse epoch before the target (median)" in text
+    # a warm-up of 1.5 epochs leaves 2.5 of 4 sparse: said as it is, not rounded to 2 or 3
+    half = [_fake_run("gradientflow", s, [80, 90, 95, 98]) for s in range(3)]
+    for run in half:
+        run["config"]["optim"]["warmup_epochs"] = 1.5
+    text = "\n".join(_convergence_section({"ddp": ddp, "gradientflow": half}))
+    assert "+33%, 2.5 of them sparse, after 1.5 dense." in text
 
 
 def test_the_timeline_counts_jobs_and_estimates_the_time_left(capsys: pytest.CaptureFixture, monkeypatch) -> None:

@@ -100,6 +100,7 @@ class Communicator(abc.ABC):
     name: str = "abstract"
     density_now: float = 1.0  # fraction of weight-gradient chunks sent this step (below 1: CSC)
     summing: str = "the backend's allreduce"  # how messages are summed, in words (set by the factory)
+    schedule: str = ""  # for a sparse strategy, when it sends how much, in words (set by the factory)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

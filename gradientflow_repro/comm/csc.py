@@ -90,6 +90,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradientflow_repro.checkpoint import CheckpointError
 from gradientflow_repro.comm.base import CommStats, GradScale, SumFn, scratch
 from gradientflow_repro.comm.compression import peak_magnitude
 from gradientflow_repro.comm.knobs import TRUST_SKETCH_BUCKETS
@@ -717,7 +718,7 @@ class CSCCommunicator(LazyAllreduce):
                 "velocity": {i: s["velocity"] for i, s in enumerate(parts) if "velocity" in s},
                 "noise": {i: s["noise"] for i, s in enumerate(parts) if "noise" in s},
                 "noise_step": self.local_step.noise.step if self.local_step and self.local_step.noise else 0,
-                "optimizer_taken": self._taken,
+                "optimizer_taken": self._taken, "warmup_epochs": self.warmup_epochs,
                 "layout": self._layout_signature(), "chunk_size": self.chunk_size}
 
     def _layout_signature(self) -> list[list[int]]:
@@ -730,6 +731,15 @@ class CSCCommunicator(LazyAllreduce):
         if (state["layout"], state["chunk_size"]) != (self._layout_signature(), self.chunk_size):
             raise ValueError("csc state was saved with another pool layout (model, comm.bucket_mb or "
                              "comm.chunk_size changed); it cannot be restored")
+        saved_warmup = state.get("warmup_epochs")  # (absent in states saved before it was kept)
+        if saved_warmup is not None and saved_warmup != self.warmup_epochs:
+            # by default the warm-up follows optim.warmup_epochs, so changing that alone would move
+            # the switch to sparse, or send a run already sparse back to dense, without a word
+            raise CheckpointError(
+                f"csc's dense warm-up was {saved_warmup:g} epochs when this checkpoint was saved, now it "
+                f"is {self.warmup_epochs:g} (comm.csc_warmup_epochs, or optim.warmup_epochs where that is "
+                f"null): resume with comm.csc_warmup_epochs={saved_warmup:g} to keep the run's, or start "
+                f"afresh with resume=never")
         for key in BucketState.STATE:  # (a state saved before the noise estimate has none: it starts afresh)
             for index, tensor in state.get(key, {}).items():
                 self.parts[int(index)].load_state_dict({key: tensor})

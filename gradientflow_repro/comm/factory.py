@@ -23,6 +23,7 @@ from gradientflow_repro.comm.knobs import (
     CommConfig,
     csc_warmup,
     resolve,
+    sends_sparse,
     small_message_bytes,
     two_level,
 )
@@ -77,7 +78,20 @@ def build_communicator(options: Union[Mapping[str, Any], CommConfig], device: to
                        small_message_bytes(knobs))
     communicator = _communicator(knobs, device, sum_fn, lr_warmup_epochs)
     communicator.summing = describe_sum(knobs.algorithm, knobs.wire, ranks_per_node)
+    communicator.schedule = describe_schedule(knobs, lr_warmup_epochs)
     return communicator
+
+
+def describe_schedule(knobs: CommConfig, lr_warmup_epochs: float) -> str:
+    """CSC's schedule in words, its dense warm-up resolved (``comm.csc_warmup_epochs`` null shows as
+    null in the run's saved config); empty for dense strategies."""
+    if not sends_sparse(knobs):
+        return ""
+    warmup = csc_warmup(knobs, lr_warmup_epochs)
+    why = "the learning rate's warm-up" if knobs.csc_warmup_epochs is None else "comm.csc_warmup_epochs"
+    ramp = (f", falling to it over {knobs.density_ramp_epochs} epoch(s)" if knobs.density_ramp_epochs else "")
+    return (f"dense for the first {warmup:g} epoch(s) ({why}), then density {knobs.density:g}{ramp}"
+            if warmup else f"density {knobs.density:g} from the first step{ramp}")
 
 
 def describe_sum(algorithm: str, wire: str, ranks_per_node: int | None) -> str:

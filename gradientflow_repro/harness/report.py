@@ -176,7 +176,7 @@ def convergence_table(runs: dict[str, list[dict]]) -> tuple[list[str], float]:
     for label, items in runs.items():
         density = density_label(items[0])
         at_budget = [next((a for e, a in evaluations(r) if abs(e - budget) < 1e-6), None) for r in items]
-        sparse = "-" if is_dense(items[0]) else spread([sparse_epochs_to_target(r) for r in items], ".0f")
+        sparse = "-" if is_dense(items[0]) else spread([sparse_epochs_to_target(r) for r in items], "g")
         lines.append(f"| {label} | {density} | {spread([epochs_to_target(r) for r in items], '.0f')} | {sparse} "
                      f"| {spread(at_budget, '.1f')} | {spread([r['summary']['best_top1'] for r in items], '.1f')} |")
     return lines, budget
@@ -434,7 +434,7 @@ def _convergence_section(runs: dict[str, list[dict]]) -> list[str]:
                     if label == "gradientflow" and abs(density - 0.1) < 1e-9 else "")
             sparse = _median([sparse_epochs_to_target(r) for r in items])  # of the seeds that reached it
             lines.append(f"- {name}: {mine:.0f} epochs to target against {dense:.0f} for "
-                         f"dense training (medians): {extra:+.0%}, {sparse:.0f} of them sparse, after "
+                         f"dense training (medians): {extra:+.0%}, {sparse:g} of them sparse, after "
                          f"{dense_warmup_epochs(items[0]):g} dense.{goal}")
             if sparse <= 1:
                 short.append(f"`{label}`")
@@ -459,9 +459,11 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
                  calibration: dict, network: dict, world: int, repeats: int, command: str,
                  elapsed_s: float, experiment: str, group: str, overrides: list[str],
                  machine: dict, network_by_world: Optional[dict[int, dict]] = None, check_repeats: int = 1,
-                 launches: Optional[list[dict]] = None) -> None:
+                 launches: Optional[list[dict]] = None, short_at_world: Optional[list[str]] = None) -> None:
     """Writes ``path`` and its figures beside it. ``machine``: environment_facts() of the run;
-    ``launches``: the reproduction's launches (``progress.Progress``), when it was interrupted and continued."""
+    ``launches``: the reproduction's launches (``progress.Progress``), when it was interrupted and continued;
+    ``short_at_world``: the rungs whose step time at ``world`` comes from short runs sparse from the
+    start rather than the runs to the target (None: a reproduction from before there were any)."""
     network_by_world = network_by_world or {world: network}  # reproductions before per-world measurement
 
     figures = path.parent
@@ -484,7 +486,11 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
                  f"{calibration['bytes_per_step'] * 8 / 1e6 / (network['rate_mbit'] or 1) * 1e3:.1f} ms, "
                  f"the paper's ratio times the compute." if network["emulated"] else "No rate: loopback.")
     others = [str(w) for w in sorted(checks) if w != world]
-    check_runs = f"at world size {world} the ladder's {repeats} runs (`gradientflow` after its dense warm-up)"
+    short = ", ".join(f"`{label}`" for label in short_at_world or [])
+    check_runs = (f"at world size {world} the ladder's {repeats} runs to the target"
+                  + (f", but for {short} {check_repeats} short runs sparse from the start (its runs to the target "
+                     "are mostly dense warm-up)" if short_at_world
+                     else " (`gradientflow` after its dense warm-up)" if short_at_world is None else ""))
     if others:
         check_runs += (f"; at world size{'s' if len(others) > 1 else ''} {', '.join(others)}, {check_repeats} "
                        "short runs per strategy (sparse from the start)")

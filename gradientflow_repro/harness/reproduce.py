@@ -6,8 +6,9 @@ unshaped network to get compute time and bytes per step; (2) choose the link rat
 paper's dense communication/computation ratio; (3) measure the shaped network's bandwidth and
 per-message latency (``harness.netbench``); (4) train every rung of the ladder (``knobs.LADDER``),
 and gradientflow's variants for convergence (``knobs.SPARSE_VARIANTS``), to the target once per seed
-(seed-major, so drift spreads over all of them); (5) short step-time runs at the
-other world sizes for the scaling model's check; (6) write the report (``harness.report``). With
+(seed-major, so drift spreads over all of them), then short step-time runs of the sparse rungs,
+sparse from the start (their runs to the target are mostly dense warm-up); (5) short step-time runs
+of every rung at the other world sizes, for the scaling model's check; (6) write the report (``harness.report``). With
 root every rank runs in its own network namespace behind a rate-limited link (``harness.netemu``);
 without, on loopback, and the report says so. Every job's completion is saved as it happens
 (``Progress``): an interrupted reproduction, launched again with the same plan and code, continues.
@@ -104,6 +105,11 @@ CHECK_REPEATS = 2
 NETBENCH_LAUNCHES = 2
 
 
+def sparse_rung(label: str) -> bool:
+    """Whether a rung of the ladder sends sparsely after a dense warm-up (CSC below density 1)."""
+    return knobs.sends_sparse(knobs.resolve(knobs.COMPARED[label]))
+
+
 def check_worlds_for(world: int, check_worlds: Optional[Sequence[int]]) -> list[int]:
     """The world sizes of the step-time runs: ``check_worlds`` as given, each once and never the
     ladder's own (its step times come from the ladder's runs; a second set would replace them), or
@@ -129,6 +135,10 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
     report.parent.mkdir(parents=True, exist_ok=True)  # fails now, not after the last run, if it cannot
     rungs = list(rungs)
     checked = [label for label in rungs if label in knobs.LADDER]  # the model checks the speed ladder
+    # a sparse rung's runs to the target are mostly its dense warm-up (at most one sparse epoch on the
+    # digits target, none for a seed that reaches it in the warm-up): its step time at the ladder's
+    # world size comes from short runs sparse from the start, as at the other world sizes
+    sparse_checked = [label for label in checked if sparse_rung(label)]
     seeds = list(range(repeats))
     reason = netemu.why_unavailable() if emulate else "disabled by --no-emulation"
     machine = environment_facts()
@@ -144,6 +154,7 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
         base = [f"+experiment={experiment}", "save_final_params=false", f"logger.group={group}",
                 "resume=never", *EXPERIMENT_OVERRIDES.get(experiment, []), *adapted, *overrides]
         jobs = [calibration_job(), netbench_job(world), *[train_job(label, seed) for seed in seeds for label in rungs],
+                *[check_job(label, world, repeat + 1) for repeat in range(check_repeats) for label in sparse_checked],
                 *[job for other in check_worlds for job in
                   [netbench_job(other), *[check_job(label, other, repeat + 1)
                                           for repeat in range(check_repeats) for label in checked]]]]
@@ -196,6 +207,22 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
                     **measure_network(other, net, out, timeout_s, gradients, netbench_launches)})
             return progress.done(netbench_job(other).name)
 
+        def step_time_runs(other: int, labels: list[str], net: Optional[netemu.EmulatedNetwork]) -> dict[str, dict]:
+            """Each of ``labels``' median step over ``check_repeats`` short runs at world size ``other``,
+            sparse from the start (``runs.median_step``)."""
+            short: dict[str, list[dict]] = {label: [] for label in labels}
+            for repeat in range(1, check_repeats + 1):  # repeat-major, as the ladder
+                for label in labels:
+                    run_dir = runs_dir / f"check-world{other}" / label / f"r{repeat}"
+                    short[label].append(trained(
+                        check_job(label, other, repeat),
+                        f"[{label}] step-time run {repeat}/{check_repeats} at world size {other}", run_dir,
+                        lambda: run_ranks(other, [*base, *ladder_overrides(label), f"run_dir={run_dir}",
+                                                  f"max_steps={check_steps}", "comm.csc_warmup_epochs=0",
+                                                  "logger=jsonl", "logger.log_every=4"],
+                                          run_dir, f"{label} w{other}", net, timeout_s, show=False)))
+            return {label: median_step(short[label], skip_warmup=False) for label in labels}
+
         runs: dict[str, list[dict]] = {label: [] for label in rungs}
         checks: dict[int, dict[str, dict]] = {}
         with network(world, rate, reason) as net:
@@ -211,29 +238,20 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
                         lambda: run_ranks(world, [*base, *ladder_overrides(label), f"seed={seed}",
                                                   f"run_dir={run_dir}", f"logger.name={label}"],
                                           run_dir, f"{label} s{seed}", net, timeout_s)))
-            checks[world] = {label: median_step(runs[label]) for label in checked}
+            sparse_steps = step_time_runs(world, sparse_checked, net)
+            checks[world] = {label: sparse_steps[label] if label in sparse_steps else median_step(runs[label])
+                             for label in checked}
         for other in check_worlds:  # (5) step times at other world sizes, on a network measured there
             with network(other, rate, reason) as net:
                 network_by_world[other] = measured_network(other, net, runs_dir / f"netbench-world{other}")
-                short: dict[str, list[dict]] = {label: [] for label in checked}
-                for repeat in range(1, check_repeats + 1):  # repeat-major, as the ladder
-                    for label in checked:
-                        run_dir = runs_dir / f"check-world{other}" / label / f"r{repeat}"
-                        short[label].append(trained(
-                            check_job(label, other, repeat),
-                            f"[{label}] step-time run {repeat}/{check_repeats} at world size {other}", run_dir,
-                            lambda: run_ranks(other, [*base, *ladder_overrides(label), f"run_dir={run_dir}",
-                                                      f"max_steps={check_steps}", "comm.csc_warmup_epochs=0",
-                                                      "logger=jsonl", "logger.log_every=4"],
-                                              run_dir, f"{label} w{other}", net, timeout_s, show=False)))
-                checks[other] = {label: median_step(short[label], skip_warmup=False) for label in checked}
+                checks[other] = step_time_runs(other, checked, net)
         timeline.end()
 
         facts = {"checks": checks, "calibration": calibration, "network": measured,
                  "network_by_world": network_by_world, "world": world, "repeats": repeats,
                  "check_repeats": check_repeats, "command": command, "elapsed_s": progress.elapsed_s,
                  "launches": progress.state["launches"], "experiment": experiment, "group": group,
-                 "overrides": base[1:], "rungs": rungs, "machine": machine}
+                 "overrides": base[1:], "rungs": rungs, "machine": machine, "short_at_world": sparse_checked}
         (runs_dir / "reproduce.json").write_text(json.dumps(facts, indent=1))
         report_from(runs_dir, report)
         progress.finish()  # after the report: a launch stopped while writing it keeps every run
