@@ -477,6 +477,25 @@ def test_progress_continues_only_the_same_unfinished_plan_and_discards_only_when
     assert kept(plan, fresh=True) == 0
 
 
+def test_a_measured_network_sets_the_switch_over_to_the_ring_of_our_own_algorithms_only() -> None:
+    """The network of the 4-rank reproduction on cdc5ef8 (29.1 MB/s, 1231 us per message): recursive
+    doubling up to 256 KiB (it sends 4/3 of the ring's bytes at four ranks, in a third of its steps:
+    equal at 8 a B = 287 KB), so CSC's payload of about 460 KB goes by the ring; at two ranks both
+    send the same bytes and recursive doubling has fewer steps: never the ring."""
+    from gradientflow_repro.comm import knobs
+    from gradientflow_repro.harness.netbench import small_message_kb
+
+    measured = {"bandwidth_Bps": 29.1e6, "latency_s": 1231e-6}
+    assert small_message_kb(4, measured) == 256 and small_message_kb(2, measured) >= 1 << 20
+    assert small_message_kb(4, {"bandwidth_Bps": 1e12, "latency_s": 0.0}) == 1  # the ring from the smallest
+    assert knobs.on_network(knobs.COMPARED["gradientflow"], 256) == {"strategy": "gradientflow",
+                                                                     "small_message_kb": 256}
+    assert knobs.on_network(knobs.COMPARED["ring+fp16"], 256)["small_message_kb"] == 256
+    for builtin in ("allreduce", "ddp"):
+        assert knobs.on_network(knobs.COMPARED[builtin], 256) == knobs.COMPARED[builtin]
+    assert knobs.on_network(knobs.COMPARED["gradientflow"], None) == knobs.COMPARED["gradientflow"]
+
+
 def test_check_world_sizes_default_to_2_unless_it_is_the_ladders_and_never_repeat() -> None:
     from gradientflow_repro.harness.reproduce import check_worlds_for
 
@@ -493,6 +512,7 @@ def test_a_reproduction_interrupted_at_any_job_continues_to_the_same_result(tmp_
     facts of an uninterrupted reproduction; stopped while writing the report, it trains nothing again."""
     from gradientflow_repro.harness import code_version
     from gradientflow_repro.harness import reproduce as rp
+    from gradientflow_repro.harness.netbench import small_message_kb
 
     if code_version() is None:
         pytest.skip("git cannot say which code this is: nothing can be continued")
@@ -544,6 +564,15 @@ def test_a_reproduction_interrupted_at_any_job_continues_to_the_same_result(tmp_
     assert [run["label"] for run in at_ladder["allreduce"]["runs"]] == ["allreduce s0", "allreduce s1"]
     assert [run["label"] for run in at_ladder["gradientflow"]["runs"]] == ["gradientflow w4"] * 2
     assert all("comm.csc_warmup_epochs=0" in run["argv"] for run in at_ladder["gradientflow"]["runs"])
+    # our algorithms switch to the ring where the model prices the network measured at that world
+    # size (4 x 10^8 B/s, 100 us: 8 a B = 320 KB at four ranks, so 256 KiB); gloo's allreduce is left alone
+    for world in ("4", "2", "3"):
+        switch = reference["network_by_world"][world]["small_message_kb"]
+        assert switch == small_message_kb(int(world), {"bandwidth_Bps": 1e8 * int(world), "latency_s": 1e-4})
+        for label, runs in reference["checks"][world].items():
+            said = [o for run in runs["runs"] for o in run["argv"] if o.startswith("comm.small_message_kb=")]
+            assert said == ([] if label == "allreduce" else [f"comm.small_message_kb={switch}"] * 2), (world, label)
+    assert reference["network_by_world"]["4"]["small_message_kb"] == 256
     assert reference["short_at_world"] == ["gradientflow"]
     for index, stopped in enumerate(every_job):
         ran.clear()

@@ -196,3 +196,12 @@ def hydra_overrides(options: Mapping[str, Any]) -> list[str]:
     rest = [f"comm.{key}={str(value).lower() if isinstance(value, bool) else value}"
             for key, value in options.items() if key != "strategy"]
     return [f"comm={options.get('strategy', 'allreduce')}", *rest]
+
+
+def on_network(options: Mapping[str, Any], small_message_kb: Optional[int]) -> dict[str, Any]:
+    """``options`` with ``small_message_kb`` (a network's switch-over from recursive doubling to the
+    ring, measured there) where they sum with our own algorithms; the backend's allreduce picks its
+    own. None: as they are."""
+    if small_message_kb is None or resolve(options).algorithm == "builtin":
+        return dict(options)
+    return {**options, "small_message_kb": small_message_kb}

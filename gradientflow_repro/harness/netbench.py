@@ -17,10 +17,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from gradientflow_repro.harness import netemu
 from gradientflow_repro.harness.launch import run_ranks
+
+if TYPE_CHECKING:
+    from gradientflow_repro import perfmodel as pm
 
 MODULE = ("-m", "gradientflow_repro.harness.netbench")
 LARGE_BYTES = 8 << 20  # the ring's bandwidth is taken from an allreduce of this size
@@ -49,6 +52,27 @@ def measure_network(world: int, net: Optional[netemu.EmulatedNetwork], run_dir: 
     figures = ring_figures(mean["tiny_ring_s"], mean["ring_large_s"], world, size)
     return {**mean, "latency_s": figures["latency_s"], "bandwidth_Bps": figures["bandwidth_Bps"], "launches": launches,
             "burst_bytes": net.burst_payload_bytes if net else 0.0}  # the shaper's, as configured
+
+
+def model_network(measured: dict) -> "pm.Network":
+    """``perfmodel.Network`` from ``measure_network``'s figures."""
+    from gradientflow_repro import perfmodel as pm
+
+    table = measured.get("builtin_cost_by_size")
+    return pm.Network(measured["bandwidth_Bps"], measured["latency_s"],
+                      tiny_allreduce_s=measured.get("tiny_allreduce_s"), burst_bytes=measured.get("burst_bytes", 0.0),
+                      builtin_cost_by_size=tuple(map(tuple, table)) if table else None)
+
+
+def small_message_kb(world: int, measured: dict) -> int:
+    """``comm.small_message_kb`` for this network: the switch-over between recursive doubling and the
+    ring that the model prices on the figures just measured (``perfmodel.switch_over_bytes``), in
+    KiB, at least 1. The default (``knobs.SMALL_MESSAGE_BYTES``) was measured on loopback, whose
+    latency x bandwidth is far above a shaped link's: there a CSC payload of a few hundred KB went
+    by recursive doubling, sending log2(N)/(2(N-1)/N) = 4/3 as many bytes at four ranks as the ring."""
+    from gradientflow_repro.perfmodel import switch_over_bytes
+
+    return max(1, switch_over_bytes(world, model_network(measured), "ring") // 1024)
 
 
 def ring_figures(tiny_s: float, large_s: float, ranks: int, large_bytes: int = LARGE_BYTES) -> dict[str, float]:

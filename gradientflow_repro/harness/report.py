@@ -10,6 +10,7 @@ from typing import Optional, Sequence, Union
 
 from gradientflow_repro import perfmodel as pm
 from gradientflow_repro.comm import knobs
+from gradientflow_repro.harness.netbench import model_network
 from gradientflow_repro.harness.profile import profile_from_json
 from gradientflow_repro.harness.runs import (
     dense_warmup_epochs,
@@ -237,13 +238,6 @@ def plot_step_split(checks: dict[str, dict], path: Path, world: int) -> None:
     plt.close(fig)
 
 
-def _network(measured: dict) -> pm.Network:
-    table = measured.get("builtin_cost_by_size")
-    return pm.Network(measured["bandwidth_Bps"], measured["latency_s"],
-                      tiny_allreduce_s=measured.get("tiny_allreduce_s"), burst_bytes=measured.get("burst_bytes", 0.0),
-                      builtin_cost_by_size=tuple(map(tuple, table)) if table else None)
-
-
 def _size(nbytes: float) -> str:
     for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
@@ -252,16 +246,21 @@ def _size(nbytes: float) -> str:
 
 
 def _network_table(network_by_world: dict[int, dict]) -> list[str]:
-    lines = ["| world | ring: bandwidth (MB/s) | ring: latency per message (us) | one-value allreduce (ms) |",
-             "|---|---|---|---|"]
+    lines = ["| world | ring: bandwidth (MB/s) | ring: latency per message (us) | one-value allreduce (ms) "
+             "| recursive doubling up to |", "|---|---|---|---|---|"]
     for world, measured in sorted(network_by_world.items()):
+        switch = measured.get("small_message_kb")
         lines.append(f"| {world} | {measured['bandwidth_Bps'] / 1e6:.1f} | {measured['latency_s'] * 1e6:.0f} "
-                     f"| {measured.get('tiny_allreduce_s', float('nan')) * 1e3:.2f} |")
+                     f"| {measured.get('tiny_allreduce_s', float('nan')) * 1e3:.2f} "
+                     f"| {_size(switch * 1024) if switch else _size(knobs.SMALL_MESSAGE_BYTES) + ' (default)'} |")
     lines += ["", "Ring: latency from a one-element-per-rank ring allreduce over its 2(N-1) messages, bandwidth "
               "from an 8 MiB one. The one-value allreduce is the fp16 wire's shared scale (recursive doubling) "
               "before each message the ring carries (small messages carry their own scale); "
               "CSC's chunk norms (one value per chunk, with the fp16 peak) go by recursive doubling too, priced "
-              "at log2(N) steps of the ring's latency."]
+              "at log2(N) steps of the ring's latency. Recursive doubling up to: the largest message our "
+              "algorithms send by recursive doubling rather than the ring at that world size "
+              "(`comm.small_message_kb`), where the model prices the two equal on the figures measured there "
+              "(`netbench.small_message_kb`); the default, measured on loopback, is far higher."]
     worlds = [w for w, m in sorted(network_by_world.items()) if m.get("builtin_cost_by_size")]
     if worlds:
         costs = {w: dict((size, s) for size, s in network_by_world[w]["builtin_cost_by_size"]) for w in worlds}
@@ -288,8 +287,6 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
     is the one measured at that world size; ``lars``: the runs' Lars adapted their weight layers
     (``runs.sends_trust_sketches``)."""
     profile = profile_from_json(calibration["profile"])
-    strategies = {label: pm.Strategy.from_knobs(label, knobs.resolve(options), lars=lars)
-                  for label, options in knobs.LADDER.items()}
     lines = ["| world | strategy | measured step (ms) | predicted step (ms) | predicted comm exposed (ms) | error |",
              "|---|---|---|---|---|---|"]
     errors = []
@@ -297,7 +294,10 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
         if "allreduce" not in by_label:
             continue
         base = by_label["allreduce"]
-        net = _network(network_by_world[world])
+        net = model_network(network_by_world[world])
+        switch = network_by_world[world].get("small_message_kb")  # the runs' (none before it was measured)
+        strategies = {label: pm.Strategy.from_knobs(label, knobs.resolve(knobs.on_network(options, switch)), lars=lars)
+                      for label, options in knobs.LADDER.items()}
         factor = (base["step_s"] - base["sync_wait_s"]) / (profile.forward_s + profile.backward_s + profile.optimizer_s)
         scaled = profile.scaled(factor)
         for label, measured in by_label.items():
@@ -338,7 +338,7 @@ def _per_tensor_alone(profile: pm.ModelProfile, network_by_world: dict[int, dict
     for world, measured in sorted(network_by_world.items()):
         if measured.get("per_tensor_builtin_s") is None:
             continue
-        net = _network(measured)
+        net = model_network(measured)
         cells = []
         for key, strategy in (("per_tensor_builtin_s", pm.Strategy("allreduce", algorithm="builtin")),
                               ("per_tensor_ring_s", pm.Strategy("ring")),

@@ -29,7 +29,7 @@ from gradientflow_repro import perfmodel
 from gradientflow_repro.comm import knobs
 from gradientflow_repro.harness import REPO, code_version, compose, netemu
 from gradientflow_repro.harness.launch import network, run_ranks
-from gradientflow_repro.harness.netbench import measure_network
+from gradientflow_repro.harness.netbench import measure_network, small_message_kb
 from gradientflow_repro.harness.progress import MACHINE_KEYS, Progress, Timeline
 from gradientflow_repro.harness.report import write_report
 from gradientflow_repro.harness.runs import load_run, median_step, steady_step
@@ -68,9 +68,10 @@ def machine_overrides(overrides: Sequence[str], program: Optional[str] = None) -
     return ["precision=fp32"]
 
 
-def ladder_overrides(label: str) -> list[str]:
-    """The Hydra overrides of one compared configuration (``comm=NAME comm.KEY=VALUE``)."""
-    return knobs.hydra_overrides(knobs.COMPARED[label])
+def ladder_overrides(label: str, small_message_kb: Optional[int] = None) -> list[str]:
+    """The Hydra overrides of one compared configuration (``comm=NAME comm.KEY=VALUE``), on a network
+    whose switch-over to the ring is ``small_message_kb`` (``knobs.on_network``)."""
+    return knobs.hydra_overrides(knobs.on_network(knobs.COMPARED[label], small_message_kb))
 
 
 class Job(NamedTuple):
@@ -202,22 +203,24 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
 
         def measured_network(other: int, net: Optional[netemu.EmulatedNetwork], out: Path) -> dict:
             if begin(netbench_job(other), f"network measurement at world size {other}", out):
+                figures = measure_network(other, net, out, timeout_s, gradients, netbench_launches)
                 progress.record(netbench_job(other).name, {
                     "emulated": reason is None, "why_not": reason, "rate_mbit": rate if reason is None else None,
-                    **measure_network(other, net, out, timeout_s, gradients, netbench_launches)})
+                    **figures, "small_message_kb": small_message_kb(other, figures)})
             return progress.done(netbench_job(other).name)
 
         def step_time_runs(other: int, labels: list[str], net: Optional[netemu.EmulatedNetwork]) -> dict[str, dict]:
             """Each of ``labels``' median step over ``check_repeats`` short runs at world size ``other``,
             sparse from the start (``runs.median_step``)."""
             short: dict[str, list[dict]] = {label: [] for label in labels}
+            switch = network_by_world[other]["small_message_kb"]
             for repeat in range(1, check_repeats + 1):  # repeat-major, as the ladder
                 for label in labels:
                     run_dir = runs_dir / f"check-world{other}" / label / f"r{repeat}"
                     short[label].append(trained(
                         check_job(label, other, repeat),
                         f"[{label}] step-time run {repeat}/{check_repeats} at world size {other}", run_dir,
-                        lambda: run_ranks(other, [*base, *ladder_overrides(label), f"run_dir={run_dir}",
+                        lambda: run_ranks(other, [*base, *ladder_overrides(label, switch), f"run_dir={run_dir}",
                                                   f"max_steps={check_steps}", "comm.csc_warmup_epochs=0",
                                                   "logger=jsonl", "logger.log_every=4"],
                                           run_dir, f"{label} w{other}", net, timeout_s, show=False)))
@@ -229,14 +232,15 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
             measured = measured_network(world, net, runs_dir / "netbench")
             network_by_world = {world: measured}
             print(f"reproduce: measured link {measured['bandwidth_Bps'] / 1e6:.1f} MB/s, per-message latency "
-                  f"{measured['latency_s'] * 1e6:.0f} us", flush=True)
+                  f"{measured['latency_s'] * 1e6:.0f} us: our algorithms send messages of up to "
+                  f"{measured['small_message_kb']} KiB by recursive doubling, larger ones by the ring", flush=True)
             for index, seed in enumerate(seeds):  # (4) every configuration to the target, seed-major
                 for label in rungs:  # (so drift spreads over all of them)
                     run_dir = runs_dir / label / f"seed{seed}"
                     runs[label].append(trained(
                         train_job(label, seed), f"[{label}] seed {seed} ({index + 1} of {repeats})", run_dir,
-                        lambda: run_ranks(world, [*base, *ladder_overrides(label), f"seed={seed}",
-                                                  f"run_dir={run_dir}", f"logger.name={label}"],
+                        lambda: run_ranks(world, [*base, *ladder_overrides(label, measured["small_message_kb"]),
+                                                  f"seed={seed}", f"run_dir={run_dir}", f"logger.name={label}"],
                                           run_dir, f"{label} s{seed}", net, timeout_s)))
             sparse_steps = step_time_runs(world, sparse_checked, net)
             checks[world] = {label: sparse_steps[label] if label in sparse_steps else median_step(runs[label])
