@@ -524,10 +524,21 @@ def test_a_reproduction_interrupted_at_any_job_continues_to_the_same_result(tmp_
         if name == stop_at[0]:
             raise KeyboardInterrupt
 
+    class fake_network:  # the emulated network, as the launches see it: its rate
+        def __init__(self, world, rate_mbit, reason, ranks_per_node=1):
+            self.rate = rate_mbit
+
+        def __enter__(self):
+            return self.rate
+
+        def __exit__(self, *exc):
+            return None
+
     def fake_run_ranks(world, overrides, run_dir, label, net, timeout_s, show=True):
         run_dir.mkdir(parents=True)  # begin() emptied it: a cut-short attempt left nothing behind
         argv = [o.replace(str(run_dir), "RUN_DIR") for o in overrides]
-        (run_dir / "summary.json").write_text(json.dumps({"label": label, "world": world, "argv": argv}))
+        (run_dir / "summary.json").write_text(json.dumps({"label": label, "world": world, "argv": argv,
+                                                          "rate": net}))
         job(f"{label} {run_dir.name}")
 
     def fake_calibrate(world, base, run_dir, net, timeout_s):
@@ -543,6 +554,8 @@ def test_a_reproduction_interrupted_at_any_job_continues_to_the_same_result(tmp_
         report.write_text(json.dumps(json.loads((runs_dir / "reproduce.json").read_text()), sort_keys=True))
 
     monkeypatch.setattr(rp, "run_ranks", fake_run_ranks)
+    monkeypatch.setattr(rp, "network", fake_network)
+    monkeypatch.setattr(rp.netemu, "why_unavailable", lambda: None)
     monkeypatch.setattr(rp, "calibrate", fake_calibrate)
     monkeypatch.setattr(rp, "measure_network", fake_measure)
     monkeypatch.setattr(rp, "report_from", fake_report)
@@ -551,19 +564,25 @@ def test_a_reproduction_interrupted_at_any_job_continues_to_the_same_result(tmp_
     monkeypatch.setattr(rp.time, "strftime", lambda *args: "20260101-000000")  # one wandb group name for all
 
     def launch(name: str) -> dict:
-        rp.reproduce(world=4, check_worlds=(2, 3), repeats=2, rungs=("allreduce", "gradientflow"), emulate=False,
+        rp.reproduce(world=4, check_worlds=(2, 3), repeats=2, rungs=("allreduce", "gradientflow"), rate_mbit=100,
                      check_repeats=2, runs_dir=tmp_path / name, report=tmp_path / f"{name}.json")
         facts = json.loads((tmp_path / f"{name}.json").read_text())
         return {key: value for key, value in facts.items() if key not in ("elapsed_s", "launches", "machine")}
 
     reference, every_job = launch("whole"), list(ran)
-    # calibration, network, 2 x 2 runs to the target, 2 short runs of the sparse rung at world size 4,
-    # then at world sizes 2 and 3 a network measurement and 2 x 2 short runs each, the report
-    assert len(every_job) == 1 + 1 + 4 + 2 + 2 * (1 + 4) + 1 and every_job[-1] == "report"
+    # calibration, network, 2 x 2 runs to the target, 2 short runs of the sparse rung at world size 4
+    # and 2 more with the links unshaped, then at world sizes 2 and 3 a network measurement and 2 x 2
+    # short runs each, the report
+    assert len(every_job) == 1 + 1 + 4 + 2 + 2 + 2 * (1 + 4) + 1 and every_job[-1] == "report"
     at_ladder = reference["checks"]["4"]
     assert [run["label"] for run in at_ladder["allreduce"]["runs"]] == ["allreduce s0", "allreduce s1"]
     assert [run["label"] for run in at_ladder["gradientflow"]["runs"]] == ["gradientflow w4"] * 2
     assert all("comm.csc_warmup_epochs=0" in run["argv"] for run in at_ladder["gradientflow"]["runs"])
+    assert {run["rate"] for world in reference["checks"].values() for runs in world.values()
+            for run in runs["runs"]} == {100}
+    free = reference["unshaped"]["4"]["gradientflow"]["runs"]  # the same runs, the links without a rate
+    assert [run["rate"] for run in free] == [None, None]
+    assert [run["argv"] for run in free] == [run["argv"] for run in at_ladder["gradientflow"]["runs"]]
     # our algorithms switch to the ring where the model prices the network measured at that world
     # size (4 x 10^8 B/s, 100 us: 8 a B = 320 KB at four ranks, so 256 KiB); gloo's allreduce is left alone
     for world in ("4", "2", "3"):

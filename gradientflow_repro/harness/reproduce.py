@@ -94,7 +94,9 @@ def train_job(label: str, seed: int) -> Job:
     return Job("train", label, f"train {label} seed{seed}")
 
 
-def check_job(label: str, world: int, repeat: int) -> Job:
+def check_job(label: str, world: int, repeat: int, unshaped: bool = False) -> Job:
+    if unshaped:
+        return Job("check", f"{label} w{world} unshaped", f"check {label} w{world} unshaped r{repeat}")
     return Job("check", f"{label} w{world}", f"check {label} w{world} r{repeat}")
 
 
@@ -156,6 +158,8 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
                 "resume=never", *EXPERIMENT_OVERRIDES.get(experiment, []), *adapted, *overrides]
         jobs = [calibration_job(), netbench_job(world), *[train_job(label, seed) for seed in seeds for label in rungs],
                 *[check_job(label, world, repeat + 1) for repeat in range(check_repeats) for label in sparse_checked],
+                *[check_job(label, world, repeat + 1, unshaped=True) for repeat in range(check_repeats)
+                  for label in sparse_checked if reason is None],
                 *[job for other in check_worlds for job in
                   [netbench_job(other), *[check_job(label, other, repeat + 1)
                                           for repeat in range(check_repeats) for label in checked]]]]
@@ -209,21 +213,24 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
                     **figures, "small_message_kb": small_message_kb(other, figures)})
             return progress.done(netbench_job(other).name)
 
-        def step_time_runs(other: int, labels: list[str], net: Optional[netemu.EmulatedNetwork]) -> dict[str, dict]:
+        def step_time_runs(other: int, labels: list[str], net: Optional[netemu.EmulatedNetwork],
+                           unshaped: bool = False) -> dict[str, dict]:
             """Each of ``labels``' median step over ``check_repeats`` short runs at world size ``other``,
-            sparse from the start (``runs.median_step``)."""
+            sparse from the start (``runs.median_step``); ``unshaped``: on links without a rate (the
+            same switch-over as on the shaped ones: only the wire time differs)."""
             short: dict[str, list[dict]] = {label: [] for label in labels}
             switch = network_by_world[other]["small_message_kb"]
+            where = " on unshaped links" if unshaped else ""
             for repeat in range(1, check_repeats + 1):  # repeat-major, as the ladder
                 for label in labels:
-                    run_dir = runs_dir / f"check-world{other}" / label / f"r{repeat}"
+                    run_dir = runs_dir / f"check-world{other}{'-unshaped' if unshaped else ''}" / label / f"r{repeat}"
                     short[label].append(trained(
-                        check_job(label, other, repeat),
-                        f"[{label}] step-time run {repeat}/{check_repeats} at world size {other}", run_dir,
+                        check_job(label, other, repeat, unshaped),
+                        f"[{label}] step-time run {repeat}/{check_repeats} at world size {other}{where}", run_dir,
                         lambda: run_ranks(other, [*base, *ladder_overrides(label, switch), f"run_dir={run_dir}",
                                                   f"max_steps={check_steps}", "comm.csc_warmup_epochs=0",
                                                   "logger=jsonl", "logger.log_every=4"],
-                                          run_dir, f"{label} w{other}", net, timeout_s, show=False)))
+                                          run_dir, f"{label} w{other}{where}", net, timeout_s, show=False)))
             return {label: median_step(short[label], skip_warmup=False) for label in labels}
 
         runs: dict[str, list[dict]] = {label: [] for label in rungs}
@@ -245,6 +252,10 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
             sparse_steps = step_time_runs(world, sparse_checked, net)
             checks[world] = {label: sparse_steps[label] if label in sparse_steps else median_step(runs[label])
                              for label in checked}
+        unshaped: dict[int, dict[str, dict]] = {}
+        if reason is None:  # the sparse rungs without wire time (on loopback there is none anyway)
+            with network(world, None, reason) as net:
+                unshaped[world] = step_time_runs(world, sparse_checked, net, unshaped=True)
         for other in check_worlds:  # (5) step times at other world sizes, on a network measured there
             with network(other, rate, reason) as net:
                 network_by_world[other] = measured_network(other, net, runs_dir / f"netbench-world{other}")
@@ -255,7 +266,8 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
                  "network_by_world": network_by_world, "world": world, "repeats": repeats,
                  "check_repeats": check_repeats, "command": command, "elapsed_s": progress.elapsed_s,
                  "launches": progress.state["launches"], "experiment": experiment, "group": group,
-                 "overrides": base[1:], "rungs": rungs, "machine": machine, "short_at_world": sparse_checked}
+                 "overrides": base[1:], "rungs": rungs, "machine": machine, "short_at_world": sparse_checked,
+                 "unshaped": unshaped}
         (runs_dir / "reproduce.json").write_text(json.dumps(facts, indent=1))
         report_from(runs_dir, report)
         progress.finish()  # after the report: a launch stopped while writing it keeps every run
@@ -270,6 +282,7 @@ def report_from(runs_dir: Path, report: Path) -> None:
     runs = {label: [load_run(d) for d in sorted((runs_dir / label).glob("seed*"), key=lambda d: int(d.name[4:]))]
             for label in facts.pop("rungs")}
     facts["checks"] = {int(world): value for world, value in facts["checks"].items()}
+    facts["unshaped"] = {int(world): value for world, value in facts.get("unshaped", {}).items()}
     facts["network_by_world"] = {int(world): value for world, value in facts.get("network_by_world", {}).items()}
     write_report(report, runs=runs, **facts)
 
