@@ -106,7 +106,9 @@ def test_dense_warmup_follows_the_learning_rate_warmup_unless_set() -> None:
             == "dense for the first 2 epoch(s) (the learning rate's warm-up), then density 0.1")
     assert (build_communicator({"strategy": "csc", "csc_warmup_epochs": 1.5}, CPU, lr_warmup_epochs=2.0).schedule
             == "dense for the first 1.5 epoch(s) (comm.csc_warmup_epochs), then density 0.1")
-    assert build_communicator({"strategy": "gradientflow"}, CPU).schedule == "density 0.1 from the first step"
+    assert build_communicator({"strategy": "gradientflow"}, CPU).schedule == "sparse from the first step: density 0.1"
+    assert (build_communicator({"strategy": "gradientflow", "density_ramp_epochs": 3}, CPU).schedule
+            == "sparse from the first step: density 0.1, falling to it over 3 epoch(s)")
     assert build_communicator({"strategy": "lazy"}, CPU, lr_warmup_epochs=2.0).schedule == ""
 
 

@@ -90,8 +90,8 @@ def describe_schedule(knobs: CommConfig, lr_warmup_epochs: float) -> str:
     warmup = csc_warmup(knobs, lr_warmup_epochs)
     why = "the learning rate's warm-up" if knobs.csc_warmup_epochs is None else "comm.csc_warmup_epochs"
     ramp = (f", falling to it over {knobs.density_ramp_epochs} epoch(s)" if knobs.density_ramp_epochs else "")
-    return (f"dense for the first {warmup:g} epoch(s) ({why}), then density {knobs.density:g}{ramp}"
-            if warmup else f"density {knobs.density:g} from the first step{ramp}")
+    start = f"dense for the first {warmup:g} epoch(s) ({why}), then" if warmup else "sparse from the first step:"
+    return f"{start} density {knobs.density:g}{ramp}"
 
 
 def describe_sum(algorithm: str, wire: str, ranks_per_node: int | None) -> str:

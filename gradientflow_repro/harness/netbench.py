@@ -66,13 +66,16 @@ def model_network(measured: dict) -> "pm.Network":
 
 def small_message_kb(world: int, measured: dict) -> int:
     """``comm.small_message_kb`` for this network: the switch-over between recursive doubling and the
-    ring that the model prices on the figures just measured (``perfmodel.switch_over_bytes``), in
-    KiB, at least 1. The default (``knobs.SMALL_MESSAGE_BYTES``) was measured on loopback, whose
-    latency x bandwidth is far above a shaped link's: there a CSC payload of a few hundred KB went
-    by recursive doubling, sending log2(N)/(2(N-1)/N) = 4/3 as many bytes at four ranks as the ring."""
+    (flat) ring that the model prices on the figures just measured (``perfmodel.switch_over_bytes``),
+    in KiB, at least 1 and at most the default (``knobs.SMALL_MESSAGE_BYTES``, measured on loopback,
+    whose latency x bandwidth is far above a shaped link's: with it a CSC payload of a few hundred KB
+    went by recursive doubling, sending log2(N)/(2(N-1)/N) = 4/3 as many bytes at four ranks as the
+    ring). At two ranks the model never prefers the ring (the same bytes in twice the steps); the
+    cap keeps large messages on the ring there, so a `ring` rung still sends by the ring."""
+    from gradientflow_repro.comm.knobs import SMALL_MESSAGE_BYTES
     from gradientflow_repro.perfmodel import switch_over_bytes
 
-    return max(1, switch_over_bytes(world, model_network(measured), "ring") // 1024)
+    return max(1, min(switch_over_bytes(world, model_network(measured), "ring"), SMALL_MESSAGE_BYTES) // 1024)
 
 
 def ring_figures(tiny_s: float, large_s: float, ranks: int, large_bytes: int = LARGE_BYTES) -> dict[str, float]:
@@ -133,7 +136,8 @@ def _measure(rank: int, world: int, out: Path, tensors_file: Path) -> None:
     # one allreduce per gradient of the model, back to back: what `allreduce`, `ring` and
     # `ring`+fp16 do after backward, without the training around it
     gradients = [torch.randn(n) for n in json.loads(tensors_file.read_text())]
-    # as the `ring` strategies build them: small tensors by recursive doubling, the rest by the ring
+    # as the `ring` strategies build them with the default switch-over: small tensors by recursive
+    # doubling, the rest by the ring (the runs use the one set from these figures, ``small_message_kb``)
     ring, ring_fp16 = build_sum("ring", "fp32"), build_sum("ring", "fp16")
     per_tensor = {name: timed(gradients, 5, lambda tensors, fn=fn: [fn(t) for t in tensors]) if gradients else None
                   for name, fn in (("builtin", dist.all_reduce), ("ring", lambda t: ring(t, CommStats())),

@@ -260,7 +260,8 @@ def _network_table(network_by_world: dict[int, dict]) -> list[str]:
               "at log2(N) steps of the ring's latency. Recursive doubling up to: the largest message our "
               "algorithms send by recursive doubling rather than the ring at that world size "
               "(`comm.small_message_kb`), where the model prices the two equal on the figures measured there "
-              "(`netbench.small_message_kb`); the default, measured on loopback, is far higher."]
+              f"(`netbench.small_message_kb`), at most the default, {_size(knobs.SMALL_MESSAGE_BYTES)} "
+              "(measured on loopback)."]
     worlds = [w for w, m in sorted(network_by_world.items()) if m.get("builtin_cost_by_size")]
     if worlds:
         costs = {w: dict((size, s) for size, s in network_by_world[w]["builtin_cost_by_size"]) for w in worlds}
@@ -281,13 +282,13 @@ def _network_table(network_by_world: dict[int, dict]) -> list[str]:
 
 def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
                 network_by_world: dict[int, dict], lars: bool = True,
-                unshaped: Optional[dict[int, dict[str, dict]]] = None) -> list[str]:
+                unshaped: Optional[dict[int, dict[str, dict]]] = None, cores: Optional[int] = None) -> list[str]:
     """Predicted vs measured step times. The measured single-process profile is scaled per world
     size so that its compute equals the allreduce run's (step - synchronize wait): on a shared CPU
     the ranks slow each other; that one factor is the only thing taken from the runs. The network
     is the one measured at that world size; ``lars``: the runs' Lars adapted their weight layers
     (``runs.sends_trust_sketches``); ``unshaped``: step times of the same strategies with the
-    links unshaped, by world size (``_hidden_communication``)."""
+    links unshaped, by world size (``_hidden_communication``); ``cores``: the machine's."""
     profile = profile_from_json(calibration["profile"])
     lines = ["| world | strategy | measured step (ms) | predicted step (ms) | predicted comm exposed (ms) | error |",
              "|---|---|---|---|---|---|"]
@@ -313,10 +314,11 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
         within = sum(e <= 0.15 for e in errors)
         lines += ["", f"Goal: within 15%. {within} of {len(errors)} predictions are; the largest error is "
                   f"{max(errors) * 100:.0f}%."]
-    return lines + _hidden_communication(checks, unshaped or {}) + _per_tensor_alone(profile, network_by_world)
+    return lines + _hidden_communication(checks, unshaped or {}, cores) + _per_tensor_alone(profile, network_by_world)
 
 
-def _hidden_communication(checks: dict[int, dict[str, dict]], unshaped: dict[int, dict[str, dict]]) -> list[str]:
+def _hidden_communication(checks: dict[int, dict[str, dict]], unshaped: dict[int, dict[str, dict]],
+                          cores: Optional[int] = None) -> list[str]:
     """How close the full stack comes to hiding all communication: its step over the compute-only
     step (``allreduce``'s step less its wait in ``synchronize()``, which is all after backward), and
     where measured, the same step with the links unshaped: no wire time, so what remains over the
@@ -334,12 +336,15 @@ def _hidden_communication(checks: dict[int, dict[str, dict]], unshaped: dict[int
                      f"communication behind backward). Goal at most 1.2x: {'met' if ratio <= 1.2 else 'NOT met'}.")
         free = unshaped.get(world, {}).get("gradientflow")
         if free:
-            lines.append(f"  With the links unshaped (no wire time; {len(free['step_s_each'])} short runs, the same "
+            crowded = (f" With {world} ranks on {cores} cores they finish backward at different times, and "
+                       "that wait is in `allreduce`'s wait, so the compute-only figure leaves it out."
+                       if cores and cores < world else "")
+            lines.append(f"  With the links unshaped (no rate limit; {len(free['step_s_each'])} short runs, the same "
                          f"settings): {free['step_s'] * 1e3:.1f} ms, {free['step_s'] / compute:.2f}x the compute-only "
-                         f"step: the rest of the gap is the wire's ({ratio - free['step_s'] / compute:+.2f}x). What "
-                         "is left without it is CSC's local work and the ranks waiting for each other at the first "
-                         "collective after backward: with more ranks than cores they finish backward at different "
-                         "times, a wait `allreduce`'s compute-only figure leaves out (its wait holds it).")
+                         f"step, so the link's rate accounts for {ratio - free['step_s'] / compute:+.2f}x. The rest "
+                         "is no transfer that overlap could hide better: CSC's local work, the collectives' "
+                         "latency and copies on the unshaped links, and the ranks waiting for each other at the first "
+                         f"collective after backward.{crowded}")
     return ["", *lines] if lines else []
 
 
@@ -446,7 +451,7 @@ def _convergence_section(runs: dict[str, list[dict]]) -> list[str]:
             goal = (f" Goal at density 0.1: within 10%: {'met' if extra <= 0.1 else 'NOT met'}."
                     if label == "gradientflow" and abs(density - 0.1) < 1e-9 else "")
             sparse = _median([sparse_epochs_to_target(r) for r in items])  # of the seeds that reached it
-            lines.append(f"- {name}: {mine:.0f} epochs to target against {dense:.0f} for "
+            lines.append(f"- {name}: {mine:g} epochs to target against {dense:g} for "
                          f"dense training (medians): {extra:+.0%}, {sparse:g} of them sparse, after "
                          f"{dense_warmup_epochs(items[0]):g} dense.{goal}")
             if sparse <= 1:
@@ -504,7 +509,8 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
     short = ", ".join(f"`{label}`" for label in short_at_world or [])
     check_runs = (f"at world size {world} the ladder's {repeats} runs to the target"
                   + (f", but for {short} {check_repeats} short runs sparse from the start (its runs to the target "
-                     "are mostly dense warm-up)" if short_at_world
+                     "are mostly dense warm-up; its ratio to the compute-only step below sets them against "
+                     "`allreduce`'s runs to the target)" if short_at_world
                      else " (`gradientflow` after its dense warm-up)" if short_at_world is None else ""))
     if others:
         check_runs += (f"; at world size{'s' if len(others) > 1 else ''} {', '.join(others)}, {check_repeats} "
@@ -550,7 +556,8 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
         f"gradient element: CSC {calibration['profile'].get('sparsify_s_per_element', 0) * 1e9:.2f} ns, "
         f"fp16 wire {calibration['profile'].get('wire_cast_s_per_element', 0) * 1e9:.2f} ns (scaled like the "
         "compute).", "", *model_check(checks, calibration, network_by_world,
-                                  sends_trust_sketches(next(iter(runs.values()))[0]), unshaped), "",
+                                  sends_trust_sketches(next(iter(runs.values()))[0]), unshaped,
+                                  facts.get("cpu_count")), "",
         "## Scaling model against the paper", "", *paper_lines, "",
         "![speedup against GPU count](scaling.png)", "",
         "## Dashboards", "",

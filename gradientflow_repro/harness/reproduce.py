@@ -3,16 +3,18 @@ accuracy over an emulated cluster network once per seed, then results/REPORT.md.
 
 Steps: (1) calibrate: profile the model (``harness.profile``), run the baseline briefly on an
 unshaped network to get compute time and bytes per step; (2) choose the link rate that gives the
-paper's dense communication/computation ratio; (3) measure the shaped network's bandwidth and
-per-message latency (``harness.netbench``); (4) train every rung of the ladder (``knobs.LADDER``),
-and gradientflow's variants for convergence (``knobs.SPARSE_VARIANTS``), to the target once per seed
+paper's dense communication/computation ratio; (3) measure the shaped network's bandwidth and per-
+message latency (``harness.netbench``); (4) train every rung of the ladder (``knobs.LADDER``), and
+gradientflow's variants for convergence (``knobs.SPARSE_VARIANTS``), to the target once per seed
 (seed-major, so drift spreads over all of them), then short step-time runs of the sparse rungs,
-sparse from the start (their runs to the target are mostly dense warm-up); (5) short step-time runs
-of every rung at the other world sizes, for the scaling model's check; (6) write the report (``harness.report``). With
-root every rank runs in its own network namespace behind a rate-limited link (``harness.netemu``);
-without, on loopback, and the report says so. Every job's completion is saved as it happens
-(``Progress``): an interrupted reproduction, launched again with the same plan and code, continues.
-"""
+sparse from the start (their runs to the target are mostly dense warm-up), and the same again with
+the links unshaped (what is left without the link's rate); (5) short step-time runs of every rung at
+the other world sizes, for the scaling model's check; (6) write the report (``harness.report``). Our
+algorithms switch from recursive doubling to the ring where the model prices the network measured at
+that world size (``netbench.small_message_kb``). With root every rank runs in its own network
+namespace behind a rate-limited link (``harness.netemu``); without, on loopback, and the report says
+so. Every job's completion is saved as it happens (``Progress``): an interrupted reproduction,
+launched again with the same plan and code, continues."""
 
 from __future__ import annotations
 
@@ -115,7 +117,8 @@ def sparse_rung(label: str) -> bool:
 
 def check_worlds_for(world: int, check_worlds: Optional[Sequence[int]]) -> list[int]:
     """The world sizes of the step-time runs: ``check_worlds`` as given, each once and never the
-    ladder's own (its step times come from the ladder's runs; a second set would replace them), or
+    ladder's own (its step times come from the ladder's runs, and its sparse rungs' from short runs
+    of their own; a second set would replace them), or
     by default ``DEFAULT_CHECK_WORLDS`` without the ladder's."""
     if check_worlds is None:
         return [other for other in DEFAULT_CHECK_WORLDS if other != world]
@@ -210,7 +213,8 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
                 figures = measure_network(other, net, out, timeout_s, gradients, netbench_launches)
                 progress.record(netbench_job(other).name, {
                     "emulated": reason is None, "why_not": reason, "rate_mbit": rate if reason is None else None,
-                    **figures, "small_message_kb": small_message_kb(other, figures)})
+                    # on loopback the default was measured for just that network
+                    **figures, "small_message_kb": small_message_kb(other, figures) if reason is None else None})
             return progress.done(netbench_job(other).name)
 
         def step_time_runs(other: int, labels: list[str], net: Optional[netemu.EmulatedNetwork],
@@ -238,9 +242,11 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
         with network(world, rate, reason) as net:
             measured = measured_network(world, net, runs_dir / "netbench")
             network_by_world = {world: measured}
+            switch = measured["small_message_kb"]
             print(f"reproduce: measured link {measured['bandwidth_Bps'] / 1e6:.1f} MB/s, per-message latency "
-                  f"{measured['latency_s'] * 1e6:.0f} us: our algorithms send messages of up to "
-                  f"{measured['small_message_kb']} KiB by recursive doubling, larger ones by the ring", flush=True)
+                  f"{measured['latency_s'] * 1e6:.0f} us" + (f": our algorithms send messages of up to {switch} KiB "
+                                                            "by recursive doubling, larger ones by the ring"
+                                                            if switch else ""), flush=True)
             for index, seed in enumerate(seeds):  # (4) every configuration to the target, seed-major
                 for label in rungs:  # (so drift spreads over all of them)
                     run_dir = runs_dir / label / f"seed{seed}"
@@ -253,7 +259,7 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
             checks[world] = {label: sparse_steps[label] if label in sparse_steps else median_step(runs[label])
                              for label in checked}
         unshaped: dict[int, dict[str, dict]] = {}
-        if reason is None:  # the sparse rungs without wire time (on loopback there is none anyway)
+        if reason is None and sparse_checked:  # the sparse rungs without the link's rate (loopback has none)
             with network(world, None, reason) as net:
                 unshaped[world] = step_time_runs(world, sparse_checked, net, unshaped=True)
         for other in check_worlds:  # (5) step times at other world sizes, on a network measured there
