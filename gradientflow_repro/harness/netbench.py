@@ -54,8 +54,9 @@ def measure_network(world: int, net: Optional[netemu.EmulatedNetwork], run_dir: 
             "burst_bytes": net.burst_payload_bytes if net else 0.0}  # the shaper's, as configured
 
 
-def model_network(measured: dict) -> "pm.Network":
-    """``perfmodel.Network`` from ``measure_network``'s figures."""
+def priced_network(measured: dict) -> "pm.Network":
+    """``perfmodel.Network`` from ``measure_network``'s figures (``cluster_check.model_network`` reads
+    the cluster benchmark's, which describe nodes)."""
     from gradientflow_repro import perfmodel as pm
 
     table = measured.get("builtin_cost_by_size")
@@ -75,7 +76,7 @@ def small_message_kb(world: int, measured: dict) -> int:
     from gradientflow_repro.comm.knobs import SMALL_MESSAGE_BYTES
     from gradientflow_repro.perfmodel import switch_over_bytes
 
-    return max(1, min(switch_over_bytes(world, model_network(measured), "ring"), SMALL_MESSAGE_BYTES) // 1024)
+    return max(1, min(switch_over_bytes(world, priced_network(measured), "ring"), SMALL_MESSAGE_BYTES) // 1024)
 
 
 def ring_figures(tiny_s: float, large_s: float, ranks: int, large_bytes: int = LARGE_BYTES) -> dict[str, float]:

@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Union
 
 from gradientflow_repro import perfmodel as pm
 from gradientflow_repro.comm import knobs
-from gradientflow_repro.harness.netbench import model_network
+from gradientflow_repro.harness.netbench import priced_network
 from gradientflow_repro.harness.profile import profile_from_json
 from gradientflow_repro.harness.runs import (
     dense_warmup_epochs,
@@ -297,7 +297,7 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
         if "allreduce" not in by_label:
             continue
         base = by_label["allreduce"]
-        net = model_network(network_by_world[world])
+        net = priced_network(network_by_world[world])
         switch = network_by_world[world].get("small_message_kb")  # the runs' (none before it was measured)
         strategies = {label: pm.Strategy.from_knobs(label, knobs.resolve(knobs.on_network(options, switch)), lars=lars)
                       for label, options in knobs.LADDER.items()}
@@ -356,7 +356,7 @@ def _per_tensor_alone(profile: pm.ModelProfile, network_by_world: dict[int, dict
     for world, measured in sorted(network_by_world.items()):
         if measured.get("per_tensor_builtin_s") is None:
             continue
-        net = model_network(measured)
+        net = priced_network(measured)
         cells = []
         for key, strategy in (("per_tensor_builtin_s", pm.Strategy("allreduce", algorithm="builtin")),
                               ("per_tensor_ring_s", pm.Strategy("ring")),
