@@ -102,6 +102,7 @@ class Trainer:
         self.data_s = time.perf_counter() - self.progress.clock_start  # listing and checking the files
         self._last_log = (self.progress.step, self.progress.train_s)  # for rates between progress lines
         self._last_loss_lr: Optional[tuple[torch.Tensor, float]] = None
+        self._behind_s = 0.0  # since the last progress record: see train_step
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> dict[str, Any]:
@@ -142,11 +143,15 @@ class Trainer:
         with self.precision.autocast():
             loss = faults.inject("loss", step, self.criterion(self.train_model(images), labels))
         self.precision.backward(loss)
+        computed = time.perf_counter() - started  # forward and backward: what the ranks wait for
         faults.inject("comm", step)
         self.comm.synchronize()
-        # the step's one read-back: did any rank overflow, did any rank get a stop signal
-        overflow, signal = agree_max([self.precision.nonfinite(self.optimizer), self.stop.received],
-                                     self.device)
+        # the step's one read-back: did any rank overflow, did any rank get a stop signal, and how
+        # long the slowest rank's forward and backward took (ranks sharing cores finish at different
+        # times, and the first collective after backward waits for the last: logged, not acted on)
+        overflow, signal, slowest = agree_max([self.precision.nonfinite(self.optimizer), self.stop.received,
+                                               computed], self.device)
+        self._behind_s += slowest - computed
         applied = self.precision.apply(self.optimizer, overflow > 0)  # skipped on every rank, or none
         self.stop.agreed_signal = int(signal)
         self.comm.end_step(applied=applied)
@@ -236,8 +241,10 @@ class Trainer:
                   "step_s": interval / steps, "bytes_per_step": comm["bytes"] / steps,
                   "collectives_per_step": comm["collectives"] / steps,
                   "sync_wait_s_per_step": comm["wait_s"] / steps, "density": self.comm.density_now,
+                  "behind_slowest_s_per_step": self._behind_s / steps,
                   "loss_scale": self.precision.loss_scale, "skipped_steps": self.precision.skipped_steps,
                   "epoch": p.step / self.data.steps_per_epoch}
+        self._behind_s = 0.0
         self._log(record)
         eta = (self.total_steps - p.step) * interval / steps
         top1 = f"{p.last_top1:.2f}%" if p.last_top1 is not None else "-"

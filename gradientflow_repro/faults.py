@@ -5,7 +5,8 @@ Set ``GFR_INJECT_FAULT`` to ``WHAT@WHERE:rank=R:step=S`` (several separated by `
 - WHAT: ``kill`` (SIGKILL to this process), ``freeze`` (SIGSTOP: the process stays, its connections
   stay open, it answers nothing: how a peer that is gone looks to NCCL, which hangs rather than
   fails), ``nan`` (this rank's loss becomes NaN),
-  ``perturb`` (this rank's first parameter is nudged: ranks silently disagree);
+  ``perturb`` (this rank's first parameter is nudged: ranks silently disagree), ``delay`` (this
+  rank sleeps ``DELAY_S``: a straggler, which the others wait for);
 - WHERE: ``forward`` (start of a step), ``comm`` (entering ``synchronize``, while the other ranks
   already wait in the step's collectives), ``checkpoint`` (after this rank's file is half written,
   before the checkpoint is renamed into place), ``loss``, ``params`` (after the optimizer step).
@@ -28,6 +29,7 @@ from typing import Optional
 import torch
 
 ENV = "GFR_INJECT_FAULT"
+DELAY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -38,10 +40,16 @@ class Fault:
     step: int
 
 
-@lru_cache(maxsize=1)
 def planned() -> tuple[Fault, ...]:
+    """The faults ``GFR_INJECT_FAULT`` plans now (read each call: a rank forked from a launcher that
+    had read it before has its own environment)."""
+    return _parse(os.environ.get(ENV, ""))
+
+
+@lru_cache(maxsize=4)
+def _parse(specs: str) -> tuple[Fault, ...]:
     faults = []
-    for spec in filter(None, os.environ.get(ENV, "").split(",")):
+    for spec in filter(None, specs.split(",")):
         head, *fields = spec.split(":")
         what, where = head.split("@")
         values = dict(field.split("=") for field in fields)
@@ -74,6 +82,8 @@ def inject(where: str, step: int, tensor: Optional[torch.Tensor] = None) -> Opti
         os.kill(os.getpid(), signal.SIGSTOP)
     if fault.what == "nan" and tensor is not None:
         return tensor * float("nan")
+    if fault.what == "delay":
+        time.sleep(DELAY_S)
     if fault.what == "perturb" and tensor is not None:
         with torch.no_grad():
             tensor.add_(1e-3)

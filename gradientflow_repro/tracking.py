@@ -125,7 +125,8 @@ def wandb_keys(record: dict[str, Any]) -> dict[str, float]:
             continue
         if key in ("mlperf_s", "train_s", "eval_s", "startup_s", "init_s"):
             metrics[f"time/{key}"] = value
-        elif key in ("bytes_per_step", "collectives_per_step", "sync_wait_s_per_step", "density"):
+        elif key in ("bytes_per_step", "collectives_per_step", "sync_wait_s_per_step", "density",
+                     "behind_slowest_s_per_step"):
             metrics[f"comm/{key}"] = value
         else:
             metrics[f"{prefix}/{key}"] = value

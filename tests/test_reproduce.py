@@ -637,18 +637,43 @@ def test_the_report_splits_gradientflows_gap_into_the_links_rate_and_the_rest() 
     where recursive doubling hands over to the ring (the default for a network measured before)."""
     from gradientflow_repro.harness.report import _hidden_communication, _network_table
 
-    checks = {4: {"allreduce": {"step_s": 0.5, "sync_wait_s": 0.3}, "gradientflow": {"step_s": 0.3}}}
+    checks = {4: {"allreduce": {"step_s": 0.5, "sync_wait_s": 0.3, "behind_slowest_s": 0.04},
+                  "gradientflow": {"step_s": 0.3, "behind_slowest_s": 0.05}}}
     unshaped = {4: {"gradientflow": {"step_s": 0.25, "step_s_each": [0.24, 0.26]}}}
     text = "\n".join(_hidden_communication(checks, unshaped, cores=2))
     assert "`gradientflow`'s step is 1.50x the compute-only step (200.0 ms" in text and "NOT met" in text
     assert "unshaped (no rate limit; 2 short runs, the same settings): 250.0 ms, 1.25x" in text
     assert "the link's rate accounts for +0.25x" in text and "With 4 ranks on 2 cores" in text
+    assert ("The slowest rank's forward and backward took 40.0 ms and 50.0 ms longer than rank 0's per step "
+            "(median; in `allreduce`'s and `gradientflow`'s runs)") in text
+    del checks[4]["allreduce"]["behind_slowest_s"]  # a run from before it was logged: said for the rest
+    assert "took 50.0 ms longer than rank 0's per step (median; in `gradientflow`'s runs)" in "\n".join(
+        _hidden_communication(checks, unshaped, cores=2))
     assert "cores" not in "\n".join(_hidden_communication(checks, unshaped, cores=8))
     assert "unshaped" not in "\n".join(_hidden_communication(checks, {}, cores=2))
     rows = _network_table({2: {"bandwidth_Bps": 3e7, "latency_s": 1e-3, "small_message_kb": 1024},
                            4: {"bandwidth_Bps": 3e7, "latency_s": 1e-3, "small_message_kb": 256},
                            8: {"bandwidth_Bps": 3e7, "latency_s": 1e-3}})[2:5]
     assert [row.rsplit("|", 2)[1].strip() for row in rows] == ["1 MiB", "256 KiB", "1 MiB (default)"]
+
+
+def test_a_steady_step_is_the_median_interval_after_the_warmup_and_says_what_was_logged() -> None:
+    """Intervals that begin at or after the warm-up, their medians; the wait for the slowest rank
+    where every interval logged it (runs from before it was logged have none, and their repeats
+    leave it out of the median over repeats)."""
+    from gradientflow_repro.harness.runs import median_step, steady_step
+
+    def interval(epoch: float, step_s: float, behind: "float | None" = None) -> dict:
+        return {"kind": "train", "epoch": epoch, "step_s": step_s, "sync_wait_s_per_step": step_s / 4,
+                "bytes_per_step": 100, **({} if behind is None else {"behind_slowest_s_per_step": behind})}
+
+    new = {"records": [interval(1, 9.0, 0.5), interval(2, 1.0, 0.1), interval(3, 3.0, 0.3), interval(4, 2.0, 0.2)]}
+    assert steady_step(new, after_epoch=1) == {"step_s": 2.0, "sync_wait_s": 0.5, "bytes_per_step": 100,
+                                               "behind_slowest_s": 0.2}
+    old = {"records": [interval(1, 4.0), interval(2, 4.0)]}
+    assert "behind_slowest_s" not in steady_step(old)
+    both = median_step([new, old], skip_warmup=False)
+    assert "behind_slowest_s" not in both and both["step_s_each"] == [2.5, 4.0]
 
 
 def test_the_speedup_decomposes_into_step_time_epochs_and_overhead() -> None:

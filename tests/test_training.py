@@ -144,6 +144,23 @@ def test_csc_stays_dense_while_the_learning_rate_warms_up(tmp_path: Path, digits
     assert [density for _, density in steps] == [1.0] * 17 + [0.1] * 3
 
 
+def test_rank_0_logs_how_long_it_waited_for_the_slowest_rank(tmp_path: Path, digits_root: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step agrees on the slowest rank's forward and backward time (in the step's one
+    read-back); rank 0's records say how much longer it took than its own: a straggler's delay."""
+    from gradientflow_repro.faults import DELAY_S
+
+    monkeypatch.setenv("GFR_INJECT_FAULT", "delay@forward:rank=1:step=3")
+    run = tmp_path / "run"
+    train(2, [*FAST, f"data.root={digits_root}", "global_batch_size=64", "epochs=1", "max_steps=6",
+              "optim.warmup_epochs=0.5", "logger.log_every=1", "eval_every_epochs=1"], run)
+    behind = {r["step"]: r["behind_slowest_s_per_step"] for r in read_records(run / "metrics.jsonl")
+              if r["kind"] == "train"}
+    assert sorted(behind) == list(range(1, 7)) and all(seconds >= 0 for seconds in behind.values())
+    assert behind[4] >= DELAY_S * 0.9, behind  # step 3 (the fourth) waited for rank 1's sleep
+    assert max(behind[step] for step in behind if step != 4) < DELAY_S / 2, behind
+
+
 def test_gradientflow_at_density_0_1_reaches_the_digits_target(tmp_path: Path, digits_root: Path) -> None:
     """The paper's full stack (ring, fp16 wire, lazy pool with overlap, CSC sending 10% of the
     chunks after one dense epoch) still trains the embedded digits to the experiment's target (97% top-1).

@@ -334,6 +334,14 @@ def _hidden_communication(checks: dict[int, dict[str, dict]], unshaped: dict[int
         lines.append(f"- world size {world}: `gradientflow`'s step is {ratio:.2f}x the compute-only step "
                      f"({compute * 1e3:.1f} ms: `allreduce`'s step less its wait; 1.0 would hide all "
                      f"communication behind backward). Goal at most 1.2x: {'met' if ratio <= 1.2 else 'NOT met'}.")
+        behind = [(name, by_label[label]["behind_slowest_s"]) for name, label in
+                  (("`allreduce`'s", "allreduce"), ("`gradientflow`'s", "gradientflow"))
+                  if "behind_slowest_s" in by_label[label]]
+        if behind:
+            lines.append("  The slowest rank's forward and backward took " + " and ".join(
+                f"{seconds * 1e3:.1f} ms" for _, seconds in behind) + " longer than rank 0's per step (median; "
+                "in " + " and ".join(name for name, _ in behind) + " runs): about what the first collective "
+                "after backward waits before anything moves.")
         free = unshaped.get(world, {}).get("gradientflow")
         if free:
             crowded = (f" With {world} ranks on {cores} cores they finish backward at different times, and "

@@ -66,8 +66,9 @@ def dense_warmup_epochs(run: dict) -> float:
 
 
 def steady_step(run: dict, after_epoch: float = 0.0) -> dict[str, float]:
-    """Median step time and synchronize wait over the logged intervals (those that begin at or after
-    ``after_epoch``; all of them if none does)."""
+    """Median step time, synchronize wait, bytes and (where the run logged it) ``behind_slowest_s``,
+    how much sooner rank 0 finished its forward and backward than the slowest rank, over the logged
+    intervals (those that begin at or after ``after_epoch``; all of them if none does)."""
     every = [r for r in run["records"] if r["kind"] == "train"]
     # a record's interval starts where the one before it ended: keep those wholly after ``after_epoch``
     train = [r for before, r in zip([{"epoch": 0.0}, *every], every) if before["epoch"] >= after_epoch]
@@ -76,16 +77,20 @@ def steady_step(run: dict, after_epoch: float = 0.0) -> dict[str, float]:
         s = run["summary"]
         return {"step_s": s["train_s"] / max(1, s["steps"]), "sync_wait_s": s["sync_wait_s_per_step"],
                 "bytes_per_step": s["bytes_per_step"]}
-    return {"step_s": statistics.median(r["step_s"] for r in train),
+    step = {"step_s": statistics.median(r["step_s"] for r in train),
             "sync_wait_s": statistics.median(r["sync_wait_s_per_step"] for r in train),
             "bytes_per_step": statistics.median(r["bytes_per_step"] for r in train)}
+    if all("behind_slowest_s_per_step" in r for r in train):  # (not in runs from before it was logged)
+        step["behind_slowest_s"] = statistics.median(r["behind_slowest_s_per_step"] for r in train)
+    return step
 
 
 def median_step(repeats: list[dict], skip_warmup: bool = True) -> dict:
     """``steady_step`` of each repeat of one strategy (after CSC's dense warm-up if
     ``skip_warmup``): the median of each figure, and every repeat's step time (``step_s_each``)."""
     steps = [steady_step(run, dense_warmup_epochs(run) if skip_warmup else 0.0) for run in repeats]
-    return {**{key: statistics.median(step[key] for step in steps) for key in steps[0]},
+    return {**{key: statistics.median(step[key] for step in steps) for key in steps[0]
+               if all(key in step for step in steps)},
             "step_s_each": [step["step_s"] for step in steps]}
 
 
