@@ -143,7 +143,9 @@ class Trainer:
         with self.precision.autocast():
             loss = faults.inject("loss", step, self.criterion(self.train_model(images), labels))
         self.precision.backward(loss)
-        computed = time.perf_counter() - started  # forward and backward: what the ranks wait for
+        # forward and backward, what the ranks wait for; on a GPU the host only queued them by now
+        # (its time says nothing of the device's), so only CPU runs log it
+        computed = time.perf_counter() - started if self.device.type == "cpu" else 0.0
         faults.inject("comm", step)
         self.comm.synchronize()
         # the step's one read-back: did any rank overflow, did any rank get a stop signal, and how
@@ -241,7 +243,7 @@ class Trainer:
                   "step_s": interval / steps, "bytes_per_step": comm["bytes"] / steps,
                   "collectives_per_step": comm["collectives"] / steps,
                   "sync_wait_s_per_step": comm["wait_s"] / steps, "density": self.comm.density_now,
-                  "behind_slowest_s_per_step": self._behind_s / steps,
+                  **({"behind_slowest_s_per_step": self._behind_s / steps} if self.device.type == "cpu" else {}),
                   "loss_scale": self.precision.loss_scale, "skipped_steps": self.precision.skipped_steps,
                   "epoch": p.step / self.data.steps_per_epoch}
         self._behind_s = 0.0
