@@ -270,6 +270,8 @@ def _chosen_algorithm(rank: int, world: int, out: str) -> None:
 def test_gradientflow_is_two_level_on_several_nodes_of_several_ranks(tmp_path: Path) -> None:
     spawn(_chosen_algorithm, 4, str(tmp_path))
     found = torch.load(tmp_path / "rank0.pt")
-    assert found[2] == ("two-level ring (2 nodes x 2 ranks), fp16 wire", True)
+    assert found[2] == ("two-level ring (2 nodes x 2 ranks), small messages (up to 1024 KiB) by recursive "
+                        "doubling, fp16 wire", True)
     for flat in (None, 1, 4):  # no launcher figure, one rank per node, or one node
-        assert found[flat] == ("flat ring over 4 ranks, fp16 wire", False)
+        assert found[flat] == ("flat ring over 4 ranks, small messages (up to 1024 KiB) by recursive doubling, "
+                               "fp16 wire", False)

@@ -77,7 +77,7 @@ def build_communicator(options: Union[Mapping[str, Any], CommConfig], device: to
     sum_fn = build_sum(knobs.algorithm, knobs.wire, ranks_per_node, knobs.segment_kb, local_rank,
                        small_message_bytes(knobs))
     communicator = _communicator(knobs, device, sum_fn, lr_warmup_epochs)
-    communicator.summing = describe_sum(knobs.algorithm, knobs.wire, ranks_per_node)
+    communicator.summing = describe_sum(knobs.algorithm, knobs.wire, ranks_per_node, small_message_bytes(knobs))
     communicator.schedule = describe_schedule(knobs, lr_warmup_epochs)
     return communicator
 
@@ -94,14 +94,18 @@ def describe_schedule(knobs: CommConfig, lr_warmup_epochs: float) -> str:
     return f"{start} density {knobs.density:g}{ramp}"
 
 
-def describe_sum(algorithm: str, wire: str, ranks_per_node: int | None) -> str:
-    """``build_sum``'s choice in words, for the run's first lines."""
+def describe_sum(algorithm: str, wire: str, ranks_per_node: int | None,
+                 small_bytes: int = SMALL_MESSAGE_BYTES) -> str:
+    """``build_sum``'s choice in words, for the run's first lines (our algorithms: with the size up
+    to which they send by recursive doubling)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         return "one rank: nothing to sum"
     how = {"two-level": f"two-level ring ({-(-world // (ranks_per_node or 1))} nodes x {ranks_per_node} ranks)",
            "ring": f"flat ring over {world} ranks",
            "builtin": f"the backend's allreduce over {world} ranks"}[summing(algorithm, world, ranks_per_node)]
+    if summing(algorithm, world, ranks_per_node) != "builtin":
+        how += f", small messages (up to {small_bytes // 1024} KiB) by recursive doubling"
     return how + (", fp16 wire" if wire == "fp16" else "")
 
 
