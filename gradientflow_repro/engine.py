@@ -102,7 +102,10 @@ class Trainer:
         self.data_s = time.perf_counter() - self.progress.clock_start  # listing and checking the files
         self._last_log = (self.progress.step, self.progress.train_s)  # for rates between progress lines
         self._last_loss_lr: Optional[tuple[torch.Tensor, float]] = None
-        self._behind_s = 0.0  # since the last progress record: see train_step
+        # how much longer the slowest rank's forward and backward took than this rank's, since the
+        # last progress record (train_step); on a GPU the host has only queued them when backward
+        # returns (its time says nothing of the device's), so only CPU runs time them
+        self._behind_s, self._times_ranks = 0.0, device.type == "cpu"
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> dict[str, Any]:
@@ -143,9 +146,7 @@ class Trainer:
         with self.precision.autocast():
             loss = faults.inject("loss", step, self.criterion(self.train_model(images), labels))
         self.precision.backward(loss)
-        # forward and backward, what the ranks wait for; on a GPU the host only queued them by now
-        # (its time says nothing of the device's), so only CPU runs log it
-        computed = time.perf_counter() - started if self.device.type == "cpu" else 0.0
+        computed = time.perf_counter() - started if self._times_ranks else 0.0  # forward and backward
         faults.inject("comm", step)
         self.comm.synchronize()
         # the step's one read-back: did any rank overflow, did any rank get a stop signal, and how
@@ -243,7 +244,7 @@ class Trainer:
                   "step_s": interval / steps, "bytes_per_step": comm["bytes"] / steps,
                   "collectives_per_step": comm["collectives"] / steps,
                   "sync_wait_s_per_step": comm["wait_s"] / steps, "density": self.comm.density_now,
-                  **({"behind_slowest_s_per_step": self._behind_s / steps} if self.device.type == "cpu" else {}),
+                  **({"behind_slowest_s_per_step": self._behind_s / steps} if self._times_ranks else {}),
                   "loss_scale": self.precision.loss_scale, "skipped_steps": self.precision.skipped_steps,
                   "epoch": p.step / self.data.steps_per_epoch}
         self._behind_s = 0.0

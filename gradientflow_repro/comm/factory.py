@@ -101,10 +101,11 @@ def describe_sum(algorithm: str, wire: str, ranks_per_node: int | None,
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         return "one rank: nothing to sum"
+    chosen = summing(algorithm, world, ranks_per_node)
     how = {"two-level": f"two-level ring ({-(-world // (ranks_per_node or 1))} nodes x {ranks_per_node} ranks)",
            "ring": f"flat ring over {world} ranks",
-           "builtin": f"the backend's allreduce over {world} ranks"}[summing(algorithm, world, ranks_per_node)]
-    if summing(algorithm, world, ranks_per_node) != "builtin":
+           "builtin": f"the backend's allreduce over {world} ranks"}[chosen]
+    if chosen != "builtin":
         how += f", small messages (up to {small_bytes // 1024} KiB) by recursive doubling"
     return how + (", fp16 wire" if wire == "fp16" else "")
 

@@ -97,9 +97,8 @@ def train_job(label: str, seed: int) -> Job:
 
 
 def check_job(label: str, world: int, repeat: int, unshaped: bool = False) -> Job:
-    if unshaped:
-        return Job("check", f"{label} w{world} unshaped", f"check {label} w{world} unshaped r{repeat}")
-    return Job("check", f"{label} w{world}", f"check {label} w{world} r{repeat}")
+    key = f"{label} w{world}" + (" unshaped" if unshaped else "")
+    return Job("check", key, f"check {key} r{repeat}")
 
 
 DEFAULT_CHECK_WORLDS = (2,)  # the model's check at a second world size (short step-time runs)
@@ -252,7 +251,7 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
                     run_dir = runs_dir / label / f"seed{seed}"
                     runs[label].append(trained(
                         train_job(label, seed), f"[{label}] seed {seed} ({index + 1} of {repeats})", run_dir,
-                        lambda: run_ranks(world, [*base, *ladder_overrides(label, measured["small_message_kb"]),
+                        lambda: run_ranks(world, [*base, *ladder_overrides(label, switch),
                                                   f"seed={seed}", f"run_dir={run_dir}", f"logger.name={label}"],
                                           run_dir, f"{label} s{seed}", net, timeout_s)))
             sparse_steps = step_time_runs(world, sparse_checked, net)
