@@ -574,18 +574,23 @@ def test_a_reproduction_interrupted_at_any_job_continues_to_the_same_result(tmp_
     reference, every_job = launch("whole"), list(ran)
     assert "was not planned there" not in capsys.readouterr().out  # jobs ran in the order planned
     # calibration, network, 2 x 2 runs to the target, 2 short runs of the sparse rung at world size 4
-    # and 2 more with the links unshaped, then at world sizes 2 and 3 a network measurement and 2 x 2
-    # short runs each, the report
-    assert len(every_job) == 1 + 1 + 4 + 2 + 2 + 2 * (1 + 4) + 1 and every_job[-1] == "report"
+    # with 2 of allreduce beside them, as many with the links unshaped, then at world sizes 2 and 3 a
+    # network measurement and 2 x 2 short runs each, the report
+    assert len(every_job) == 1 + 1 + 4 + 4 + 4 + 2 * (1 + 4) + 1 and every_job[-1] == "report"
+    short = [job for job in every_job if " w4 " in job or job.endswith(" w4")][:4]
+    assert [job.split()[0] for job in short] == ["allreduce", "gradientflow"] * 2  # side by side, repeat-major
     at_ladder = reference["checks"]["4"]
     assert [run["label"] for run in at_ladder["allreduce"]["runs"]] == ["allreduce s0", "allreduce s1"]
     assert [run["label"] for run in at_ladder["gradientflow"]["runs"]] == ["gradientflow w4"] * 2
-    assert all("comm.csc_warmup_epochs=0" in run["argv"] for run in at_ladder["gradientflow"]["runs"])
+    beside = reference["allreduce_beside"]["4"]["runs"]  # the compute-only step beside them
+    assert [run["label"] for run in beside] == ["allreduce w4"] * 2
+    assert all("comm.csc_warmup_epochs=0" in run["argv"] for run in [*at_ladder["gradientflow"]["runs"], *beside])
     assert {run["rate"] for world in reference["checks"].values() for runs in world.values()
-            for run in runs["runs"]} == {100}
-    free = reference["unshaped"]["4"]["gradientflow"]["runs"]  # the same runs, the links without a rate
-    assert [run["rate"] for run in free] == [None, None]
-    assert [run["argv"] for run in free] == [run["argv"] for run in at_ladder["gradientflow"]["runs"]]
+            for run in runs["runs"]} == {run["rate"] for run in beside} == {100}
+    for label, runs in (("gradientflow", at_ladder["gradientflow"]["runs"]), ("allreduce", beside)):
+        free = reference["unshaped"]["4"][label]["runs"]  # the same runs, the links without a rate
+        assert [run["rate"] for run in free] == [None, None]
+        assert [run["argv"] for run in free] == [run["argv"] for run in runs]
     # our algorithms switch to the ring where the model prices the network measured at that world
     # size (4 x 10^8 B/s, 100 us: 8 a B = 320 KB at four ranks, so 256 KiB); gloo's allreduce is left alone
     for world in ("4", "2", "3"):
@@ -651,10 +656,50 @@ def test_the_report_splits_gradientflows_gap_into_the_links_rate_and_the_rest() 
         _hidden_communication(checks, unshaped, cores=2))
     assert "cores" not in "\n".join(_hidden_communication(checks, unshaped, cores=8))
     assert "unshaped" not in "\n".join(_hidden_communication(checks, {}, cores=2))
+    # gradientflow's short runs at the ladder's world size, set against allreduce's short runs beside
+    # them (shaped and unshaped), not against allreduce's runs to the target
+    beside = {4: {"step_s": 0.45, "sync_wait_s": 0.2, "behind_slowest_s": 0.03}}
+    unshaped[4]["allreduce"] = {"step_s": 0.25, "sync_wait_s": 0.05}
+    text = "\n".join(_hidden_communication(checks, unshaped, 2, beside, {4: ["gradientflow"]}))
+    assert "1.20x the compute-only step (250.0 ms: `allreduce`'s step less its wait, in runs beside" in text
+    assert "Goal at most 1.2x: met" in text and "took 30.0 ms and 50.0 ms longer" in text
+    assert "250.0 ms, 1.25x (against `allreduce`'s compute-only step unshaped beside it, 200.0 ms)" in text
+    assert "the link's rate accounts for -0.05x" in text
+    old = "\n".join(_hidden_communication(checks, {}, 2, {}, {4: ["gradientflow"]}))  # before they were made
+    assert "1.50x the compute-only step (200.0 ms: `allreduce`'s step less its wait, in its runs to the target" in old
     rows = _network_table({2: {"bandwidth_Bps": 3e7, "latency_s": 1e-3, "small_message_kb": 1024},
                            4: {"bandwidth_Bps": 3e7, "latency_s": 1e-3, "small_message_kb": 256},
                            8: {"bandwidth_Bps": 3e7, "latency_s": 1e-3}})[2:5]
     assert [row.rsplit("|", 2)[1].strip() for row in rows] == ["1 MiB", "256 KiB", "1 MiB (default)"]
+
+
+def test_the_model_runs_on_the_slowest_ranks_clock_of_the_allreduce_runs_beside_each_strategy() -> None:
+    """The model's compute at a world size is allreduce's step less its wait plus how much longer its
+    slowest rank's forward and backward took (every collective after backward waits for it); for a
+    rung with short runs at the ladder's world size, that of allreduce's short runs beside them."""
+    from gradientflow_repro.harness.report import model_check
+
+    calibration = {"profile": {"forward_s": 0.01, "backward_s": 0.02, "optimizer_s": 0.0,
+                               "tensors": [[40000, 0.02, False], [100, 0.02, True]]}}
+    network = {4: {"bandwidth_Bps": 1e8, "latency_s": 1e-4}}
+
+    def predicted(checks: dict, *beside: dict) -> dict[str, float]:
+        rows = [row.split("|") for row in model_check(checks, calibration, network, False, None, 2, *beside)
+                if row.startswith("| 4 |")]
+        return {cells[2].strip(): float(cells[4]) for cells in rows}
+
+    allreduce = {"step_s": 0.5, "sync_wait_s": 0.3, "behind_slowest_s": 0.04}
+    checks = {4: {"allreduce": allreduce, "gradientflow": {"step_s": 0.3}}}
+    slowest = predicted(checks)
+    del allreduce["behind_slowest_s"]  # (a run from before it was logged: rank 0's compute)
+    rank0 = predicted(checks)
+    assert slowest["allreduce"] - rank0["allreduce"] == pytest.approx(40.0, abs=0.15)  # after backward: all of it
+    assert slowest["gradientflow"] > rank0["gradientflow"]
+    beside = {4: {"step_s": 0.3, "sync_wait_s": 0.15, "behind_slowest_s": 0.01}}  # 160 ms against 200
+    shorts = predicted(checks, beside, {4: ["gradientflow"]})
+    assert shorts["allreduce"] == rank0["allreduce"]  # the dense rungs keep allreduce's runs to the target
+    assert shorts["gradientflow"] < rank0["gradientflow"] - 30
+    assert predicted(checks, beside, {}) == rank0  # beside nothing: as before
 
 
 def test_a_steady_step_is_the_median_interval_after_the_warmup_and_says_what_was_logged() -> None:

@@ -34,7 +34,7 @@ from gradientflow_repro.harness.launch import network, run_ranks
 from gradientflow_repro.harness.netbench import measure_network, small_message_kb
 from gradientflow_repro.harness.progress import MACHINE_KEYS, Progress, Timeline
 from gradientflow_repro.harness.report import write_report
-from gradientflow_repro.harness.runs import load_run, median_step, steady_step
+from gradientflow_repro.harness.runs import compute_only_s, load_run, median_step, steady_step
 from gradientflow_repro.tracking import duration, environment_facts
 
 # Dense fp32 ring traffic time over compute time per step, for AlexNet on the paper's cluster
@@ -144,6 +144,9 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
     # digits target, none for a seed that reaches it in the warm-up): its step time at the ladder's
     # world size comes from short runs sparse from the start, as at the other world sizes
     sparse_checked = [label for label in checked if sparse_rung(label)]
+    # ... with `allreduce`'s short runs between them: the compute-only step they are set against,
+    # measured side by side (this machine's speed drifts over the minutes between the two kinds of run)
+    short_checked = ["allreduce", *sparse_checked] if sparse_checked and "allreduce" in checked else sparse_checked
     seeds = list(range(repeats))
     reason = netemu.why_unavailable() if emulate else "disabled by --no-emulation"
     machine = environment_facts()
@@ -159,9 +162,9 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
         base = [f"+experiment={experiment}", "save_final_params=false", f"logger.group={group}",
                 "resume=never", *EXPERIMENT_OVERRIDES.get(experiment, []), *adapted, *overrides]
         jobs = [calibration_job(), netbench_job(world), *[train_job(label, seed) for seed in seeds for label in rungs],
-                *[check_job(label, world, repeat + 1) for repeat in range(check_repeats) for label in sparse_checked],
+                *[check_job(label, world, repeat + 1) for repeat in range(check_repeats) for label in short_checked],
                 *[check_job(label, world, repeat + 1, unshaped=True) for repeat in range(check_repeats)
-                  for label in sparse_checked if reason is None],
+                  for label in short_checked if reason is None],
                 *[job for other in check_worlds for job in
                   [netbench_job(other), *[check_job(label, other, repeat + 1)
                                           for repeat in range(check_repeats) for label in checked]]]]
@@ -254,13 +257,14 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
                         lambda: run_ranks(world, [*base, *ladder_overrides(label, switch),
                                                   f"seed={seed}", f"run_dir={run_dir}", f"logger.name={label}"],
                                           run_dir, f"{label} s{seed}", net, timeout_s)))
-            sparse_steps = step_time_runs(world, sparse_checked, net)
-            checks[world] = {label: sparse_steps[label] if label in sparse_steps else median_step(runs[label])
+            short_steps = step_time_runs(world, short_checked, net)
+            checks[world] = {label: short_steps[label] if label in sparse_checked else median_step(runs[label])
                              for label in checked}
+            beside = {world: short_steps["allreduce"]} if short_checked != sparse_checked else {}
         unshaped: dict[int, dict[str, dict]] = {}
         if reason is None and sparse_checked:  # the sparse rungs without the link's rate (loopback has none)
             with network(world, None, reason) as net:
-                unshaped[world] = step_time_runs(world, sparse_checked, net, unshaped=True)
+                unshaped[world] = step_time_runs(world, short_checked, net, unshaped=True)
         for other in check_worlds:  # (5) step times at other world sizes, on a network measured there
             with network(other, rate, reason) as net:
                 network_by_world[other] = measured_network(other, net, runs_dir / f"netbench-world{other}")
@@ -272,7 +276,7 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
                  "check_repeats": check_repeats, "command": command, "elapsed_s": progress.elapsed_s,
                  "launches": progress.state["launches"], "experiment": experiment, "group": group,
                  "overrides": base[1:], "rungs": rungs, "machine": machine, "short_at_world": sparse_checked,
-                 "unshaped": unshaped}
+                 "unshaped": unshaped, "allreduce_beside": beside}
         (runs_dir / "reproduce.json").write_text(json.dumps(facts, indent=1))
         report_from(runs_dir, report)
         progress.finish()  # after the report: a launch stopped while writing it keeps every run
@@ -288,6 +292,7 @@ def report_from(runs_dir: Path, report: Path) -> None:
             for label in facts.pop("rungs")}
     facts["checks"] = {int(world): value for world, value in facts["checks"].items()}
     facts["unshaped"] = {int(world): value for world, value in facts.get("unshaped", {}).items()}
+    facts["allreduce_beside"] = {int(world): value for world, value in facts.get("allreduce_beside", {}).items()}
     facts["network_by_world"] = {int(world): value for world, value in facts.get("network_by_world", {}).items()}
     write_report(report, runs=runs, **facts)
 
@@ -303,5 +308,5 @@ def calibrate(world: int, base: list[str], run_dir: Path, net: Optional[netemu.E
     subprocess.run([sys.executable, "-m", "gradientflow_repro.harness.profile", str(profile_file), "--",
                     *[o for o in base if not o.startswith("logger.")]], cwd=REPO, check=True,
                    env={**os.environ, "OMP_NUM_THREADS": "1", "PROFILE_WORLD": str(world)}, timeout=timeout_s)
-    return {"compute_s": step["step_s"] - step["sync_wait_s"], "bytes_per_step": step["bytes_per_step"],
+    return {"compute_s": compute_only_s(step), "bytes_per_step": step["bytes_per_step"],
             "step_s": step["step_s"], "profile": json.loads(profile_file.read_text())}

@@ -85,6 +85,14 @@ def steady_step(run: dict, after_epoch: float = 0.0) -> dict[str, float]:
     return step
 
 
+def compute_only_s(step: dict, slowest: bool = False) -> float:
+    """The compute-only step of a ``steady_step`` of ``allreduce`` (whose communication all waits in
+    ``synchronize()``, after backward): its step less that wait, rank 0's forward, backward and
+    optimizer. ``slowest``: plus how much longer the slowest rank's forward and backward took
+    (where logged), the compute the first collective after backward waits for."""
+    return step["step_s"] - step["sync_wait_s"] + (step.get("behind_slowest_s", 0.0) if slowest else 0.0)
+
+
 def median_step(repeats: list[dict], skip_warmup: bool = True) -> dict:
     """``steady_step`` of each repeat of one strategy (after CSC's dense warm-up if
     ``skip_warmup``): the median of each figure, and every repeat's step time (``step_s_each``)."""
