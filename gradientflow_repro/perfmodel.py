@@ -77,6 +77,10 @@ class ModelProfile:
     tensors: tuple[TensorProfile, ...]  # in the order backward produces them
     sparsify_s_per_element: float = 0.0  # CSC's local work (norms, selection, packing, residuals)
     wire_cast_s_per_element: float = 0.0  # the fp16 wire's local work per element it sends
+    # the optimizer's step while CSC's momentum correction has taken over its momentum, weight decay
+    # and adaptation (``CSCCommunicator.TAKEN``: plain SGD; their work is in CSC's local work); None:
+    # not measured, the whole ``optimizer_s``
+    plain_optimizer_s: Optional[float] = None
 
     @property
     def elements(self) -> int:
@@ -88,7 +92,8 @@ class ModelProfile:
                             self.optimizer_s * compute_factor,
                             tuple(replace(t, ready_s=t.ready_s * compute_factor) for t in self.tensors),
                             self.sparsify_s_per_element * compute_factor,
-                            self.wire_cast_s_per_element * compute_factor)
+                            self.wire_cast_s_per_element * compute_factor,
+                            None if self.plain_optimizer_s is None else self.plain_optimizer_s * compute_factor)
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,8 @@ class Strategy:
     small_message_bytes: float = comm_knobs.SMALL_MESSAGE_BYTES  # recursive doubling up to here
     # CSC's trust-ratio noise sketches ride with the chunk norms (momentum correction under LARS)
     noise_sketch: bool = False
+    # CSC's momentum correction does the optimizer's momentum, weight decay and adaptation
+    takes_optimizer: bool = False
 
     @classmethod
     def from_knobs(cls, name: str, knobs: comm_knobs.CommConfig, lars: bool = True) -> "Strategy":
@@ -138,7 +145,8 @@ class Strategy:
                    chunk_elements=knobs.chunk_size, algorithm=knobs.algorithm,
                    small_message_bytes=comm_knobs.small_message_bytes(knobs),
                    noise_sketch=(lars and knobs.sparsity == "csc" and knobs.momentum_correction
-                                 and knobs.trust_noise_correction))
+                                 and knobs.trust_noise_correction),
+                   takes_optimizer=knobs.sparsity == "csc" and knobs.momentum_correction)
 
     @property
     def builtin(self) -> bool:
@@ -435,8 +443,16 @@ def _timeline(profile: ModelProfile, ranks: int, net: Network, strategy: Strateg
     return _Timeline(clock, busy, sent, clock if first_payload is None else first_payload, credit)
 
 
+def compute_s(profile: ModelProfile, ranks: int, strategy: Strategy) -> float:
+    """Forward, backward and the optimizer's step; its plain step where CSC sends sparsely under
+    momentum correction (on more than one rank) and it was measured."""
+    plain = (ranks > 1 and strategy.takes_optimizer and strategy.density < 1
+             and profile.plain_optimizer_s is not None)
+    return profile.forward_s + profile.backward_s + (profile.plain_optimizer_s if plain else profile.optimizer_s)
+
+
 def predict_step(profile: ModelProfile, ranks: int, net: Network, strategy: Strategy) -> StepPrediction:
-    compute = profile.forward_s + profile.backward_s + profile.optimizer_s
+    compute = compute_s(profile, ranks, strategy)
     if ranks == 1:
         return StepPrediction(compute, 0.0, 0.0, compute, 0.0)
     credit = net.burst_bytes  # a full bucket at the first step; then what the step before left,

@@ -141,6 +141,35 @@ def test_fp16_wire_and_csc_shrink_the_bytes() -> None:
     assert 0 < measure_wire_cast_s_per_element(100_000, repeats=2) < 1e-6  # measured, not assumed
 
 
+def test_csc_under_momentum_correction_pays_the_optimizers_plain_step() -> None:
+    """Sparse under momentum correction, the optimizer runs as plain SGD (CSC's local work does its
+    momentum, weight decay and Lars's adaptation): the model prices that step, measured by the
+    profile on the run's own optimizer, and the whole step otherwise."""
+    from gradientflow_repro.harness.profile import measure_optimizer_s
+    from gradientflow_repro.optim import Lars
+
+    plain = replace(PROFILE, plain_optimizer_s=0.001)
+    net = pm.Network(1e9, 1e-5)
+    gradientflow = pm.Strategy.from_knobs("gradientflow", knobs.resolve({"strategy": "gradientflow"}))
+    assert gradientflow.takes_optimizer and gradientflow.density < 1
+    whole_step, plain_step = (pm.predict_step(profile, 4, net, gradientflow).step_s for profile in (PROFILE, plain))
+    assert whole_step - plain_step == pytest.approx(0.004)
+    assert plain.scaled(2.0).plain_optimizer_s == pytest.approx(0.002)
+    for strategy in (pm.Strategy.from_knobs("no-mc", knobs.resolve({"strategy": "gradientflow",
+                                                                     "momentum_correction": False})),
+                     replace(gradientflow, density=1.0), *pm.LADDER[:-1]):
+        assert pm.predict_step(plain, 4, net, strategy) == pm.predict_step(PROFILE, 4, net, strategy), strategy.name
+    assert pm.predict_step(plain, 1, net, gradientflow).step_s == pytest.approx(0.035)  # one GPU: no CSC
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(512, 512)) for _ in range(4)]
+    for weight in weights:
+        weight.grad = torch.randn_like(weight)
+    lars = Lars([{"params": weights, "weight_decay": 1e-4}], lr=0.1, momentum=0.9)
+    whole, sgd = measure_optimizer_s(lars, repeats=3)
+    assert 0 < sgd < whole  # Lars's norms, trust ratios and momentum, measured
+    assert lars.param_groups[0]["momentum"] == 0.9 and lars.param_groups[0]["weight_decay"] == 1e-4
+
+
 def test_csc_pool_parts_and_norms_as_the_communicator_sends_them() -> None:
     # one pool part: the norms in one small allreduce (recursive doubling), the chosen chunks and
     # the 1-D tensor in one payload by our ring (latency 1 ms, 1e8 B/s)

@@ -177,12 +177,30 @@ def measure_profile(model: Any, images: Any, labels: Any, repeats: int = 5) -> M
                         statistics.median(s[2] for s in samples), tensors)
 
 
+def measure_optimizer_s(optimizer: Any, repeats: int = 10) -> tuple[float, float]:
+    """Seconds per step of ``optimizer`` on the gradients its parameters hold, as configured and
+    as it runs while CSC's momentum correction has taken over its momentum, weight decay and
+    adaptation (``CSCCommunicator.TAKEN``, plain SGD): medians after one warm-up step. Its
+    settings are restored; its parameters and state are not (a profile's model is thrown away)."""
+    from gradientflow_repro.comm.csc import CSCCommunicator
+
+    own = [dict(group) for group in optimizer.param_groups]
+    whole = _median_seconds(optimizer.step, repeats)
+    for group in optimizer.param_groups:
+        group.update({key: plain for key, plain in CSCCommunicator.TAKEN if key in group})
+    plain = _median_seconds(optimizer.step, repeats)
+    for group, settings in zip(optimizer.param_groups, own):
+        group.update(settings)
+    return whole, plain
+
+
 def profile_model(out: Path, overrides: Sequence[str], world: int = 4) -> None:
     """The configured model's per-tensor backward profile in this process, on the per-rank batch of
     ``world`` ranks, and the local work per element; written to ``out`` as JSON."""
     import torch
 
     from gradientflow_repro.models import build_model
+    from gradientflow_repro.optim import build_optimizer
 
     cfg = compose(overrides)
     torch.set_num_threads(1)
@@ -193,11 +211,13 @@ def profile_model(out: Path, overrides: Sequence[str], world: int = 4) -> None:
     images = torch.randn(batch, 3, cfg.data.image_size, cfg.data.image_size)
     labels = torch.randint(0, cfg.data.num_classes, (batch,))
     profile = measure_profile(model, images, labels)
+    # the run's own optimizer (Lars: several times the SGD-like update), on the last step's gradients
+    optimizer_s, plain_optimizer_s = measure_optimizer_s(build_optimizer(model, cfg.optim, cfg.global_batch_size))
     sparsify = measure_sparsify_s_per_element(profile.elements, cfg.comm.chunk_size or 32768)
     cast = measure_wire_cast_s_per_element(profile.elements)
     out.write_text(json.dumps({"forward_s": profile.forward_s, "backward_s": profile.backward_s,
-                               "optimizer_s": profile.optimizer_s, "sparsify_s_per_element": sparsify,
-                               "wire_cast_s_per_element": cast,
+                               "optimizer_s": optimizer_s, "plain_optimizer_s": plain_optimizer_s,
+                               "sparsify_s_per_element": sparsify, "wire_cast_s_per_element": cast,
                                "tensors": [[t.elements, t.ready_s, t.one_dimensional] for t in profile.tensors]}))
 
 
@@ -205,7 +225,8 @@ def profile_from_json(data: dict) -> ModelProfile:
     """The ``ModelProfile`` that ``profile_model`` wrote."""
     return ModelProfile(data["forward_s"], data["backward_s"], data["optimizer_s"],
                         tuple(TensorProfile(e, r, flat) for e, r, flat in data["tensors"]),
-                        data.get("sparsify_s_per_element", 0.0), data.get("wire_cast_s_per_element", 0.0))
+                        data.get("sparsify_s_per_element", 0.0), data.get("wire_cast_s_per_element", 0.0),
+                        data.get("plain_optimizer_s"))
 
 
 class TensorFlops(NamedTuple):

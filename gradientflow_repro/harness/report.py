@@ -325,6 +325,15 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
             + _per_tensor_alone(profile, network_by_world))
 
 
+def _optimizer_note(profile: dict) -> str:
+    """The optimizer's step as the profile measured it, whole and plain (``profile.measure_optimizer_s``)."""
+    if profile.get("plain_optimizer_s") is None:  # (a profile from before it was measured)
+        return ""
+    return (f" The optimizer's step, measured there too: {profile['optimizer_s'] * 1e3:.2f} ms, and "
+            f"{profile['plain_optimizer_s'] * 1e3:.2f} ms as plain SGD, as it runs while CSC's momentum correction "
+            "does its momentum, weight decay and adaptation (that work is in CSC's figure above).")
+
+
 def _compute_reference(world: int, label: str, by_label: dict[str, dict], allreduce_beside: dict[int, dict],
                        short_runs: dict[int, Sequence[str]]) -> dict:
     """The ``allreduce`` step that ``label``'s at ``world`` is set against: ``allreduce``'s short runs
@@ -598,7 +607,7 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
         "Local work on the communication path, measured in the same process per "
         f"gradient element: CSC {calibration['profile'].get('sparsify_s_per_element', 0) * 1e9:.2f} ns, "
         f"fp16 wire {calibration['profile'].get('wire_cast_s_per_element', 0) * 1e9:.2f} ns (scaled like the "
-        "compute).", "", *model_check(checks, calibration, network_by_world,
+        f"compute).{_optimizer_note(calibration['profile'])}", "", *model_check(checks, calibration, network_by_world,
                                   sends_trust_sketches(next(iter(runs.values()))[0]), unshaped,
                                   facts.get("cpu_count"), allreduce_beside, {world: short_at_world or []}), "",
         "## Scaling model against the paper", "", *paper_lines, "",
