@@ -86,14 +86,19 @@ class ModelProfile:
     def elements(self) -> int:
         return sum(t.elements for t in self.tensors)
 
-    def scaled(self, compute_factor: float) -> "ModelProfile":
-        """The same model on a device ``compute_factor`` times slower."""
+    def scaled(self, compute_factor: float, parameter_factor: Optional[float] = None) -> "ModelProfile":
+        """The same model on a device ``compute_factor`` times slower at its forward and backward,
+        and ``parameter_factor`` (unless given, the same) times slower at the work per parameter or
+        gradient element: the optimizer's step, CSC's and the fp16 wire's local work. They differ
+        where the per-rank batch differs from the profile's: more images make the first longer,
+        not the second."""
+        per_element = compute_factor if parameter_factor is None else parameter_factor
         return ModelProfile(self.forward_s * compute_factor, self.backward_s * compute_factor,
-                            self.optimizer_s * compute_factor,
+                            self.optimizer_s * per_element,
                             tuple(replace(t, ready_s=t.ready_s * compute_factor) for t in self.tensors),
-                            self.sparsify_s_per_element * compute_factor,
-                            self.wire_cast_s_per_element * compute_factor,
-                            None if self.plain_optimizer_s is None else self.plain_optimizer_s * compute_factor)
+                            self.sparsify_s_per_element * per_element,
+                            self.wire_cast_s_per_element * per_element,
+                            None if self.plain_optimizer_s is None else self.plain_optimizer_s * per_element)
 
 
 @dataclass(frozen=True)

@@ -729,6 +729,15 @@ def test_the_model_runs_on_the_slowest_ranks_clock_of_the_allreduce_runs_beside_
     assert shorts["allreduce"] == rank0["allreduce"]  # the dense rungs keep allreduce's runs to the target
     assert shorts["gradientflow"] < rank0["gradientflow"] - 30
     assert predicted(checks, beside, {}) == rank0  # beside nothing: as before
+    # a per-rank batch twice the profile's: forward and backward take twice as long, the work per
+    # gradient element (optimizer, CSC's local work) does not
+    calibration["profile"].update(sparsify_s_per_element=1e-7, optimizer_s=0.005, batch=16)
+    flat, by_batch = predicted(checks), predicted(checks, None, None, 128)  # 128 / 4 ranks = 2 x 16
+    assert by_batch["allreduce"] == pytest.approx(flat["allreduce"], abs=0.15)  # its compute is measured
+    assert by_batch["gradientflow"] < flat["gradientflow"] - 1  # its local work is not batch work
+    profile = pm.ModelProfile(0.01, 0.02, 0.005, (pm.TensorProfile(100, 0.02),), 1e-9, 2e-9, 0.001)
+    assert profile.scaled(4.0, 2.0) == pm.ModelProfile(0.04, 0.08, 0.01, (pm.TensorProfile(100, 0.08),),
+                                                       2e-9, 4e-9, 0.002)
 
 
 def test_a_steady_step_is_the_median_interval_after_the_warmup_and_says_what_was_logged() -> None:

@@ -218,6 +218,7 @@ def profile_model(out: Path, overrides: Sequence[str], world: int = 4) -> None:
     out.write_text(json.dumps({"forward_s": profile.forward_s, "backward_s": profile.backward_s,
                                "optimizer_s": optimizer_s, "plain_optimizer_s": plain_optimizer_s,
                                "sparsify_s_per_element": sparsify, "wire_cast_s_per_element": cast,
+                               "batch": batch,
                                "tensors": [[t.elements, t.ready_s, t.one_dimensional] for t in profile.tensors]}))
 
 

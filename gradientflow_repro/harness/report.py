@@ -285,19 +285,22 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
                 network_by_world: dict[int, dict], lars: bool = True,
                 unshaped: Optional[dict[int, dict[str, dict]]] = None, cores: Optional[int] = None,
                 allreduce_beside: Optional[dict[int, dict]] = None,
-                short_runs: Optional[dict[int, Sequence[str]]] = None) -> list[str]:
+                short_runs: Optional[dict[int, Sequence[str]]] = None,
+                global_batch: Optional[int] = None) -> list[str]:
     """Predicted vs measured step times. The measured single-process profile is scaled, per world
     size, to the slowest rank's compute in the ``allreduce`` runs that are the strategy's reference
     (``compute_only_s``: their step less their wait, plus how much longer their slowest rank's
     forward and backward took): on a shared CPU the ranks slow each other, and every collective
     after backward waits for the last of them. That compute and its spread are all the model takes
-    from the runs. The network is the one measured at that world size. The reference is
-    ``allreduce``'s runs beside the strategy's own (``_compute_reference``: ``allreduce_beside``,
-    ``short_runs``). ``lars``: the runs' Lars adapted their weight layers
+    from the runs. Forward and backward scale with the per-rank batch (``global_batch`` over the
+    world size, against the profile's), the work per gradient element (optimizer, local work) only
+    with the ranks slowing each other. The network is the one measured at that world size. The
+    reference is ``allreduce``'s runs beside the strategy's own (``_compute_reference``:
+    ``allreduce_beside``, ``short_runs``). ``lars``: the runs' Lars adapted their weight layers
     (``runs.sends_trust_sketches``); ``unshaped``: step times with the links unshaped, by world
     size (``_hidden_communication``); ``cores``: the machine's."""
     profile = profile_from_json(calibration["profile"])
-    total = profile.forward_s + profile.backward_s + profile.optimizer_s
+    profiled_batch = calibration["profile"].get("batch")  # (not in profiles from before it was written)
     lines = ["| world | strategy | measured step (ms) | predicted step (ms) | predicted comm exposed (ms) | error |",
              "|---|---|---|---|---|---|"]
     errors = []
@@ -308,10 +311,13 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
         switch = network_by_world[world].get("small_message_kb")  # the runs' (none before it was measured)
         strategies = {label: pm.Strategy.from_knobs(label, knobs.resolve(knobs.on_network(options, switch)), lars=lars)
                       for label, options in knobs.LADDER.items()}
+        batch = (global_batch // world) / profiled_batch if global_batch and profiled_batch else 1.0
         for label, measured in by_label.items():
             reference = _compute_reference(world, label, by_label, allreduce_beside or {}, short_runs or {})
-            predicted = pm.predict_step(profile.scaled(compute_only_s(reference, slowest=True) / total), world, net,
-                                        strategies[label])
+            # its compute = (forward + backward) x contention x batch + optimizer x contention
+            contention = compute_only_s(reference, slowest=True) / (
+                (profile.forward_s + profile.backward_s) * batch + profile.optimizer_s)
+            predicted = pm.predict_step(profile.scaled(contention * batch, contention), world, net, strategies[label])
             error = predicted.step_s / measured["step_s"] - 1
             errors.append(abs(error))
             each = measured.get("step_s_each") or [measured["step_s"]]
@@ -323,6 +329,11 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
                   f"{max(errors) * 100:.0f}%."]
     return (lines + _hidden_communication(checks, unshaped or {}, cores, allreduce_beside or {}, short_runs or {})
             + _per_tensor_alone(profile, network_by_world))
+
+
+def _global_batch(runs: dict[str, list[dict]]) -> Optional[int]:
+    """The ladder's global batch, from its first run's saved configuration (every run has the same)."""
+    return (next(iter(runs.values()))[0].get("config") or {}).get("global_batch_size")
 
 
 def _optimizer_note(profile: dict) -> str:
@@ -606,10 +617,11 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
         f"interval, then the median [range] over the repeats: {check_runs}. "
         "Local work on the communication path, measured in the same process per "
         f"gradient element: CSC {calibration['profile'].get('sparsify_s_per_element', 0) * 1e9:.2f} ns, "
-        f"fp16 wire {calibration['profile'].get('wire_cast_s_per_element', 0) * 1e9:.2f} ns (scaled like the "
-        f"compute).{_optimizer_note(calibration['profile'])}", "", *model_check(checks, calibration, network_by_world,
-                                  sends_trust_sketches(next(iter(runs.values()))[0]), unshaped,
-                                  facts.get("cpu_count"), allreduce_beside, {world: short_at_world or []}), "",
+        f"fp16 wire {calibration['profile'].get('wire_cast_s_per_element', 0) * 1e9:.2f} ns (scaled by how much "
+        f"the ranks slow each other, not by the per-rank batch).{_optimizer_note(calibration['profile'])}", "",
+        *model_check(checks, calibration, network_by_world, sends_trust_sketches(next(iter(runs.values()))[0]),
+                     unshaped, facts.get("cpu_count"), allreduce_beside, {world: short_at_world or []},
+                     _global_batch(runs)), "",
         "## Scaling model against the paper", "", *paper_lines, "",
         "![speedup against GPU count](scaling.png)", "",
         "## Dashboards", "",
