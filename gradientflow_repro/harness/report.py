@@ -299,6 +299,7 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
     ``allreduce_beside``, ``short_runs``). ``lars``: the runs' Lars adapted their weight layers
     (``runs.sends_trust_sketches``); ``unshaped``: step times with the links unshaped, by world
     size (``_hidden_communication``); ``cores``: the machine's."""
+    allreduce_beside, short_runs = allreduce_beside or {}, short_runs or {}
     profile = profile_from_json(calibration["profile"])
     profiled_batch = calibration["profile"].get("batch")  # (not in profiles from before it was written)
     lines = ["| world | strategy | measured step (ms) | predicted step (ms) | predicted comm exposed (ms) | error |",
@@ -312,8 +313,11 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
         strategies = {label: pm.Strategy.from_knobs(label, knobs.resolve(knobs.on_network(options, switch)), lars=lars)
                       for label, options in knobs.LADDER.items()}
         batch = (global_batch // world) / profiled_batch if global_batch and profiled_batch else 1.0
-        for label, measured in by_label.items():
-            reference = _compute_reference(world, label, by_label, allreduce_beside or {}, short_runs or {})
+        rows = [(label, label, step, _compute_reference(world, label, by_label, allreduce_beside, short_runs))
+                for label, step in by_label.items()]
+        if world in allreduce_beside:  # allreduce's short runs beside the sparse rungs' check it too
+            rows.append(("allreduce", "allreduce (short runs)", allreduce_beside[world], allreduce_beside[world]))
+        for label, shown, measured, reference in rows:
             # its compute = (forward + backward) x contention x batch + optimizer x contention
             contention = compute_only_s(reference, slowest=True) / (
                 (profile.forward_s + profile.backward_s) * batch + profile.optimizer_s)
@@ -321,13 +325,13 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
             error = predicted.step_s / measured["step_s"] - 1
             errors.append(abs(error))
             each = measured.get("step_s_each") or [measured["step_s"]]
-            lines.append(f"| {world} | {label} | {spread(each, '.1f', 1e3)} | {predicted.step_s * 1e3:.1f} "
+            lines.append(f"| {world} | {shown} | {spread(each, '.1f', 1e3)} | {predicted.step_s * 1e3:.1f} "
                          f"| {predicted.exposed_comm_s * 1e3:.1f} | {error * 100:+.0f}% |")
     if errors:
         within = sum(e <= 0.15 for e in errors)
         lines += ["", f"Goal: within 15%. {within} of {len(errors)} predictions are; the largest error is "
                   f"{max(errors) * 100:.0f}%."]
-    return (lines + _hidden_communication(checks, unshaped or {}, cores, allreduce_beside or {}, short_runs or {})
+    return (lines + _hidden_communication(checks, unshaped or {}, cores, allreduce_beside, short_runs)
             + _per_tensor_alone(profile, network_by_world))
 
 
@@ -536,14 +540,15 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
                  machine: dict, network_by_world: Optional[dict[int, dict]] = None, check_repeats: int = 1,
                  launches: Optional[list[dict]] = None, short_at_world: Optional[list[str]] = None,
                  unshaped: Optional[dict[int, dict[str, dict]]] = None,
-                 allreduce_beside: Optional[dict[int, dict]] = None) -> None:
+                 allreduce_beside: Optional[dict[int, dict]] = None, written_by: Optional[str] = None) -> None:
     """Writes ``path`` and its figures beside it. ``machine``: environment_facts() of the run;
     ``launches``: the reproduction's launches (``progress.Progress``), when it was interrupted and continued;
     ``short_at_world``: the rungs whose step time at ``world`` comes from short runs sparse from the
     start rather than the runs to the target (None: a reproduction from before there were any);
     ``unshaped``: those rungs' step times with the links unshaped, by world size (with `allreduce`'s
     beside them); ``allreduce_beside``: `allreduce`'s short runs beside those at ``world`` (None: a
-    reproduction from before there were any, whose sparse rungs' ratios use its runs to the target)."""
+    reproduction from before there were any, whose sparse rungs' ratios use its runs to the target);
+    ``written_by``: the code writing the report, said where it is not the code that measured."""
     network_by_world = network_by_world or {world: network}  # reproductions before per-world measurement
     allreduce_beside = allreduce_beside or {}
 
@@ -582,7 +587,9 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
     plot(table, figures / "scaling.png")
     text = [
         "# Reproducing GradientFlow's comparison", "",
-        f"- Machine: {machine_line}. torch {facts['torch']}, commit {facts['git_commit']}.",
+        f"- Machine: {machine_line}. torch {facts['torch']}, commit {facts['git_commit']}"
+        + (f"; this report was rewritten from the run's measurements by commit {written_by} (`--report-only`)."
+           if written_by and written_by != facts["git_commit"] else "."),
         f"- Command: `{command}` ({elapsed_s / 60:.1f} min in all{launches_note(launches or [])}).",
         f"- Experiment `{experiment}`, world size {world}, each configuration trained to the target once per seed "
         f"(seeds 0-{repeats - 1}: initial weights and data order; median, range in brackets). Overrides for every "
@@ -617,8 +624,10 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
         f"interval, then the median [range] over the repeats: {check_runs}. "
         "Local work on the communication path, measured in the same process per "
         f"gradient element: CSC {calibration['profile'].get('sparsify_s_per_element', 0) * 1e9:.2f} ns, "
-        f"fp16 wire {calibration['profile'].get('wire_cast_s_per_element', 0) * 1e9:.2f} ns (scaled by how much "
-        f"the ranks slow each other, not by the per-rank batch).{_optimizer_note(calibration['profile'])}", "",
+        f"fp16 wire {calibration['profile'].get('wire_cast_s_per_element', 0) * 1e9:.2f} ns ("
+        + ("scaled by how much the ranks slow each other, not by the per-rank batch"
+           if calibration["profile"].get("batch") and _global_batch(runs) else "scaled like the compute")
+        + f").{_optimizer_note(calibration['profile'])}", "",
         *model_check(checks, calibration, network_by_world, sends_trust_sketches(next(iter(runs.values()))[0]),
                      unshaped, facts.get("cpu_count"), allreduce_beside, {world: short_at_world or []},
                      _global_batch(runs)), "",

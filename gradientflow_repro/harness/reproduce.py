@@ -7,8 +7,9 @@ paper's dense communication/computation ratio; (3) measure the shaped network's 
 message latency (``harness.netbench``); (4) train every rung of the ladder (``knobs.LADDER``), and
 gradientflow's variants for convergence (``knobs.SPARSE_VARIANTS``), to the target once per seed
 (seed-major, so drift spreads over all of them), then short step-time runs of the sparse rungs,
-sparse from the start (their runs to the target are mostly dense warm-up), and the same again with
-the links unshaped (what is left without the link's rate); (5) short step-time runs of every rung at
+sparse from the start (their runs to the target are mostly dense warm-up), with `allreduce`'s beside
+them (their compute-only reference), and the same again with the links unshaped (what is left
+without the link's rate); (5) short step-time runs of every rung at
 the other world sizes, for the scaling model's check; (6) write the report (``harness.report``). Our
 algorithms switch from recursive doubling to the ring where the model prices the network measured at
 that world size (``netbench.small_message_kb``). With root every rank runs in its own network
@@ -262,7 +263,7 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
                              for label in checked}
             beside = {world: short_steps["allreduce"]} if short_checked != sparse_checked else {}
         unshaped: dict[int, dict[str, dict]] = {}
-        if reason is None and sparse_checked:  # the sparse rungs without the link's rate (loopback has none)
+        if reason is None and sparse_checked:  # the same short runs without the link's rate (loopback has none)
             with network(world, None, reason) as net:
                 unshaped[world] = step_time_runs(world, short_checked, net, unshaped=True)
         for other in check_worlds:  # (5) step times at other world sizes, on a network measured there
@@ -294,7 +295,7 @@ def report_from(runs_dir: Path, report: Path) -> None:
     facts["unshaped"] = {int(world): value for world, value in facts.get("unshaped", {}).items()}
     facts["allreduce_beside"] = {int(world): value for world, value in facts.get("allreduce_beside", {}).items()}
     facts["network_by_world"] = {int(world): value for world, value in facts.get("network_by_world", {}).items()}
-    write_report(report, runs=runs, **facts)
+    write_report(report, runs=runs, written_by=environment_facts()["git_commit"], **facts)
 
 
 def calibrate(world: int, base: list[str], run_dir: Path, net: Optional[netemu.EmulatedNetwork],
