@@ -693,8 +693,9 @@ def test_the_report_splits_gradientflows_gap_into_the_links_rate_and_the_rest() 
     text = "\n".join(_hidden_communication(checks, unshaped, 2, beside, {4: ["gradientflow"]}))
     assert "1.20x the compute-only step (250.0 ms: `allreduce`'s step less its wait, in runs beside" in text
     assert "Goal at most 1.2x: met" in text and "took 30.0 ms and 50.0 ms longer" in text
-    assert "250.0 ms, 1.25x (against `allreduce`'s compute-only step unshaped beside it, 200.0 ms)" in text
-    assert "the link's rate accounts for -0.05x" in text
+    assert ("250.0 ms, 1.00x the compute-only step (`allreduce`'s compute-only step in the unshaped runs beside "
+            "them: 200.0 ms, against 250.0: how far") in text
+    assert "the link's rate accounts for +0.20x" in text
     old = "\n".join(_hidden_communication(checks, {}, 2, {}, {4: ["gradientflow"]}))  # before they were made
     assert "1.50x the compute-only step (200.0 ms: `allreduce`'s step less its wait, in its runs to the target" in old
     rows = _network_table({2: {"bandwidth_Bps": 3e7, "latency_s": 1e-3, "small_message_kb": 1024},

@@ -366,10 +366,11 @@ def _hidden_communication(checks: dict[int, dict[str, dict]], unshaped: dict[int
                           short_runs: Optional[dict[int, Sequence[str]]] = None) -> list[str]:
     """How close the full stack comes to hiding all communication: its step over the compute-only
     step (``compute_only_s`` of the ``allreduce`` runs beside it, ``_compute_reference``), and where
-    measured, the same step with the links unshaped (over the compute-only step of ``allreduce``
-    unshaped beside it, where measured): no wire time, so what remains over the compute-only step
-    is CSC's local work, latency and the ranks waiting for each other, which no overlap of
-    communication with backward can hide."""
+    measured, the same step with the links unshaped: no wire time, so what remains over the
+    compute-only step is CSC's local work, latency and the ranks waiting for each other, which no
+    overlap of communication with backward can hide. Both over the same compute-only step, so the
+    link's part is the difference of ``gradientflow``'s own steps; ``allreduce``'s unshaped beside
+    them (where measured) shows how far the machine's speed moved between the two sets of runs."""
     lines = []
     for world, by_label in sorted(checks.items()):
         if "allreduce" not in by_label or "gradientflow" not in by_label:
@@ -392,18 +393,17 @@ def _hidden_communication(checks: dict[int, dict[str, dict]], unshaped: dict[int
                 "backward waits before anything moves (the model above adds `allreduce`'s).")
         free = unshaped.get(world, {}).get("gradientflow")
         if free:
-            free_base = unshaped[world].get("allreduce")
-            free_compute = compute_only_s(free_base) if free_base else compute
-            free_ratio = free["step_s"] / free_compute
             crowded = (f" With {world} ranks on {cores} cores they finish backward at different times, and "
                        "that wait is in `allreduce`'s wait, so the compute-only figure leaves it out."
                        if cores and cores < world else "")
-            against = (f"against `allreduce`'s compute-only step unshaped beside it, {free_compute * 1e3:.1f} ms"
-                       if free_base else "against the same compute-only step")
+            free_base = unshaped[world].get("allreduce")
+            drift = (f" (`allreduce`'s compute-only step in the unshaped runs beside them: "
+                     f"{compute_only_s(free_base) * 1e3:.1f} ms, against {compute * 1e3:.1f}: how far this machine's "
+                     "speed moved between the two sets of runs)" if free_base else "")
             lines.append(f"  With the links unshaped (no rate limit; {len(free['step_s_each'])} short runs, the same "
-                         f"settings): {free['step_s'] * 1e3:.1f} ms, {free_ratio:.2f}x ({against}), so the "
-                         f"link's rate accounts for {ratio - free_ratio:+.2f}x. The rest "
-                         "is no transfer that overlap could hide better: CSC's local work, the collectives' "
+                         f"settings): {free['step_s'] * 1e3:.1f} ms, {free['step_s'] / compute:.2f}x the compute-only "
+                         f"step{drift}, so the link's rate accounts for {ratio - free['step_s'] / compute:+.2f}x. The "
+                         "rest is no transfer that overlap could hide better: CSC's local work, the collectives' "
                          "latency and copies on the unshaped links, and the ranks waiting for each other at the first "
                          f"collective after backward.{crowded}")
     return ["", *lines] if lines else []
