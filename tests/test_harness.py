@@ -36,7 +36,7 @@ def test_the_models_ladder_is_derived_from_the_knobs_with_the_values_it_always_h
         pm.Strategy("ring+fp16", wire_bytes=2),
         pm.Strategy("ring+fp16+lazy", fusion="bucket", bucket_bytes=32 * 2**20, overlap=True, wire_bytes=2),
         pm.Strategy("gradientflow", fusion="bucket", bucket_bytes=32 * 2**20, overlap=True, wire_bytes=2,
-                    density=0.1, algorithm="auto", noise_sketch=True))
+                    density=0.1, algorithm="auto", noise_sketch=True, takes_optimizer=True))
     assert [s.name for s in pm.LADDER] == list(knobs.LADDER)
     assert pm.Strategy.from_knobs("h", knobs.resolve({"strategy": "hierarchical"})).algorithm == "hierarchical"
 

@@ -69,7 +69,8 @@ def sparsify_work(elements: int, chunk: int = 32768, density: float = 0.1,
     (``csc.sketch_into``, unless not ``noise_sketch``), ``csc.BucketState``'s own step
     (momentum, residual, chunk norms with the fp16 peak, selection, packing, the ``gradientflow``
     preset's release cap, clearing, commit) and the write-back into the pool part, with summing
-    functions that send nothing."""
+    functions that send nothing. It is the work under momentum correction (the presets'): without
+    it CSC does less, and the model, which prices this figure, would overcharge such a variant."""
     import torch
 
     from gradientflow_repro.comm.base import CommStats
@@ -141,8 +142,9 @@ def measure_wire_cast_s_per_element(elements: int, repeats: int = 20) -> float:
 def measure_profile(model: Any, images: Any, labels: Any, repeats: int = 5) -> ModelProfile:
     """Profile one training step of ``model`` (a torch module) on this device: forward, backward
     with the time each parameter's gradient is complete (post-accumulate-grad hooks), and an
-    SGD-like update. Medians over ``repeats`` steps after one warm-up. A tensor of at most one
-    dimension is marked ``one_dimensional`` (CSC sends it densely, as ``comm/csc.py`` lays out)."""
+    SGD-like update (``profile_model`` times the run's own optimizer instead,
+    ``measure_optimizer_s``). Medians over ``repeats`` steps after one warm-up. A tensor of at most
+    one dimension is marked ``one_dimensional`` (CSC sends it densely, as ``comm/csc.py`` lays out)."""
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
