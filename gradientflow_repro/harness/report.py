@@ -371,15 +371,16 @@ def _hidden_communication(checks: dict[int, dict[str, dict]], unshaped: dict[int
     overlap of communication with backward can hide. Both over the same compute-only step, so the
     link's part is the difference of ``gradientflow``'s own steps; ``allreduce``'s unshaped beside
     them (where measured) shows how far the machine's speed moved between the two sets of runs."""
+    allreduce_beside, short_runs = allreduce_beside or {}, short_runs or {}
     lines = []
     for world, by_label in sorted(checks.items()):
         if "allreduce" not in by_label or "gradientflow" not in by_label:
             continue
-        base = _compute_reference(world, "gradientflow", by_label, allreduce_beside or {}, short_runs or {})
+        base = _compute_reference(world, "gradientflow", by_label, allreduce_beside, short_runs)
         compute = compute_only_s(base)
         ratio = by_label["gradientflow"]["step_s"] / compute
-        runs = ("in its runs to the target" if "gradientflow" in (short_runs or {}).get(world, ())
-                and world not in (allreduce_beside or {}) else "in runs beside `gradientflow`'s")
+        runs = ("in its runs to the target" if "gradientflow" in short_runs.get(world, ())
+                and world not in allreduce_beside else "in runs beside `gradientflow`'s")
         lines.append(f"- world size {world}: `gradientflow`'s step is {ratio:.2f}x the compute-only step "
                      f"({compute * 1e3:.1f} ms: `allreduce`'s step less its wait, {runs}; 1.0 would hide all "
                      f"communication behind backward). Goal at most 1.2x: {'met' if ratio <= 1.2 else 'NOT met'}.")
@@ -551,6 +552,7 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
     ``written_by``: the code writing the report, said where it is not the code that measured."""
     network_by_world = network_by_world or {world: network}  # reproductions before per-world measurement
     allreduce_beside = allreduce_beside or {}
+    global_batch = _global_batch(runs)
 
     figures = path.parent
     figures.mkdir(parents=True, exist_ok=True)  # --report may name a new directory
@@ -626,11 +628,11 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
         f"gradient element: CSC {calibration['profile'].get('sparsify_s_per_element', 0) * 1e9:.2f} ns, "
         f"fp16 wire {calibration['profile'].get('wire_cast_s_per_element', 0) * 1e9:.2f} ns ("
         + ("scaled by how much the ranks slow each other, not by the per-rank batch"
-           if calibration["profile"].get("batch") and _global_batch(runs) else "scaled like the compute")
+           if calibration["profile"].get("batch") and global_batch else "scaled like the compute")
         + f").{_optimizer_note(calibration['profile'])}", "",
         *model_check(checks, calibration, network_by_world, sends_trust_sketches(next(iter(runs.values()))[0]),
                      unshaped, facts.get("cpu_count"), allreduce_beside, {world: short_at_world or []},
-                     _global_batch(runs)), "",
+                     global_batch), "",
         "## Scaling model against the paper", "", *paper_lines, "",
         "![speedup against GPU count](scaling.png)", "",
         "## Dashboards", "",
