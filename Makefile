@@ -63,15 +63,18 @@ bench: venv data
 	$(PY) scripts/bench_comm.py
 	$(PY) scripts/bench_small_allreduce.py
 	$(PY) scripts/bench_cluster.py
+	$(PY) scripts/bench_checkpoint.py
 	$(PY) scripts/simulate_scaling.py
 
 reliability: venv data
 	$(PY) scripts/fault_report.py
 
-# On a bare machine (no venv, package not installed): python3 -m gradientflow_repro.gpu_check from
-# this directory (needs only torch; the rest is SKIP).
-gpu-check: venv
-	$(PY) scripts/gpu_check.py $(ARGS)
+# Installs nothing (offline it could not; online it would replace the stack under test): the
+# project's venv where there is one, else the machine's python3 (PYTHON=... names another); run
+# from this directory, needing only torch (what else is missing is SKIP).
+GPU_CHECK_PY = $(if $(filter command line environment,$(origin PYTHON)),$(PYTHON),$(if $(wildcard $(PY)),$(PY),$(PYTHON)))
+gpu-check:
+	$(GPU_CHECK_PY) -m gradientflow_repro.gpu_check $(ARGS)
 
 clean:
 	rm -rf results/runs .pytest_cache

@@ -1,33 +1,131 @@
-"""Atomic checkpoints with per-rank state, and exact resume.
+"""Atomic checkpoints with per-rank state, written and verified by every rank in parallel.
 
-A checkpoint is a directory ``checkpoints/step_<N>/`` holding ``shared.pt`` (model, optimizer,
-precision, progress: the same on every rank, written by rank 0), one ``rank_<r>.pt`` per rank (RNG
-states and communicator state such as sparse-communication residuals, which differ between ranks)
-and ``manifest.json`` with the world size and each file's SHA-256. Everything is written into
-``step_<N>.tmp/`` and renamed into place by rank 0 once all ranks have written, so a checkpoint
-directory without ``.tmp`` is always complete; a kill mid-write leaves the previous one as latest.
-The run directory must be on a filesystem every rank sees (as on any cluster).
+Layout: a checkpoint is a directory ``checkpoints/step_<N>/`` holding ``shared.pt`` (model,
+optimizer, precision, progress: the same on every rank, written by rank 0), one ``rank_<r>.pt``
+per rank (RNG states and communicator state such as sparse-communication residuals, which differ
+between ranks) and ``manifest.json`` (``step``, ``world_size``, ``sha256``: each file's SHA-256;
+``bytes``: each file's size, absent in checkpoints from before it was kept). The run directory must
+be on a filesystem every rank sees (as on any cluster).
+
+Writing (``save_checkpoint``, collective): every rank writes its own file into ``step_<N>.tmp/``
+at the same time (rank 0 also ``shared.pt``), hashing the bytes as ``torch.save`` produces them
+(``_HashingWriter``: no second read), and fsyncs it; the digests are gathered to rank 0, which
+writes the manifest LAST and renames the directory into place. A directory without ``.tmp`` is
+therefore complete; a kill mid-write leaves the previous one as the latest. Nothing is read or
+hashed by one rank for all: with N ranks the time is one rank's file at its share of the
+file system's bandwidth, not N files in a row.
+
+Resuming (``find_resumable``, collective): newest first, each rank hashes only the files it will
+read (``shared.pt`` and its own ``rank_<r>.pt``; on another number of ranks, the old ranks' files
+``sources`` gives it), then one all-reduce of a per-rank "damaged" flag decides for every rank: a
+checkpoint damaged on any rank is skipped by all (with a warning naming the ranks and files), so
+every rank resumes from the same one. The files are then read again by ``torch.load``, from the
+page cache.
+
+Loading: ``torch.load(weights_only=True)``: only tensors, containers and plain values unpickle; a
+file holding anything else (a pickle that would run code) is refused with ``CheckpointError``
+naming it. ``SAFE_GLOBALS`` allow-lists what the trainer's state needs beyond that (nothing today:
+model and optimizer state dicts, GradScaler's state, progress, RNG byte tensors and CSC's state are
+all tensors, dicts, lists and numbers).
+
+Why not ``torch.distributed.checkpoint`` (DCP): DCP describes one global state sharded over ranks
+(each tensor a global tensor, each rank saving its shards, a planner deduplicating replicas). Our
+large state is per-rank and distinct on every rank (CSC's residuals and velocities, BatchNorm's
+local statistics, RNG states), which DCP can only store as N unrelated keys, and resuming on
+another number of ranks needs a reduction (a mean), which its resharding does not express; the
+shared state (weights, optimizer) is replicated and small next to it, written once by rank 0. The
+parts we need from DCP (parallel writes, metadata last as the completeness marker) are those above.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, BinaryIO, Callable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from gradientflow_repro import faults
 
 MANIFEST = "manifest.json"
+SHARED = "shared.pt"
+SAFE_GLOBALS: list[Any] = []  # classes and functions besides torch's defaults that the state holds
 
 
 class CheckpointError(RuntimeError):
     pass
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+class Group:
+    """The few collectives a checkpoint needs, over the default process group (a world of one
+    without one). Small messages only: flags, digests, a few names."""
+
+    def __init__(self, device: Optional[torch.device] = None) -> None:
+        self.active = dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if self.active else 0
+        self.world_size = dist.get_world_size() if self.active else 1
+        self.device = device or torch.device("cpu")
+
+    def barrier(self) -> None:
+        self.flags(0)  # an all-reduce rather than dist.barrier(): NCCL barriers guess the device
+
+    def flags(self, flag: int) -> list[int]:
+        """Every rank's ``flag``, in one all-reduce (each rank fills its own slot)."""
+        if not self.active:
+            return [flag]
+        slots = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
+        slots[self.rank] = flag
+        dist.all_reduce(slots)
+        return slots.tolist()
+
+    def gather(self, obj: Any) -> Optional[list[Any]]:
+        """Every rank's ``obj`` on rank 0 (None elsewhere)."""
+        if not self.active:
+            return [obj]
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.active:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+class _HashingWriter:
+    """A binary file that hashes what is written to it: the digest costs no second read."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self.handle, self.digest, self.size = handle, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        self.size += len(data)
+        return self.handle.write(data)
+
+    def flush(self) -> None:
+        self.handle.flush()
 
 
 def _sha256(path: Path) -> str:
@@ -38,18 +136,25 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _save_file(obj: Any, path: Path, step: int = -1) -> None:
+def _save_file(obj: Any, path: Path, step: int = -1) -> tuple[str, int]:
+    """Write ``obj`` to ``path`` (through ``.partial``, fsynced); its SHA-256 and size."""
     partial = path.with_name(path.name + ".partial")
-    torch.save(obj, partial)
-    faults.inject("checkpoint", step)
-    with open(partial, "rb") as handle:
+    with open(partial, "wb") as handle:
+        writer = _HashingWriter(handle)
+        torch.save(obj, writer)
+        handle.flush()
+        faults.inject("checkpoint", step)
         os.fsync(handle.fileno())
     os.replace(partial, path)
+    return writer.digest.hexdigest(), writer.size
 
 
 def save_checkpoint(run_dir: Path, step: int, shared: Optional[dict], per_rank: dict, *, rank: int,
-                    world_size: int, barrier: Callable[[], None], keep: int) -> Path:
-    """Collective: every rank calls it with its own ``per_rank``; rank 0 also passes ``shared``."""
+                    world_size: int, barrier: Callable[[], None], keep: int,
+                    group: Optional[Group] = None) -> Path:
+    """Collective: every rank calls it with its own ``per_rank``; rank 0 also passes ``shared``.
+    ``group`` gathers the digests to rank 0 (default: the process group, if any)."""
+    group = group or Group()
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:09d}"
     tmp = root / f"step_{step:09d}.tmp"
@@ -57,14 +162,22 @@ def save_checkpoint(run_dir: Path, step: int, shared: Optional[dict], per_rank: 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    _save_file(per_rank, tmp / f"rank_{rank:05d}.pt", step)
-    barrier()
+    written = {rank_file(rank): _save_file(per_rank, tmp / rank_file(rank), step)}
     if rank == 0:
-        _save_file(shared, tmp / "shared.pt")
-        files = sorted(p.name for p in tmp.iterdir() if p.suffix == ".pt")
+        written[SHARED] = _save_file(shared, tmp / SHARED)
+    everyone = group.gather(written)  # also the wait for every rank's file
+    if rank == 0:
+        files = {name: facts for each in everyone for name, facts in each.items()}
+        expected = {SHARED, *(rank_file(r) for r in range(world_size))}
+        if set(files) != expected:
+            raise CheckpointError(f"{tmp}: ranks reported {sorted(files)}, expected {sorted(expected)}")
         manifest = {"step": step, "world_size": world_size,
-                    "sha256": {name: _sha256(tmp / name) for name in files}}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+                    "sha256": {name: files[name][0] for name in sorted(files)},
+                    "bytes": {name: files[name][1] for name in sorted(files)}}
+        with open(tmp / MANIFEST, "w") as handle:  # last: the completeness marker
+            handle.write(json.dumps(manifest, indent=1))
+            handle.flush()
+            os.fsync(handle.fileno())
         if final.exists():  # same step saved again (e.g. final save after a periodic one)
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -86,33 +199,101 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
                   if p.is_dir() and not p.name.endswith(".tmp") and (p / MANIFEST).exists())
 
 
-def verify(checkpoint: Path) -> dict:
-    manifest = json.loads((checkpoint / MANIFEST).read_text())
-    for name, expected in manifest["sha256"].items():
-        path = checkpoint / name
+def read_manifest(checkpoint: Path) -> dict:
+    """The manifest, with its keys checked; a manifest of another layout is refused naming it."""
+    path = Path(checkpoint) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: unreadable ({error})") from None
+    missing = {"step", "world_size", "sha256"} - set(manifest) if isinstance(manifest, dict) else {"all keys"}
+    if missing:
+        raise CheckpointError(f"{path} is not a manifest of this checkpoint format (step, world_size, "
+                              f"sha256 per file); it lacks {sorted(missing)}")
+    return manifest
+
+
+def sources(rank: int, world_size: int, old_world_size: int) -> list[int]:
+    """The old ranks whose files new ``rank`` reads: its own when the world size is unchanged, else
+    every old rank i with i % world_size == rank (each old file read by exactly one new rank)."""
+    if old_world_size == world_size:
+        return [rank]
+    return list(range(rank, old_world_size, world_size))
+
+
+def files_to_read(manifest: dict, rank: int, world_size: int) -> list[str]:
+    return [SHARED, *(rank_file(i) for i in sources(rank, world_size, int(manifest["world_size"])))]
+
+
+def verify(checkpoint: Path, names: Optional[list[str]] = None) -> dict:
+    """Check ``names`` (default: every file) against the manifest; returns the manifest."""
+    manifest = read_manifest(checkpoint)
+    for name in names if names is not None else list(manifest["sha256"]):
+        path = Path(checkpoint) / name
+        expected = manifest["sha256"].get(name)
+        if expected is None:
+            raise CheckpointError(f"{path}: not in the manifest (written by {manifest['world_size']} ranks)")
         if not path.exists() or _sha256(path) != expected:
             raise CheckpointError(f"{path}: missing or checksum mismatch")
     return manifest
 
 
-def find_resumable(run_dir: Path) -> Optional[Path]:
-    """The newest checkpoint whose files match their checksums; damaged ones are skipped with a
-    warning naming them."""
-    for candidate in reversed(complete_checkpoints(run_dir)):
-        try:
-            verify(candidate)
+def intact(candidate: Path, group: Optional[Group] = None) -> Optional[str]:
+    """Collective: None when every rank finds the files it will read from ``candidate`` matching
+    their checksums (one all-reduce of a flag per rank), else what is wrong, naming ranks and files."""
+    group = group or Group()
+    try:
+        manifest = read_manifest(candidate)
+        verify(candidate, files_to_read(manifest, group.rank, group.world_size))
+        problem = ""
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError) as error:
+        problem = str(error) or type(error).__name__
+    damaged = [r for r, flag in enumerate(group.flags(int(bool(problem)))) if flag]
+    if not damaged:
+        return None
+    problems = group.all_gather(problem)  # only on this rare path: the messages, for the warning
+    return (f"damaged on rank(s) {damaged}: " + "; ".join(problems[r] for r in damaged[:4])
+            + (" ..." if len(damaged) > 4 else ""))
+
+
+def find_resumable(run_dir: Path, group: Optional[Group] = None) -> Optional[Path]:
+    """Collective: the newest checkpoint whose files match their checksums on every rank, each rank
+    checking the files it will read. Damaged ones are skipped by all, with a warning naming them."""
+    group = group or Group()
+    candidates = group.broadcast([p.name for p in reversed(complete_checkpoints(run_dir))])
+    for name in candidates:  # rank 0's list: every rank walks the same one
+        candidate = Path(run_dir) / "checkpoints" / name
+        problem = intact(candidate, group)
+        if problem is None:
             return candidate
-        except (CheckpointError, OSError, ValueError) as error:
-            warnings.warn(f"skipping damaged checkpoint {candidate}: {error}")
+        warnings.warn(f"skipping damaged checkpoint {candidate} ({problem})")
     return None
 
 
+@contextlib.contextmanager
+def _allowed() -> Iterator[None]:
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        yield
+
+
+def load_file(path: Path) -> Any:
+    """One checkpoint file, unpickled with ``weights_only=True``: anything beyond tensors, plain
+    containers, numbers and ``SAFE_GLOBALS`` is refused, naming the file."""
+    try:
+        with _allowed():
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{path} holds objects that safe loading (weights_only) refuses: {first}. "
+                              f"Only tensors, containers and plain values load; a file that needs more "
+                              f"is not one this code wrote") from None
+
+
 def load_checkpoint(checkpoint: Path, rank: int, world_size: int) -> tuple[dict, dict]:
-    manifest = json.loads((Path(checkpoint) / MANIFEST).read_text())
+    """This rank's shared and own state of a checkpoint written by ``world_size`` ranks (another
+    number of ranks: ``state.TrainState.load`` maps the per-rank state)."""
+    manifest = read_manifest(checkpoint)
     if manifest["world_size"] != world_size:
         raise CheckpointError(f"{checkpoint} was written by {manifest['world_size']} ranks, this job "
-                              f"has {world_size}: per-rank state cannot be mapped")
-    shared = torch.load(Path(checkpoint) / "shared.pt", map_location="cpu", weights_only=False)
-    per_rank = torch.load(Path(checkpoint) / f"rank_{rank:05d}.pt", map_location="cpu",
-                          weights_only=False)
-    return shared, per_rank
+                              f"has {world_size}: per-rank state is mapped by TrainState.load")
+    return load_file(Path(checkpoint) / SHARED), load_file(Path(checkpoint) / rank_file(rank))

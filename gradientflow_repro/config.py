@@ -69,7 +69,12 @@ class DataConfig:
                                 factory=lambda: [0.485 * 255, 0.456 * 255, 0.406 * 255])
     std: list[float] = setting(None, numbers(3, positive),
                                factory=lambda: [0.229 * 255, 0.224 * 255, 0.225 * 255])
-    num_threads: int = setting(2, positive)  # decoding threads per rank
+    # decoding threads per rank (torchvision: DataLoader workers); null: follow the rank's CPUs
+    # (SLURM_CPUS_PER_TASK or the affinity mask: data/cpus.py)
+    num_threads: Optional[int] = setting(2, optional(positive))
+    # worker processes per rank: DALI's parallel external source (reads the training files), or the
+    # torchvision loader's DataLoader workers (load and decode); null: the loader's own default
+    reader_workers: Optional[int] = setting(None, optional(non_negative))
     prefetch: int = setting(2, positive)
     verify_files: bool = setting(True, boolean)  # check every image file (cheaply) before training
     synthetic_train_size: int = setting(4096, positive)
@@ -135,9 +140,13 @@ class Config:
     device: str = setting("auto", one_of(*DEVICES))
     deterministic: bool = setting(False, boolean)
     resume: str = setting("auto", text)  # auto | never | path to a checkpoint directory
+    # how long ranks wait for each other: the rendezvous at start-up, gloo's collectives (NCCL's are
+    # given the later of this and watchdog_s, plus a minute: the watchdog must speak first)
     dist_timeout_s: float = setting(300.0, positive)
-    # a rank with no progress for this long names the lost ranks and exits (null: dist_timeout_s
-    # under NCCL, whose collectives hang on a dead peer; a backstop after gloo's own timeout)
+    # a rank with no progress mark (step, evaluation, checkpoint) for this long while every rank's
+    # heartbeat still moves is stuck: it says so and exits (null: about dist_timeout_s under NCCL,
+    # whose collectives hang on a dead peer; a backstop after gloo's own timeout). A rank that is
+    # gone (its heartbeat stops) is named within a few heartbeats, whatever this says
     watchdog_s: Optional[float] = setting(None, optional(positive))
     threads_per_rank: int = setting(4, positive)  # torch intra-op threads per process (CPU training)
     save_final_params: bool = setting(False, boolean)  # write params.pt at the end (tests compare runs)

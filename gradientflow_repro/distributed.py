@@ -5,13 +5,17 @@ from Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, master = first host of 
 else it is a single process. The backend follows the device: NCCL with one GPU per local rank when
 CUDA is there, gloo otherwise; two ranks on one GPU are refused before NCCL starts, naming them.
 
-A lost rank must end the job with an error that names it, not a hang. Under gloo a collective with a
-dead peer fails after ``dist_timeout_s`` and ``describe_failure`` names the ranks that no longer
-answer. Under NCCL collectives return before they finish, so a dead peer is a hang in the next host
-synchronisation, and NCCL's own watchdog aborts the process without a word. So every rank runs a
-``Liveness`` watchdog: a thread that beats in the rendezvous store and, when its rank has made no
-progress for ``watchdog_s`` (by default ``dist_timeout_s``; NCCL's own timeout is set later than
-that), names the ranks whose beats stopped and ends the process.
+A lost rank must end the job quickly with one line that names it, not a hang. Under gloo a
+collective with a peer whose process died fails at once and ``describe_failure`` names the ranks
+that no longer answer (the trainer then exits 1 on that line, without a traceback). Under NCCL
+collectives return before they finish, so a dead peer is a hang in the next host synchronisation
+(under gloo too when a node vanishes without closing its connections), and NCCL's own watchdog
+aborts the process without a word, after its timeout. So every rank runs a ``Liveness`` watchdog:
+a thread that beats in the rendezvous store and reads everyone's beats in one round trip; a rank
+whose beat stops is named within a few beats (about 40 s at the 512-GPU settings), whatever
+``watchdog_s`` says, and a rank that has made no progress for ``watchdog_s`` while every beat moves
+(stuck, not lost) says so. Either way the process ends, after dumping NCCL's flight recorder when
+one is on. Under Slurm a rank whose process exits badly ends the step sooner still (slurm/task.sh).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -226,43 +231,88 @@ def init_process_group(world: World, device: torch.device, timeout_s: float,
     # only a backstop for a rank stuck outside a collective.
     limit = watchdog_s or (max(timeout_s / 2, timeout_s - 3 * Liveness.beat_for(timeout_s) - 1) if nccl
                            else timeout_s + LOST_RANK_WAIT_S + 30)
-    _LIVENESS = Liveness(store, world, limit)
+    _LIVENESS = Liveness(store, world, limit, nccl=nccl)
     _LIVENESS.start()
 
 
 def mark_progress(where: Optional[str]) -> None:
     """This rank is alive and at ``where`` (a step, evaluation, checkpoint): the watchdog's clock
-    starts again; the first mark arms it. ``None`` disarms it (after the last collective, while
-    rank 0 alone writes the summary and uploads). A plain assignment: cheap enough for every step."""
+    starts again; the first mark arms it. ``None`` disarms it, and stops judging the others'
+    heartbeats (after the last collective, while rank 0 alone writes the summary and uploads and the
+    other ranks leave). A plain assignment: cheap enough for every step."""
     if _LIVENESS is not None:
         _LIVENESS.where, _LIVENESS.since = where, time.monotonic()
+        if where is None:
+            _LIVENESS.finishing = True
+
+
+def watchdog_fired() -> bool:
+    """Whether this rank's watchdog has already named the lost ranks and is ending the process."""
+    return _LIVENESS is not None and _LIVENESS.fired.is_set()
+
+
+def wait_for_watchdog() -> None:
+    """Let this rank's watchdog, which has spoken, end the process (rank 0 keeps the store up a
+    few seconds for the others' reads first); returns only if it has not after that long."""
+    if _LIVENESS is not None:
+        time.sleep(_LIVENESS.window_s + 3 * _LIVENESS.store_timeout_s + 5)
+
+
+DONE = b"done"  # a rank's heartbeat after it left cleanly: finished, not lost
 
 
 class Liveness:
     """A rank's heartbeat in the rendezvous store, and its watchdog.
 
-    One thread writes an increasing count under this rank's key every ``beat_s`` seconds; a rank
-    whose process is dead or frozen stops counting. Another watches this rank: armed by its first
-    ``mark_progress`` (the first training step: start-up work such as listing and checking the files
-    can take long and is not judged), when it has made no progress for ``limit_s`` seconds it is
-    stuck in a collective with a rank that is gone. The watchdog then reads everyone's counts twice,
-    a few beats apart (one ``multi_get`` each: cheap for the store even when hundreds of ranks are
-    stuck at once), prints one line naming the ranks whose count did not move, where this rank is
-    stuck and for how long, and ends the process (exit status 1), so the launcher ends the others.
-    Under ``srun`` the store lives in rank 0: if it does not answer in time, the line says rank 0
-    is the likely loss. Store calls can block when the store's host is frozen, so none of them is
-    made by the watching thread itself."""
+    One thread writes an increasing count under this rank's key every ``beat_s`` seconds, and
+    reads everyone's counts back in one ``multi_get``; a rank whose process is dead or frozen (or
+    whose node is gone) stops counting. Every rank also appends its number to one registry key
+    when it starts, so a single ``get`` tells who came up at all. A poll is thus a constant number
+    of store round trips whatever the world size (the store still sends one count per rank: a few
+    KB at 512 ranks). A rank that leaves cleanly writes ``done`` instead of a count.
+
+    Another thread watches, and ends the process (exit status 1) after one line naming the lost
+    ranks, so that the launcher ends the others, in two cases:
+
+    - a peer's count has not moved for ``lost_after_s`` (a few beats, well under a minute): a dead
+      process or node, which under NCCL (and for a node that vanished without closing its
+      connections, under gloo too) is no error but a hang in the next collective. Under Slurm the
+      task wrapper (slurm/task.sh) already ends the step when a rank's process exits; this catches
+      what it cannot see: a node that froze or lost power, and torchrun across nodes, whose agents
+      only watch their own node's workers.
+    - this rank, armed by its first ``mark_progress`` (start-up work such as listing and checking
+      the files can take long and is not judged), has made no progress for ``limit_s``: it is stuck
+      in a collective although every heartbeat moves (a rank stuck, not lost). The watchdog then
+      reads everyone's counts twice, a few beats apart, and names the ranks whose count did not move.
+
+    Under ``srun`` the store lives in rank 0: if it does not answer, the line says rank 0 is the
+    likely loss. Store calls can block when the store's host is frozen, so none of them is made by
+    the watching thread itself."""
+
+    LOST_AFTER_BEATS = 6
 
     def __init__(self, store: dist.Store, world: World, limit_s: float,
-                 beat_s: Optional[float] = None) -> None:
-        self.world, self.limit_s = world, limit_s
+                 beat_s: Optional[float] = None, lost_after_s: Optional[float] = None,
+                 nccl: bool = False) -> None:
+        self.world, self.limit_s, self.nccl = world, limit_s, nccl
         self.beat_s = beat_s or self.beat_for(limit_s)
+        # a missed beat or two (a store slow under load, a busy interpreter) is not a loss
+        self.lost_after_s = lost_after_s or min(limit_s, self.LOST_AFTER_BEATS * self.beat_s + self.store_timeout_s)
         self.store = store.clone() if hasattr(store, "clone") else store  # its own connection
         self.store.set_timeout(datetime.timedelta(seconds=self.store_timeout_s))
-        self.keys = [f"gradientflow/alive/{_generation()}/{rank}" for rank in range(world.world_size)]
+        prefix = f"gradientflow/alive/{_generation()}/"
+        self.keys = [f"{prefix}{rank}" for rank in range(world.world_size)]
+        self.registry = prefix + "registered"
         self.where: Optional[str] = None  # unarmed until the first mark_progress
         self.since = time.monotonic()
+        self.finishing = False  # mark_progress(None): the others may leave; judge nobody any more
+        self.fired = threading.Event()
         self._count = 0
+        self._registered: list[int] = []
+        self._last_values: list[bytes] = []
+        self._changed: dict[int, float] = {}  # rank -> when its count last moved (monotonic)
+        self._lock = threading.Lock()  # the heartbeat thread writes what the watchdog reads
+        self._last_read = time.monotonic()  # when the store last answered a read
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=target, name=f"gradientflow-{name}", daemon=True)
                          for name, target in (("heartbeat", self._beat_forever), ("watchdog", self._watch))]
@@ -280,7 +330,9 @@ class Liveness:
         return 2 * self.beat_s + 0.5
 
     def start(self) -> None:
-        self._beat()  # every rank's key exists before anyone can be judged (multi_get waits for keys)
+        self._beat()  # the key exists before this rank is registered (multi_get waits for keys)
+        self.store.append(self.registry, f"{self.world.rank},")
+        self._last_read = time.monotonic()
         for thread in self._threads:
             thread.start()
 
@@ -297,48 +349,144 @@ class Liveness:
         except Exception:  # noqa: BLE001 - the store is gone; judged only when we are stuck
             return False
 
+    def registered(self) -> list[int]:
+        """Ranks that have started their heartbeat (one ``get``)."""
+        return sorted({int(rank) for rank in self.store.get(self.registry).decode().split(",") if rank})
+
+    def read(self) -> None:
+        """One poll: who is registered (one ``get``, until everyone is) and every registered rank's
+        count (one ``multi_get``); remembers when each count last moved."""
+        if len(self._registered) < self.world.world_size:
+            self._registered = self.registered()
+        values = self.store.multi_get([self.keys[rank] for rank in self._registered])
+        now = time.monotonic()
+        with self._lock:
+            before = dict(zip(self._registered, self._last_values))
+            for rank, value in zip(self._registered, values):
+                if before.get(rank) != value or rank not in self._changed:
+                    self._changed[rank] = now
+            self._last_values = values
+            self._last_read = now
+
     def _beat_forever(self) -> None:
         while not self._stop.wait(self.beat_s):
-            self._beat()
+            if self._beat():
+                try:
+                    self.read()
+                except Exception:  # noqa: BLE001 - the store is gone: the watchdog sees _last_read age
+                    pass
+        try:  # leaving: the others must not take this rank for lost
+            self.store.set(self.keys[self.world.rank], DONE)
+        except Exception:  # noqa: BLE001 - the store is gone with rank 0: nobody is left to ask
+            pass
+
+    def peers_lost(self, now: Optional[float] = None) -> Optional[list[int]]:
+        """Registered ranks whose count has not moved for ``lost_after_s`` of answers from the store
+        (None: the store itself has not answered for that long). A peer's silence counts only up to
+        the last answer: when the store's host froze, its own count stopped too, but the store is
+        what is gone. Reads only what the heartbeat thread recorded."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if now - self._last_read > self.lost_after_s:
+                return None
+            values = dict(zip(self._registered, self._last_values))
+            return [rank for rank, changed in sorted(self._changed.items()) if rank != self.world.rank
+                    and values.get(rank) != DONE and self._last_read - changed > self.lost_after_s]
 
     def _watch(self) -> None:
         while not self._stop.wait(self.beat_s):
-            stalled = time.monotonic() - self.since
-            if self.where is not None and stalled > self.limit_s and not self._stop.is_set():
-                print(f"error: {self.diagnose(stalled)}", file=sys.stderr, flush=True)
-                if self.world.rank == 0:  # it may host the store the other ranks are still reading
-                    time.sleep(self.window_s + 2 * self.store_timeout_s)
-                os._exit(1)
+            if self.finishing or self._stop.is_set():
+                continue
+            now = time.monotonic()
+            stalled = now - self.since
+            lost = self.peers_lost(now)
+            if lost is None:
+                message = self.diagnose(stalled, silent=None)
+            elif lost:
+                message = self.diagnose(stalled, silent=lost, silent_for_s=self.lost_after_s)
+            elif self.where is not None and stalled > self.limit_s:
+                message = self.diagnose(stalled, self.silent_ranks())
+            else:
+                continue
+            self.fired.set()
+            dump = dump_flight_recorder(self.world.rank) if self.nccl else None
+            print(f"error: {message}" + (f"; NCCL flight recorder in {dump}" if dump else ""),
+                  file=sys.stderr, flush=True)
+            if self.world.rank == 0:  # it may host the store the other ranks are still reading
+                time.sleep(self.window_s + 2 * self.store_timeout_s)
+            os._exit(1)
 
     def silent_ranks(self) -> Optional[list[int]]:
-        """Ranks whose count did not move over a few beats (None: the store does not answer)."""
+        """Ranks that never started their heartbeat, or whose count did not move over a few beats
+        (None: the store does not answer). Three store calls, whatever the world size."""
         result: list = []
 
         def compare() -> None:
-            if not self.store.check(self.keys):  # a rank that never came up has no key: lost too
-                result.append([r for r, key in enumerate(self.keys) if not self.store.check([key])])
-                return
-            before = self.store.multi_get(self.keys)
+            registered = self.registered()
+            never = [rank for rank in range(self.world.world_size) if rank not in registered]
+            keys = [self.keys[rank] for rank in registered]
+            before = self.store.multi_get(keys)
             time.sleep(self.window_s)
-            after = self.store.multi_get(self.keys)
-            result.append([r for r, (a, b) in enumerate(zip(before, after))
-                           if a == b and r != self.world.rank])
+            after = self.store.multi_get(keys)
+            result.append(sorted(never + [rank for rank, a, b in zip(registered, before, after)
+                                          if a == b and a != DONE and rank != self.world.rank]))
 
         reader = threading.Thread(target=compare, daemon=True)
         reader.start()
-        reader.join(timeout=self.window_s + 2 * self.store_timeout_s)
+        reader.join(timeout=self.window_s + 3 * self.store_timeout_s)
         return result[0] if result else None
 
-    def diagnose(self, stalled_s: float) -> str:
-        silent = self.silent_ranks()
+    def diagnose(self, stalled_s: float, silent: Optional[list[int]],
+                 silent_for_s: Optional[float] = None) -> str:
+        """The line the watchdog prints: who is lost (``silent``: ranks whose heartbeat stopped,
+        None when the store does not answer), where this rank is and for how long."""
         if silent is None:
             who = "the rendezvous store is unreachable: rank 0 (which hosts it) is probably lost"
         elif silent:
-            who = f"lost rank(s) {silent} (no heartbeat for {self.window_s:.0f} s)"
+            who = f"lost rank(s) {silent} (no heartbeat for {silent_for_s or self.window_s:.0f} s)"
         else:
             who = "every rank is still alive (a rank is stuck, not lost)"
+        if self.where is None:
+            return f"rank {self.world.rank}: {who}; before the first step: ending this rank"
         return (f"rank {self.world.rank}: {who}; no progress for {stalled_s:.0f} s in {self.where} "
                 f"(watchdog after {self.limit_s:.0f} s): a collective waits for a rank that is gone")
+
+
+def flight_recorder_file(rank: int) -> str:
+    """Where NCCL's flight recorder of ``rank`` is dumped: the prefix in TORCH_FR_DUMP_TEMP_FILE or
+    (its older name) TORCH_NCCL_DEBUG_INFO_TEMP_FILE, as torch's own dump on timeout names it."""
+    prefix = (os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+              or os.path.join(tempfile.gettempdir(), "nccl_trace_rank_"))
+    return f"{prefix}{rank}"
+
+
+def dump_flight_recorder(rank: int, timeout_s: float = 10.0) -> Optional[str]:
+    """Write NCCL's flight recorder (the last collectives of each communicator, with their state;
+    on when TORCH_NCCL_TRACE_BUFFER_SIZE > 0) where torch's own dump on timeout would, in the same
+    format (``python -m torch.distributed.flight_recorder.fr_trace`` reads it). The watchdog ends
+    the process before NCCL's own timeout, so without this NCCL would never dump. Returns the path,
+    or None when there is no recorder or it did not answer within ``timeout_s``."""
+    if int(os.environ.get("TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")) or 0) <= 0:
+        return None
+    path = flight_recorder_file(rank)
+    written: list[str] = []
+
+    def dump() -> None:
+        try:
+            from torch._C._distributed_c10d import _dump_nccl_trace
+
+            data = _dump_nccl_trace()
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "wb") as file:
+                file.write(data)
+            written.append(path)
+        except Exception:  # noqa: BLE001 - a diagnostic only: the line naming the lost ranks matters
+            pass
+
+    writer = threading.Thread(target=dump, daemon=True)  # a wedged communicator must not stop the exit
+    writer.start()
+    writer.join(timeout_s)
+    return written[0] if written else None
 
 
 def stop_liveness() -> None:
@@ -414,20 +562,24 @@ def ranks_that_differ(tensors: Iterable[torch.Tensor], device: torch.device) -> 
 LOST_RANK_WAIT_S = 3.0  # survivors of a broken collective report within milliseconds of each other
 
 
-def unresponsive_ranks(world: World, wait_s: float = LOST_RANK_WAIT_S) -> Optional[list[int]]:
-    """After a collective failed: which ranks are gone? Every surviving rank marks itself in the
-    rendezvous store and waits ``wait_s`` for the others; ranks that never mark themselves are
-    lost (or stuck). None when the store itself is unreachable: it lives in rank 0 (or in
-    torchrun's agent), so then rank 0 is the likely loss."""
+def unresponsive_ranks(world: World, wait_s: float = LOST_RANK_WAIT_S,
+                       store: Optional[dist.Store] = None) -> Optional[list[int]]:
+    """After a collective failed: which ranks are gone? Every surviving rank appends its number to
+    one key of the rendezvous store and waits ``wait_s`` for the others, reading that key back (one
+    ``get`` per poll, whatever the world size); ranks that never appear are lost (or stuck). None
+    when the store itself is unreachable: it lives in rank 0 (or in torchrun's agent), so then
+    rank 0 is the likely loss."""
     try:
-        store = _STORE.clone() if _STORE is not None and hasattr(_STORE, "clone") else (
-            _STORE or dist.distributed_c10d._get_default_store())
+        if store is None:
+            store = _STORE.clone() if _STORE is not None and hasattr(_STORE, "clone") else (
+                _STORE or dist.distributed_c10d._get_default_store())
         store.set_timeout(datetime.timedelta(seconds=wait_s))
-        key = f"gradientflow/failed/{_generation()}/" + "{}"
-        store.set(key.format(world.rank), "1")
+        key = f"gradientflow/failed/{_generation()}"
+        store.append(key, f"{world.rank},")
         deadline = time.monotonic() + wait_s
         while True:
-            missing = [r for r in range(world.world_size) if not store.check([key.format(r)])]
+            answered = {int(rank) for rank in store.get(key).decode().split(",") if rank}
+            missing = [rank for rank in range(world.world_size) if rank not in answered]
             if not missing or time.monotonic() > deadline:
                 return missing
             time.sleep(0.1)
@@ -437,9 +589,16 @@ def unresponsive_ranks(world: World, wait_s: float = LOST_RANK_WAIT_S) -> Option
 
 def describe_failure(world: World, error: BaseException) -> str:
     """One message for a failed run: the error, and which ranks were lost if a collective broke."""
+    return diagnose_failure(world, error)[0]
+
+
+def diagnose_failure(world: World, error: BaseException) -> tuple[str, bool]:
+    """``describe_failure``'s line, and whether the error is a collective that broke because ranks
+    are gone (or the store with rank 0): then the line says all there is to say, and the traceback,
+    which shows only where this rank waited, is noise repeated by every survivor."""
     first = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
     if world.world_size == 1 or not dist.is_initialized() or not _is_collective_failure(error):
-        return f"rank {world.rank}: {first}"
+        return f"rank {world.rank}: {first}", False
     lost = unresponsive_ranks(world, LOST_RANK_WAIT_S)
     if lost is None:
         who = "the rendezvous store is unreachable: rank 0 (which hosts it) is probably lost"
@@ -447,7 +606,7 @@ def describe_failure(world: World, error: BaseException) -> str:
         who = f"lost rank(s) {lost} (no answer within {LOST_RANK_WAIT_S:.0f} s)"
     else:
         who = "every rank is still alive"
-    return f"rank {world.rank}: {who}; a collective failed: {first}"
+    return f"rank {world.rank}: {who}; a collective failed: {first}", lost != []
 
 
 def _is_collective_failure(error: BaseException) -> bool:

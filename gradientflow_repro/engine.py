@@ -78,6 +78,8 @@ class Trainer:
         resumed = self.state.resume(self.run_dir, cfg.resume)
         if resumed:
             self._print(f"resumed from {resumed} at step {self.progress.step}")
+            if self.state.regrouped:  # another number of ranks: how the per-rank state was mapped
+                self._print(self.state.regrouped)
         phases.done("resume")
         self.tracker.start()  # after the resume: a resumed run continues its wandb run
         if world.is_main:  # the composed configuration, as this run used it

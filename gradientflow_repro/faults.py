@@ -4,7 +4,9 @@ Set ``GFR_INJECT_FAULT`` to ``WHAT@WHERE:rank=R:step=S`` (several separated by `
 
 - WHAT: ``kill`` (SIGKILL to this process), ``freeze`` (SIGSTOP: the process stays, its connections
   stay open, it answers nothing: how a peer that is gone looks to NCCL, which hangs rather than
-  fails), ``nan`` (this rank's loss becomes NaN),
+  fails), ``vanish`` (SIGKILL, while a child process keeps this one's connections open for
+  ``VANISH_HOLD_S``: a node lost without closing its connections, or a dead peer under NCCL over
+  InfiniBand, where the others see no error but a hang), ``nan`` (this rank's loss becomes NaN),
   ``perturb`` (this rank's first parameter is nudged: ranks silently disagree), ``delay`` (this
   rank sleeps ``DELAY_S``: a straggler, which the others wait for);
 - WHERE: ``forward`` (start of a step), ``comm`` (entering ``synchronize``, while the other ranks
@@ -30,6 +32,7 @@ import torch
 
 ENV = "GFR_INJECT_FAULT"
 DELAY_S = 0.5
+VANISH_HOLD_S = 180.0
 
 
 @dataclass(frozen=True)
@@ -68,15 +71,30 @@ def due(where: str, step: int) -> Optional[Fault]:
     return None
 
 
+def _hold_sockets() -> int:
+    """Fork a child that holds this process's open connections for ``VANISH_HOLD_S`` and does
+    nothing else (its output goes nowhere: a launcher reading the rank's output must not wait for
+    it). Returns its process id (for the test to end it)."""
+    pid = os.fork()
+    if pid == 0:
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        time.sleep(VANISH_HOLD_S)
+        os._exit(0)
+    return pid
+
+
 def inject(where: str, step: int, tensor: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """Apply the fault planned here, if any. Returns ``tensor`` (changed for nan/perturb)."""
     fault = due(where, step) if planned() else None
     if fault is None:
         return tensor
+    holder = _hold_sockets() if fault.what == "vanish" else None
     if os.environ.get("GFR_FAULT_LOG"):  # when it fired, for measuring time to detection
         with open(os.environ["GFR_FAULT_LOG"], "a") as log:
-            log.write(json.dumps({**fault.__dict__, "time": time.time()}) + "\n")
-    if fault.what == "kill":
+            log.write(json.dumps({**fault.__dict__, "time": time.time(), "holder": holder}) + "\n")
+    if fault.what in ("kill", "vanish"):
         os.kill(os.getpid(), signal.SIGKILL)
     if fault.what == "freeze":
         os.kill(os.getpid(), signal.SIGSTOP)

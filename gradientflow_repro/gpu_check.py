@@ -1,41 +1,88 @@
 """The GPU check: one prepared script that says whether this project's CUDA path works on a machine.
 
 The test suite runs on CPUs with gloo; what only a GPU machine can show is collected here, to run
-in one go (under 8 minutes on one GPU) as ``make gpu-check`` (``python scripts/gpu_check.py`` in the
-project's venv) or, on a bare machine with nothing but torch, from the repository root without
-installing anything, as ``python3 -m gradientflow_repro.gpu_check [--out FILE] [--only ITEM ...]``:
+in one go (under 8 minutes, however many GPUs) as ``make gpu-check``, which installs nothing: it
+runs ``python -m gradientflow_repro.gpu_check`` with the project's venv where there is one, else
+with the machine's ``python3`` (``PYTHON=...`` names another). On a bare machine with nothing but
+torch, from the repository root: ``python3 -m gradientflow_repro.gpu_check [--out FILE] [--only
+ITEM ...] [--budget-s S] [--strict]``. The items, in the order they run (the multi-GPU one first,
+so that a check cut short by its budget has run NCCL across GPUs):
 
     environment     torch, CUDA, NCCL and driver versions, GPUs and their compute capability (each
                     must be in torch's arch list), DALI and the optional packages
-    nccl_1rank      every collective helper the trainer uses, on NCCL at world size 1: us per call
+    nccl_2gpu       one NCCL rank per GPU on two GPUs: our ring and hierarchical sums against
+                    ``dist.all_reduce``; the trainer's collective helpers (agree_max,
+                    all_reduce_scalars, ranks_that_differ, barrier) on rank-dependent values; a few
+                    lazy-allreduce steps whose gradients must equal ``dist.all_reduce`` of the
+                    reference model's gradients over the ranks; a rank on GPU 1 must hold no CUDA
+                    context on GPU 0
+    nccl_1rank      an NCCL process group of one rank: every collective the trainer's helpers
+                    send (all_reduce SUM/MAX/MIN, broadcast, all_gather, reduce, ...) really sent
+                    through NCCL on random data, each result checked (the out-of-place ones show
+                    that NCCL wrote their output), us per call. (The helpers themselves return
+                    before any collective at world size 1: nccl_2gpu sends theirs.)
     comm_gloo_cuda  every communicator (allreduce, ddp, lazy, csc, gradientflow) on CUDA tensors in
                     two gloo ranks sharing GPU 0, against the mean of the ranks' own gradients; an
-                    inf on one rank must reach both; the full stack under timm's Lars (momentum
-                    correction with LARS, the trust ratio's noise sketches) against the same run
-                    on the CPU (the test suite runs this item on CPU tensors)
+                    inf on one rank must reach both; the full stack under timm's Lars against the
+                    same run on the CPU (the test suite runs this item on CPU tensors)
+    throughput      images/s of the project's fp16 step (``precision.Precision``: autocast, loss
+                    scale, the agreed finiteness check) on AlexNet-BN, against the paper's 3,297
+                    images/s per GPU: PASS only above it; ResNet-50's figure beside it; host
+                    synchronisations per step of the trainer's own step (at most one)
     trainer_fp16    the trainer end to end through torchrun on CUDA with fp16 (allreduce, lazy,
                     gradientflow), then resumed from its checkpoint
-    throughput      images/s of AlexNet-BN and ResNet-50 in fp16; host synchronisations per step of
-                    the project's own training step (target: at most one)
     dali            DALI's GPU (nvJPEG, ``mixed``) and CPU pipelines over one epoch of the digits
-    nccl_2gpu       ring and hierarchical allreduce across two GPUs against NCCL's allreduce; a rank
-                    on GPU 1 must hold no CUDA context on GPU 0
 
-Each item prints lines ``PASS|FAIL|SKIP  <item>: <figures or reason>``; all lines and a header
-(date, host, GPUs, versions, commit, command) go to ``results/gpu_check.md`` (``--out``), rewritten
-after every item so that a check cut short still leaves its file, and every child's full output
-goes to the ``.log`` beside it. The exit status is 1 if any line is FAIL, else 0.
+Each item prints lines ``PASS|FAIL|SKIP  <item>: <figures or reason>``; a SKIP names what was
+missing (a GPU, a package, the budget). All lines and a header (date, host, GPUs, versions,
+commit, command) go to ``results/gpu_check.md`` (``--out``), rewritten after every item so that a
+check cut short still leaves its file, and every child's full output goes to the ``.log`` beside
+it. Exit status: 1 if any line is FAIL (with ``--strict`` also if any is SKIP), else 0; 2 for bad
+options (an ``--out`` that is a directory or cannot be written, an unknown item), refused in one
+line before any item runs.
+
+Time: every item has a nominal limit; an item's limit is its share of what is left of the budget
+(default 480 s), in proportion to the nominal limits of the items still to run here, and never
+more than its nominal limit, so the whole check ends within the budget whatever the GPU count.
+
+What a bare machine needs. Only the standard library, torch and ``harness.world.free_port``
+(standard library only) are imported at module level; the project's other modules and optional
+packages are imported inside the items that use them, and a missing one makes its item (or part)
+SKIP, naming every missing package. ``environment``, ``nccl_1rank`` (the collectives and the
+trainer's helpers) and the AlexNet-BN figure (the project's fp16 step: ``precision.py`` imports
+neither Hydra nor PyYAML) need only torch, plus numpy for torch's own object collectives
+(``all_gather_object``). What builds a communicator (``nccl_2gpu``, ``comm_gloo_cuda``) also needs
+PyYAML (the presets of ``configs/comm/``) and timm (the Lars optimizer), which a machine with timm
+has (timm brings PyYAML, numpy and torchvision; ResNet-50 needs torchvision).
+
+The trainer (``trainer_fp16`` and the host-synchronisation count) needs Hydra and what the trainer
+imports with ``logger=jsonl data=synthetic``, which is neither wandb nor DALI: hydra-core,
+omegaconf, antlr4-python3-runtime (4.9.x), PyYAML, timm, mlperf-logging (only its ``mllog``
+module: install it with ``--no-deps``, which leaves out pandas and scipy) and matplotlib (the
+trainer draws its top-1 plot when a run ends, ``tracking.plot_top1``; not a small wheel: it brings
+compiled dependencies of its own). Offline, bring the four small wheels (pure Python, under 1 MB
+together; ``pip wheel`` builds one where only a source archive is published) and install them
+without an index::
+
+    pip wheel --no-deps -w wheels hydra-core==1.3.8 omegaconf==2.3.1 \
+        antlr4-python3-runtime==4.9.3 mlperf-logging==4.1.68      # on a machine with internet
+    pip install --no-index --no-deps wheels/*.whl               # on the GPU machine
 
 How it stays robust where parts are missing or broken. The environment item runs in this process;
 every other item runs in a fresh Python process with its own time limit, so a CUDA context, an
 NCCL communicator or a hang in one item cannot touch the next: a process still running at its
 limit is killed with its whole process group and the item gets a FAIL "hung > N s". An exception
 inside an item is a FAIL line for that item (or the part of it that raised), never a crash of the
-script. Without a CUDA device every GPU item is SKIP "no CUDA device"; without DALI, hydra-core /
-omegaconf, torchvision, timm or matplotlib the items that need them are SKIP, naming the package.
-Only the standard library, torch and ``harness.world.free_port`` (standard library only) are imported
-at module level; the project's other modules and optional packages are imported inside the items
-that use them.
+script.
+
+How the check itself is tested (on CPUs, ``tests/test_gpu_check.py``): two environment variables,
+for tests only and named in the report's header whenever they are set.
+``GRADIENTFLOW_GPU_CHECK_TEST_DEVICE=cpu`` runs the collective items (``nccl_1rank``, ``nccl_2gpu``,
+``comm_gloo_cuda``) on gloo with CPU tensors instead of skipping them.
+``GRADIENTFLOW_GPU_CHECK_TEST_FAULT=wrong_sum`` adds one to an element of every sum under test
+(never to its reference); ``=stale_pool`` makes the lazy and CSC communicators send, after their
+first step, that first step's pool contents again (the ranks still agree with each other). Either
+must turn the items that check it to FAIL.
 """
 
 from __future__ import annotations
@@ -82,7 +129,70 @@ NO_CUDA = "no CUDA device"
 PACKAGES = {"hydra": "hydra-core", "omegaconf": "omegaconf", "nvidia.dali": "DALI (nvidia-dali-cuda*)",
             "nvidia": "DALI (nvidia-dali-cuda*)", "torchvision": "torchvision", "timm": "timm",
             "matplotlib": "matplotlib", "sklearn": "scikit-learn", "PIL": "pillow", "pynvml": "nvidia-ml-py",
-            "mlperf_logging": "mlperf-logging"}
+            "mlperf_logging": "mlperf-logging", "antlr4": "antlr4-python3-runtime", "yaml": "PyYAML"}
+# What the trainer imports with logger=jsonl data=synthetic (neither wandb nor DALI)
+TRAINER_MODULES = ("hydra", "omegaconf", "antlr4", "yaml", "timm", "mlperf_logging", "matplotlib")
+# The paper's single-GPU throughput of AlexNet-BN in fp16: 1,281,167 images x 95 epochs in 90 s on
+# 410.2 GPU-equivalents (its own figures): the bar this machine's fp16 step has to beat.
+PAPER_ALEXNET_IMAGES_PER_S = 3297.0
+
+# Test-only hooks (see the module docstring): never set outside tests; the report names them.
+TEST_DEVICE_ENV = "GRADIENTFLOW_GPU_CHECK_TEST_DEVICE"
+TEST_FAULT_ENV = "GRADIENTFLOW_GPU_CHECK_TEST_FAULT"
+TEST_DEVICES = ("cpu",)
+TEST_FAULTS = ("wrong_sum", "stale_pool")
+
+
+def test_device() -> Optional[str]:
+    """``cpu`` when a test runs the collective items on gloo with CPU tensors, else None."""
+    return os.environ.get(TEST_DEVICE_ENV) or None
+
+
+def injected(fault: str) -> bool:
+    """Whether a test asked to break ``fault`` (one of TEST_FAULTS) to see the check fail."""
+    return fault in os.environ.get(TEST_FAULT_ENV, "").split(",")
+
+
+def test_hooks_problem() -> Optional[str]:
+    """Why the test-only environment variables are not usable as set, or None."""
+    device = os.environ.get(TEST_DEVICE_ENV)
+    if device and device not in TEST_DEVICES:
+        return f"{TEST_DEVICE_ENV}={device!r}: must be one of {', '.join(TEST_DEVICES)} (or unset)"
+    faults = [f for f in os.environ.get(TEST_FAULT_ENV, "").split(",") if f]
+    unknown = [f for f in faults if f not in TEST_FAULTS]
+    if unknown:
+        return f"{TEST_FAULT_ENV}: unknown fault(s) {unknown}; known: {', '.join(TEST_FAULTS)}"
+    return None
+
+
+def test_hooks_set() -> str:
+    """The test-only variables that are set, for the report's header ('' when none)."""
+    return ", ".join(f"{name}={os.environ[name]}" for name in (TEST_DEVICE_ENV, TEST_FAULT_ENV)
+                     if os.environ.get(name))
+
+
+def break_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Under the ``wrong_sum`` fault: one element of a sum under test off by one (in place)."""
+    if injected("wrong_sum") and tensor.numel():
+        tensor.view(-1)[0] += 1
+    return tensor
+
+
+def stale_pool(comm: Any) -> None:
+    """Under the ``stale_pool`` fault: ``comm`` (lazy or CSC) sends, from its second step on, what
+    its pool held when it first sent each part: every rank sends stale data alike, so the ranks
+    agree with each other and only a comparison with a reference can tell."""
+    if not injected("stale_pool") or not hasattr(comm, "reduce_bucket"):
+        return
+    first: dict[int, torch.Tensor] = {}
+    reduce_bucket = comm.reduce_bucket
+
+    def stale(bucket: Any) -> None:
+        saved = first.setdefault(id(bucket), bucket.flat.detach().clone())
+        bucket.flat.copy_(saved)
+        reduce_bucket(bucket)
+
+    comm.reduce_bucket = stale
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,10 +255,13 @@ class Item:
     timeout_s: float
     gpus: int  # CUDA devices it needs (0: runs anywhere, in this process)
     doc: str
+    on_test_cpu: bool = False  # runs on gloo with CPU tensors under GRADIENTFLOW_GPU_CHECK_TEST_DEVICE=cpu
 
 
-def gpu_gate(gpus: int) -> Optional[str]:
+def gpu_gate(gpus: int, on_test_cpu: bool = False) -> Optional[str]:
     """Why an item needing ``gpus`` devices cannot run here, or None."""
+    if on_test_cpu and test_device() == "cpu":
+        return None
     if gpus and not torch.cuda.is_available():
         return NO_CUDA
     if gpus > 1 and torch.cuda.device_count() < gpus:
@@ -234,7 +347,7 @@ def run_in_child(item: Item, emit: Callable[[Result], None] = lambda result: Non
     return report.results
 
 
-BUDGET_S = 450.0  # the whole check: under 8 minutes even when items hang
+BUDGET_S = 480.0  # the whole check: 8 minutes even when items hang
 _DEADLINE: Optional[float] = None  # in a child: when its parent will kill it (minus a margin)
 _GROUPS: set[int] = set()  # process groups a child started (killed with it)
 
@@ -295,13 +408,16 @@ def run_command(command: list[str], timeout_s: float, **popen: Any) -> tuple[Opt
 
 
 def need(*modules: str) -> None:
-    """Import each module, or Skip naming the package that provides it. (A package that is there
-    but fails to import for another reason is a FAIL: that is a broken installation.)"""
+    """Import each module, or Skip naming every package that is missing (not only the first). (A
+    package that is there but fails to import for another reason is a FAIL: a broken installation.)"""
+    missing = []
     for module in modules:
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as error:
-            raise Skip(f"needs {PACKAGES.get(module, module)}: import {module} failed ({error})") from None
+            missing.append(f"{PACKAGES.get(module, module)} (import {module}: {error})")
+    if missing:
+        raise Skip(f"needs {', '.join(missing)}")
 
 
 @contextlib.contextmanager
@@ -327,16 +443,26 @@ def cuda_device(index: int = 0) -> torch.device:
     return device
 
 
+def collective_device(index: int = 0) -> torch.device:
+    """The device of a collective item: ``cuda:index`` (Skip without it), or the CPU when a test runs
+    the item on gloo (GRADIENTFLOW_GPU_CHECK_TEST_DEVICE=cpu)."""
+    return torch.device("cpu") if test_device() == "cpu" else cuda_device(index)
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def median_us(call: Callable[[], Any], device: torch.device, warmup: int = 5, repeats: int = 50) -> float:
     """Median wall time of ``call`` in microseconds, each call followed by a device synchronisation."""
     for _ in range(warmup):
         call()
-    torch.cuda.synchronize(device)
+    _synchronize(device)
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
         call()
-        torch.cuda.synchronize(device)
+        _synchronize(device)
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e6
 
@@ -490,53 +616,111 @@ def check_environment(report: Reporter) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. NCCL at world size 1: every collective helper the trainer uses
+# 2. NCCL at world size 1: every collective the trainer's helpers send, really sent
+
+
+def _one_rank_collectives(device: torch.device) -> dict[str, tuple[Callable[[], Any], Callable[[], list[str]]]]:
+    """name -> (call, verify) for one rank's process group. Each call sends one collective on random
+    data; verify (after one more call on fresh inputs) lists what is wrong with the result. At world
+    size 1 the sum of one rank is its own value; the out-of-place collectives start from a filled
+    output, so a collective that never reached the backend leaves it visibly wrong. The sums under
+    test go through ``break_sum`` (the test-only wrong_sum fault)."""
+    import torch.distributed as dist
+
+    generator = torch.Generator().manual_seed(7)
+    x_small = torch.randn(1, generator=generator, dtype=torch.float64).to(device)  # the helpers' scalars
+    x_big = torch.randn(1 << 20, generator=generator).to(device)  # 4 MiB of fp32
+    x_half = torch.randn(1 << 20, generator=generator).to(device, torch.float16)  # the fp16 wire
+    state: dict[str, Any] = {}
+
+    def fresh(name: str, value: torch.Tensor) -> torch.Tensor:
+        state[name] = value.clone()
+        return state[name]
+
+    def reduce(name: str, value: torch.Tensor, **kw: Any) -> Callable[[], Any]:
+        def call() -> None:
+            dist.all_reduce(fresh(name, value), **kw)
+            break_sum(state[name])
+        return call
+
+    def same(name: str, value: torch.Tensor) -> Callable[[], list[str]]:
+        def verify() -> list[str]:
+            got = state[name]
+            if got.dtype != value.dtype or not torch.equal(got, value):
+                error = (got.double() - value.double()).abs().max().item()
+                return [f"result differs from the one rank's input by up to {error:.3g}"]
+            return []
+        return verify
+
+    def out_of_place(name: str, value: torch.Tensor, send: Callable[[torch.Tensor, torch.Tensor], Any],
+                     ) -> tuple[Callable[[], Any], Callable[[], list[str]]]:
+        def call() -> None:
+            state[name] = torch.full_like(value, float("nan"))
+            send(state[name], value)
+        return call, same(name, value)
+
+    objects: list[Any] = []
+    gathered_objects: list[Any] = [None]
+
+    def broadcast_objects() -> None:
+        objects[:] = [{"checkpoint": "step_000000020", "x": x_small.item()}]
+        dist.broadcast_object_list(objects, src=0)
+
+    def gather_objects() -> None:
+        dist.all_gather_object(gathered_objects, ("rank 0", x_small.item()))
+
+    calls: dict[str, tuple[Callable[[], Any], Callable[[], list[str]]]] = {
+        "all_reduce SUM 8 B fp64": (reduce("sum8", x_small), same("sum8", x_small)),
+        "all_reduce SUM 4 MiB fp32": (reduce("sum4m", x_big), same("sum4m", x_big)),
+        "all_reduce SUM 2 MiB fp16": (reduce("sum16", x_half), same("sum16", x_half)),
+        "all_reduce MAX 8 B fp64": (reduce("max8", x_small, op=dist.ReduceOp.MAX), same("max8", x_small)),
+        "all_reduce MIN 8 B fp64": (reduce("min8", x_small, op=dist.ReduceOp.MIN), same("min8", x_small)),
+        "broadcast 4 MiB": (lambda: dist.broadcast(fresh("bcast", x_big), src=0), same("bcast", x_big)),
+        "reduce 4 MiB": (lambda: dist.reduce(fresh("reduce", x_big), dst=0), same("reduce", x_big)),
+        "all_gather 4 MiB (out of place)": out_of_place(
+            "gather", x_big, lambda out, value: dist.all_gather([out], value)),
+        "all_gather_into_tensor 4 MiB (out of place)": out_of_place(
+            "gather_t", x_big, lambda out, value: dist.all_gather_into_tensor(out, value)),
+        "broadcast_object_list": (broadcast_objects, lambda: [] if objects == [
+            {"checkpoint": "step_000000020", "x": x_small.item()}] else [f"got {objects!r:.80}"]),
+        "all_gather_object": (gather_objects, lambda: [] if gathered_objects == [("rank 0", x_small.item())]
+                              else [f"got {gathered_objects!r:.80}"]),
+    }
+    if device.type == "cuda":  # gloo has no reduce_scatter
+        calls["reduce_scatter_tensor 4 MiB (out of place)"] = out_of_place(
+            "scatter_t", x_big, lambda out, value: dist.reduce_scatter_tensor(out, value))
+    return calls
 
 
 def check_nccl_single_rank(report: Reporter) -> None:
+    """A process group of one rank (NCCL on cuda:0; gloo on the CPU under the test device): every
+    collective really sent, its result checked, and the trainer's helpers' answers at world size 1
+    (where they return before any collective: their collectives are sent in nccl_2gpu)."""
     import torch.distributed as dist
 
-    from gradientflow_repro.distributed import agree_max, all_reduce_scalars, barrier, ranks_that_differ
-
-    device = cuda_device(0)
+    device = collective_device(0)
+    backend = backend_for(device)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=device,
+    dist.init_process_group(backend, rank=0, world_size=1, device_id=device if device.type == "cuda" else None,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        small = torch.ones(1, device=device)
-        big = torch.ones(1 << 20, device=device)  # 4 MiB of fp32
-        gathered = [torch.zeros_like(small)]
-        objects: list[Any] = [{"checkpoint": "step_000000020"}]
-        calls: dict[str, Callable[[], Any]] = {
-            "all_reduce SUM 4 B": lambda: dist.all_reduce(small),
-            "all_reduce SUM 4 MiB": lambda: dist.all_reduce(big),
-            "all_reduce MAX 4 B": lambda: dist.all_reduce(small, op=dist.ReduceOp.MAX),
-            "all_reduce MAX 4 MiB": lambda: dist.all_reduce(big, op=dist.ReduceOp.MAX),
-            "broadcast 4 MiB": lambda: dist.broadcast(big, src=0),
-            "all_gather 4 B": lambda: dist.all_gather(gathered, small),
-            "broadcast_object_list": lambda: dist.broadcast_object_list(objects, src=0),
-            "reduce 4 MiB": lambda: dist.reduce(big, dst=0),
-            "distributed.agree_max (the step's agreement)": lambda: agree_max([small[0] * 0, 15.0], device),
-            "distributed.all_reduce_scalars": lambda: all_reduce_scalars([1.5, -2.0], device),
-            "distributed.ranks_that_differ": lambda: ranks_that_differ([big], device),
-            "distributed.barrier": lambda: barrier(device),
-        }
-        returns = {"all_gather 4 B": lambda result: gathered[0].item() == 1,  # beyond inputs left as they were
-                   "distributed.agree_max (the step's agreement)": lambda result: result == [0.0, 15.0],
-                   "distributed.all_reduce_scalars": lambda result: result == [1.5, -2.0],
-                   "distributed.ranks_that_differ": lambda result: result == []}
-        for name, call in calls.items():
+        if dist.get_backend() != backend:
+            raise RuntimeError(f"the process group's backend is {dist.get_backend()}, not {backend}")
+        for name, (call, verify) in _one_rank_collectives(device).items():
             with report.part(name):
-                micros = median_us(call, device)
-                result = call()
-                ok = (returns.get(name, lambda result: True)(result) and bool((small == 1).all())
-                      and bool((big == 1).all()) and objects == [{"checkpoint": "step_000000020"}])
-                report.add("PASS" if ok else "FAIL", f"{micros:.1f} us/call (median of 50)"
-                           + ("" if ok else f": wrong result at world size 1 ({result!r:.80})"), name)
+                micros = median_us(call, device, repeats=20)
+                call()
+                _synchronize(device)
+                problems = verify()
+                report.add("FAIL" if problems else "PASS",
+                           f"{micros:.1f} us/call (median of 20, a fresh copy of the input included) through {backend}"
+                           + (f": {'; '.join(problems)}" if problems else ", result checked"), name)
         with report.part("send/recv to self"):
+            big = torch.randn(1 << 20, generator=torch.Generator().manual_seed(3)).to(device)
             received = torch.zeros_like(big)
 
             def self_send_recv() -> None:
+                received.zero_()
                 ops = [dist.P2POp(dist.isend, big, 0), dist.P2POp(dist.irecv, received, 0)]
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()
@@ -544,11 +728,24 @@ def check_nccl_single_rank(report: Reporter) -> None:
             try:
                 self_send_recv()
             except Exception as error:  # noqa: BLE001 - torch or NCCL refusing is not a failure here
-                raise Skip(f"refused by torch/NCCL: {describe(error)}") from None
+                raise Skip(f"refused by torch/{backend}: {describe(error)}") from None
             micros = median_us(self_send_recv, device, repeats=20)
             ok = bool(torch.equal(received, big))
             report.add("PASS" if ok else "FAIL", f"{micros:.1f} us per 4 MiB send+recv pair (median of 20)"
                        + ("" if ok else ": received data differ"), "send/recv to self")
+        with report.part("the trainer's helpers at world size 1"):
+            with project_imports():  # the collectives above need only torch; the helpers need the project's
+                from gradientflow_repro.distributed import agree_max, all_reduce_scalars, barrier, ranks_that_differ
+            flag = torch.ones((), device=device) * 3
+            answers = {"agree_max": (agree_max([flag, 15.0], device), [3.0, 15.0]),
+                       "all_reduce_scalars": (all_reduce_scalars([1.5, -2.0], device), [1.5, -2.0]),
+                       "ranks_that_differ": (ranks_that_differ([flag], device), [])}
+            barrier(device)
+            wrong = [f"{name} gave {got}, not {want}" for name, (got, want) in answers.items() if got != want]
+            report.add("FAIL" if wrong else "PASS", "; ".join(wrong) if wrong else
+                       "agree_max, all_reduce_scalars, ranks_that_differ, barrier answer right (they send "
+                       "nothing at world size 1: their collectives are in nccl_2gpu)",
+                       "the trainer's helpers at world size 1")
     finally:
         dist.destroy_process_group()
 
@@ -662,6 +859,7 @@ def _check_communicator(options: dict[str, Any], rank: int, world: int, device: 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # momentum 0: CSC's velocity is the gradient
     comm = build_communicator(options, device)
     module = comm.attach(model, optimizer)
+    stale_pool(comm)
     params = list(model.parameters())
     message = _same_message(comm, params)
     worst, step_ms, problems = 0.0, [], []
@@ -899,12 +1097,11 @@ def put_result(lines: Any, result: Result) -> None:
     lines.put(asdict(result))
 
 
-def check_communicators(report: Reporter, device_type: str = "cuda") -> None:
-    if device_type == "cuda":
-        cuda_device(0)
+def check_communicators(report: Reporter, device_type: Optional[str] = None) -> None:
+    device_type = device_type or collective_device(0).type
     with project_imports():
         import gradientflow_repro.comm.factory  # noqa: F401 - fail here, not in both ranks
-    spawn_ranks(report, functools.partial(_comm_rank, device_type=device_type), 2, min(150.0, time_left() - 5))
+    spawn_ranks(report, functools.partial(_comm_rank, device_type=device_type), 2, max(5.0, time_left() - 5))
 
 
 def check_communicators_on_cpu(report: Reporter) -> None:
@@ -951,7 +1148,7 @@ def _final_loss(run_dir: Path) -> float:
 
 
 def check_trainer(report: Reporter) -> None:
-    need("hydra", "omegaconf", "timm", "torchvision", "matplotlib", "mlperf_logging")
+    need(*TRAINER_MODULES)
     cuda_device(0)
     root = Path(tempfile.mkdtemp(prefix="gpu_check_trainer_"))
     try:
@@ -988,35 +1185,45 @@ def check_trainer(report: Reporter) -> None:
 
 def _images_per_s(name: str, device: torch.device, batch: int = 128, warmup: int = 5,
                   timed: int = 20) -> tuple[float, float]:
+    """Images/s of the project's fp16 step (``precision.Precision``: autocast, the loss scale on the
+    device, the finiteness flag read back once per step) with plain SGD on random 224-pixel images."""
+    from types import SimpleNamespace
+
     from gradientflow_repro.models import build_model
+    from gradientflow_repro.precision import Precision
 
     model = build_model(name, 1000, 224, 1.0, 0.5).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    scaler = torch.amp.GradScaler("cuda")
+    # PrecisionConfig's fields (config.py imports Hydra: not needed for this item)
+    precision = Precision(SimpleNamespace(dtype="fp16", init_scale=65536.0, growth_interval=2000), device)
     images = torch.randn(batch, 3, 224, 224, device=device)
     labels = torch.randint(1000, (batch,), device=device)
     loss = torch.zeros(())
 
     def step() -> None:
         nonlocal loss
-        with torch.autocast("cuda", dtype=torch.float16):
+        with precision.autocast():
             loss = torch.nn.functional.cross_entropy(model(images), labels)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        precision.backward(loss)
+        precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
 
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize(device)
+    _synchronize(device)
     started = time.perf_counter()
     for _ in range(timed):
         step()
-    torch.cuda.synchronize(device)
+    _synchronize(device)
     seconds = time.perf_counter() - started
     if not torch.isfinite(loss):
         raise RuntimeError(f"loss is {loss.item()} after {warmup + timed} steps")
     return timed * batch / seconds, seconds / timed * 1e3
+
+
+def throughput_verdict(rate: float, floor: float = PAPER_ALEXNET_IMAGES_PER_S) -> str:
+    """PASS only above the paper's per-GPU figure: a GPU slower than the paper's cannot show its times."""
+    return "PASS" if rate > floor else "FAIL"
 
 
 def _trainer_for_sync_count(device: torch.device, run_dir: Path) -> Any:
@@ -1046,14 +1253,23 @@ def count_syncs(step: Callable[[], None], steps: int) -> list[warnings.WarningMe
 
 def check_throughput(report: Reporter) -> None:
     device = cuda_device(0)
-    need("torchvision")
     torch.backends.cudnn.benchmark = True
-    for name in ("alexnet_bn", "resnet50"):
-        with report.part(name):
-            rate, step_ms = _images_per_s(name, device)
-            torch.cuda.empty_cache()  # the model is gone: give its memory back before the next
-            report.add("PASS", f"{rate:.0f} images/s ({step_ms:.1f} ms/step; batch 128, 224 px, fp16 "
-                       f"autocast + GradScaler, SGD; 5 warm-up + 20 timed steps)", name)
+    setting = "batch 128, 224 px, the project's fp16 step (autocast, loss scale), SGD; 5 warm-up + 20 timed steps"
+    with report.part("alexnet_bn"):
+        rate, step_ms = _images_per_s("alexnet_bn", device)
+        torch.cuda.empty_cache()  # the model is gone: give its memory back before the next
+        status = throughput_verdict(rate)
+        report.add(status, f"{rate:.0f} images/s ({step_ms:.1f} ms/step; {setting}): "
+                   f"{'above' if status == 'PASS' else 'NOT above'} the paper's "
+                   f"{PAPER_ALEXNET_IMAGES_PER_S:,.0f} images/s per GPU", "alexnet_bn")
+    with report.part("resnet50"):
+        need("torchvision")
+        rate, step_ms = _images_per_s("resnet50", device)
+        torch.cuda.empty_cache()
+        # the paper gives no per-GPU figure for ResNet-50 to hold it to: the line passes on a
+        # finite loss (checked in _images_per_s) and says so
+        report.add("PASS", f"{rate:.0f} images/s ({step_ms:.1f} ms/step; {setting}), finite loss "
+                   "(no floor: the paper gives no per-GPU ResNet-50 figure)", "resnet50")
     with report.part("host syncs per step"):
         steps = 5
         per_step, where = trainer_step_syncs(device, steps)
@@ -1067,7 +1283,7 @@ def trainer_step_syncs(device: torch.device, steps: int) -> tuple[float, str]:
     from (file:line x count). One rank in a process group of its own, as under torchrun."""
     import torch.distributed as dist
 
-    need("hydra", "omegaconf", "timm", "torchvision", "mlperf_logging")
+    need(*TRAINER_MODULES)
     run_dir = Path(tempfile.mkdtemp(prefix="gpu_check_syncs_"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cuda = device.type == "cuda"
@@ -1143,25 +1359,31 @@ def check_dali(report: Reporter) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# 7. two GPUs: ring and hierarchical allreduce against NCCL's, and no stray context on GPU 0
+# 7. two GPUs: our sums and the trainer's helpers against NCCL's, lazy allreduce against the
+#    reference, and no stray context on GPU 0
 
 TWO_GPU_SIZES = (1, 7, 1000003)
+TWO_GPU_ITEM = "nccl_2gpu"
 
 
 def _two_gpu_rank(rank: int, world: int, port: int, lines: Any) -> None:
+    """One NCCL rank per GPU (``cuda:rank``), or a gloo rank on the CPU under the test device."""
     import torch.distributed as dist
 
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)  # as the trainer does
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=device, timeout=datetime.timedelta(seconds=45))
-    report = Reporter("nccl_2gpu", functools.partial(put_result, lines) if rank == 0 else (lambda result: None))
+    device = torch.device("cpu") if test_device() == "cpu" else torch.device("cuda", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # as the trainer does
+    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, device_id=device if device.type == "cuda" else None,
+                            timeout=datetime.timedelta(seconds=45))
+    report = Reporter(TWO_GPU_ITEM, functools.partial(put_result, lines) if rank == 0 else (lambda result: None))
     try:
         compare_with_builtin_allreduce(report, rank, world, device)
+        helpers_across_ranks(report, rank, world, device)
         lazy_without_stray_context(report, rank, world, device)
     except Exception as error:  # noqa: BLE001 - report, then leave: the ranks are out of step
         traceback.print_exc()
-        put_result(lines, Result("FAIL", "nccl_2gpu", f"rank {rank}: {describe(error)}"))
+        put_result(lines, Result("FAIL", TWO_GPU_ITEM, f"rank {rank}: {describe(error)}"))
         sys.stdout.flush()
         os._exit(REPORTED_EXIT)
     dist.destroy_process_group()
@@ -1195,6 +1417,7 @@ def compare_with_builtin_allreduce(report: Reporter, rank: int, world: int, devi
             for name, algorithm in algorithms.items():
                 got = x.clone()
                 algorithm(got)
+                break_sum(got)
                 errors[name].append((got.float() - expected.float()).abs().max().item() / peak)
         big = torch.randn(TWO_GPU_SIZES[-1], device=device).to(dtype)
         builtin_us = median_us(lambda: dist.all_reduce(big.clone()), device, 1, 5)
@@ -1211,39 +1434,88 @@ def compare_with_builtin_allreduce(report: Reporter, rank: int, world: int, devi
                        f"the backend's own {builtin_us / 1e3:.2f} ms", f"{name} {str(dtype).split('.')[-1]}")
 
 
+def helpers_across_ranks(report: Reporter, rank: int, world: int, device: torch.device) -> None:
+    """The trainer's collective helpers (which return before any collective at world size 1) on
+    rank-dependent values, against what every rank must get; rank 0 reports the ranks' verdicts."""
+    import torch.distributed as dist
+
+    from gradientflow_repro.distributed import agree_max, all_reduce_scalars, barrier, ranks_that_differ
+
+    flag = torch.full((), float(rank == world - 1), device=device)  # only the last rank overflowed
+    got = {"agree_max": agree_max([flag, float(10 + rank)], device),
+           "all_reduce_scalars": all_reduce_scalars([float(rank + 1), -0.5], device),
+           "ranks_that_differ": ranks_that_differ([torch.full((3,), float(rank > 0), device=device)], device)}
+    got["all_reduce_scalars"][:1] = break_sum(torch.tensor(got["all_reduce_scalars"][:1])).tolist()
+    want = {"agree_max": [1.0, float(9 + world)],
+            "all_reduce_scalars": [float(world * (world + 1) // 2), -0.5 * world],
+            "ranks_that_differ": list(range(1, world))}
+    barrier(device)
+    wrong = [f"{name} gave {got[name]}, not {want[name]}" for name in want if got[name] != want[name]]
+    verdicts: list[Any] = [None] * world
+    dist.all_gather_object(verdicts, wrong)
+    if rank == 0:
+        problems = [f"rank {r}: {w}" for r, ranks in enumerate(verdicts) for w in ranks]
+        report.add("FAIL" if problems else "PASS", "; ".join(problems[:4]) if problems else
+                   f"agree_max, all_reduce_scalars, ranks_that_differ and barrier through {dist.get_backend()} "
+                   f"on rank-dependent values: every rank got the right answer", "the trainer's helpers")
+
+
 def lazy_without_stray_context(report: Reporter, rank: int, world: int, device: torch.device) -> None:
-    """A few steps of the lazy communicator (ring, overlap on its thread and stream); the ranks must
-    agree, and rank 1's process must hold no CUDA context on GPU 0."""
+    """A few steps of the lazy communicator (its default algorithm, overlap on its thread and
+    stream) whose gradients must equal the mean of the ranks' reference gradients, summed by
+    ``dist.all_reduce`` (ranks that merely agree with each other do not pass: a stale pool agrees
+    too); and on GPUs rank 1's process must hold no CUDA context on GPU 0."""
+    import torch.distributed as dist
+
     from gradientflow_repro.comm.factory import build_communicator
-    from gradientflow_repro.distributed import barrier, ranks_that_differ
+    from gradientflow_repro.distributed import barrier
 
     torch.manual_seed(0)
     model = SmallNet().to(device)
+    reference = copy.deepcopy(model)
     comm = build_communicator({"strategy": "lazy"}, device)
     module = comm.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    for step in range(3):
-        comm.begin_step(float(step), 1.0)
+    stale_pool(comm)
+    worst = 0.0
+    steps = 3
+    for step in range(steps):
         x = torch.randn(16, 37, generator=torch.Generator().manual_seed(100 * rank + step)).to(device)
+        reference.zero_grad(set_to_none=True)
+        reference(x).pow(2).mean().backward()
+        expected = [p.grad.detach().clone() for p in reference.parameters()]
+        for grad in expected:
+            dist.all_reduce(grad)
+            grad.div_(world)
+        comm.begin_step(float(step), 1.0)
         module(x).pow(2).mean().backward()
         comm.synchronize()
+        for param, want in zip(model.parameters(), expected):
+            peak = max(want.abs().max().item(), 1e-30)
+            worst = max(worst, (param.grad - want).abs().max().item() / peak)
         comm.end_step(applied=True)
-    differ = ranks_that_differ([p.grad for p in model.parameters()], device)
+        model.zero_grad(set_to_none=True)
     comm.close()
+    tolerance = 1e-5  # fp32 sums in another order than the reference's
     who: list[Any] = [None] * world
-    import torch.distributed as dist
-
-    dist.all_gather_object(who, (os.getpid(), cuda_uuid(rank) if device.type == "cuda" else None))
+    dist.all_gather_object(who, (os.getpid(), cuda_uuid(rank) if device.type == "cuda" else None, worst))
     if rank == 0:  # rank 0 alone looks while rank 1 waits, alive, at the barrier
-        part = "lazy on cuda:1, no context on GPU 0"
+        errors = [w for *_, w in who]
+        part = "lazy vs dist.all_reduce"
         with report.part(part):
-            report.add(*_stray_context_verdict(who, differ), part)
+            ok = all(e <= tolerance for e in errors)  # a NaN fails too
+            report.add("PASS" if ok else "FAIL",
+                       f"{steps} lazy steps: |p.grad - dist.all_reduce(reference gradients) / {world}| at most "
+                       f"{', '.join(f'{e:.2g}' for e in errors)} (per rank) of the largest value "
+                       f"(tolerance {tolerance:g})", part)
+        if device.type == "cuda":
+            part = "no context of rank 1 on GPU 0"
+            with report.part(part):
+                report.add(*_stray_context_verdict([w[:2] for w in who]), part)
     barrier(device)
 
 
-def _stray_context_verdict(who: list[tuple[int, Optional[str]]], differ: list[int]) -> tuple[str, str]:
+def _stray_context_verdict(who: list[tuple[int, Optional[str]]]) -> tuple[str, str]:
     """Whether rank 1's process holds a context on GPU 0, from NVML's process lists."""
-    if differ:
-        return "FAIL", f"after 3 lazy steps the gradients of rank(s) {differ} differ from rank 0's"
     processes = gpu_processes()
     if processes is None:
         raise Skip("neither pynvml nor nvidia-smi can list GPU processes")
@@ -1255,47 +1527,73 @@ def _stray_context_verdict(who: list[tuple[int, Optional[str]]], differ: list[in
                    f"container's PIDs, so GPU 0 cannot be checked")
     if pid1 in processes.get(gpu0, set()):
         return "FAIL", f"rank 1 (pid {pid1}, cuda:1) holds a CUDA context on GPU 0"
-    return "PASS", f"3 lazy steps (ring over NCCL, overlap), ranks agree; rank 1 (pid {pid1}) is on GPU 1 only"
+    return "PASS", f"rank 1 (pid {pid1}) is on GPU 1 only after the lazy steps (ring over NCCL, overlap)"
 
 
 def check_two_gpus(report: Reporter) -> None:
-    cuda_device(1)
+    collective_device(1)
     with project_imports():
         import gradientflow_repro.comm.factory  # noqa: F401
-    spawn_ranks(report, _two_gpu_rank, 2, min(60.0, time_left() - 5))
+    spawn_ranks(report, _two_gpu_rank, 2, max(5.0, time_left() - 5))
 
 
 # ---------------------------------------------------------------------------------------------
 # The list, the report file and the command line
 
+# In the order they run: what needs several GPUs first (a check cut short has crossed GPUs), then
+# what needs only torch, then what needs the trainer's packages. Nominal limits sum to less than
+# the budget on one GPU; each item's limit is its share of what is left (``item_limit``).
 ITEMS = [
     Item("environment", check_environment, 60, 0, "versions, GPUs and their arch, DALI, optional packages"),
-    Item("nccl_1rank", check_nccl_single_rank, 90, 1, "every collective helper on NCCL at world size 1 (us/call)"),
-    Item("comm_gloo_cuda", check_communicators, 180, 1,
-         "every communicator on CUDA tensors, 2 gloo ranks on GPU 0, against the mean gradient"),
-    Item("trainer_fp16", check_trainer, 360, 1, "torchrun + fp16 on CUDA (allreduce, lazy, gradientflow), resumed"),
-    Item("throughput", check_throughput, 180, 1, "AlexNet-BN and ResNet-50 images/s in fp16; host syncs per step"),
-    Item("dali", check_dali, 150, 1, "DALI mixed (GPU) and CPU pipelines over one epoch of the digits"),
-    Item("nccl_2gpu", check_two_gpus, 90, 2, "ring and hierarchical vs NCCL on 2 GPUs; no stray context on GPU 0"),
+    Item("nccl_2gpu", check_two_gpus, 60, 2, "ring, hierarchical and the trainer's helpers vs NCCL on 2 GPUs; "
+         "lazy vs dist.all_reduce of the reference; no stray context on GPU 0", on_test_cpu=True),
+    Item("nccl_1rank", check_nccl_single_rank, 45, 1,
+         "every collective the trainer's helpers send, through NCCL at world size 1, results checked (us/call)",
+         on_test_cpu=True),
+    Item("comm_gloo_cuda", check_communicators, 90, 1,
+         "every communicator on CUDA tensors, 2 gloo ranks on GPU 0, against the mean gradient", on_test_cpu=True),
+    Item("throughput", check_throughput, 75, 1, f"AlexNet-BN images/s in fp16 against the paper's "
+         f"{PAPER_ALEXNET_IMAGES_PER_S:,.0f} per GPU, ResNet-50's; host syncs per step"),
+    Item("trainer_fp16", check_trainer, 150, 1, "torchrun + fp16 on CUDA (allreduce, lazy, gradientflow), resumed"),
+    Item("dali", check_dali, 45, 1, "DALI mixed (GPU) and CPU pipelines over one epoch of the digits"),
 ]
 ITEM_BY_NAME = {item.name: item for item in ITEMS}
+MIN_ITEM_S = 15.0  # an item given less than this is SKIP: it could not even start CUDA and NCCL
+
+
+def item_limit(item: Item, later: list[Item], left_s: float) -> float:
+    """The limit of ``item`` when ``left_s`` of the budget is left and ``later`` will run after it:
+    its nominal limit, or its share of what is left in proportion to the nominal limits still to
+    run, whichever is less. Summed over the items this never exceeds the budget."""
+    share = left_s * item.timeout_s / (item.timeout_s + sum(other.timeout_s for other in later))
+    return min(item.timeout_s, share)
 
 
 def header_lines(command: str) -> list[str]:
     facts = environment_facts()
-    return [f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-            f"- host: {socket.gethostname()}",
-            f"- GPUs: {gpu_summary(facts)}",
-            f"- versions: {versions_summary(facts)}, Python {facts['python']}",
-            f"- git commit: {git_commit() or 'unknown'}",
-            f"- command: `{command}`"]
+    lines = [f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+             f"- host: {socket.gethostname()}",
+             f"- GPUs: {gpu_summary(facts)}",
+             f"- versions: {versions_summary(facts)}, Python {facts['python']}",
+             f"- git commit: {git_commit() or 'unknown'}",
+             f"- command: `{command}`"]
+    if test_hooks_set():
+        lines.append(f"- TEST HOOKS SET (not a check of this machine): {test_hooks_set()}")
+    return lines
 
 
-def write_report(path: Path, header: list[str], results: list[Result], state: str) -> None:
+def write_report(path: Path, header: list[str], results: list[Result], state: str,
+                 limits: Optional[dict[str, float]] = None) -> None:
+    limits = limits or {}
+
+    def limit(item: Item) -> str:
+        if not item.gpus:
+            return "in the main process"
+        return f"{limits[item.name]:.0f} s" if item.name in limits else f"{item.timeout_s:.0f} s nominal"
+
     lines = ["# GPU check", "", *header, f"- result: {state}", "", "```text",
              *(result.line() for result in results), "```", "", "Items (each with its own time limit):", "",
-             *(f"- `{item.name}` ({f'{item.timeout_s:.0f} s' if item.gpus else 'in the main process'}): "
-               f"{item.doc}" for item in ITEMS), ""]
+             *(f"- `{item.name}` ({limit(item)}): {item.doc}" for item in ITEMS), ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     partial.write_text("\n".join(lines))
@@ -1307,53 +1605,113 @@ def tally(results: list[Result]) -> str:
     return ", ".join(f"{counts[s]} {s}" for s in ("PASS", "FAIL", "SKIP"))
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"report file (default {DEFAULT_OUT})")
-    parser.add_argument("--only", nargs="+", choices=list(ITEM_BY_NAME), help="run only these items")
+class BadOption(Exception):
+    """An option the check refuses before running anything (one line, exit status 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override] - one line, not the usage
+        raise BadOption(message)
+
+
+def log_path(out: Path) -> Path:
+    return out.with_name(out.name + ".log") if out.suffix in ("", ".log") else out.with_suffix(".log")
+
+
+def check_writable(path: Path, what: str) -> None:
+    """Refuse, naming ``what``, a path that is a directory or cannot be written. Its directory is
+    created; the file is opened for appending (what a write would need) and left as it was."""
+    if path.is_dir():
+        raise BadOption(f"{what} {path} is a directory: name a file (e.g. {path / 'gpu_check.md'})")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as error:
+        raise BadOption(f"{what} {path} cannot be written: {error.strerror or error}") from None
+
+
+def parse_options(argv: Optional[list[str]]) -> argparse.Namespace:
+    """The options, or BadOption naming the first bad one (nothing has run yet)."""
+    parser = _Parser(prog="gradientflow_repro.gpu_check", description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"report file (default {DEFAULT_OUT}); "
+                        "the children's output goes to the .log beside it")
+    parser.add_argument("--only", nargs="+", metavar="ITEM",
+                        help=f"run only these items, of: {', '.join(ITEM_BY_NAME)}")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S,
-                        help=f"the whole check's time limit (default {BUDGET_S:.0f} s): each item gets "
-                             "its own limit or what is left, whichever is less; items past it are SKIP")
+                        help=f"the whole check's time limit (default {BUDGET_S:.0f} s): each item gets its "
+                             "share of what is left; items past it are SKIP")
+    parser.add_argument("--strict", action="store_true", help="exit status 1 on a SKIP too (by default only a "
+                        "FAIL makes it non-zero)")
     args = parser.parse_args(argv)
+    unknown = [name for name in args.only or [] if name not in ITEM_BY_NAME]
+    if unknown:
+        raise BadOption(f"--only: unknown item(s) {', '.join(unknown)}; the items are {', '.join(ITEM_BY_NAME)}")
+    if not (math.isfinite(args.budget_s) and args.budget_s >= MIN_ITEM_S):
+        raise BadOption(f"--budget-s {args.budget_s:g}: give at least {MIN_ITEM_S:.0f} s")
+    problem = test_hooks_problem()
+    if problem:
+        raise BadOption(problem)
+    check_writable(args.out, "--out")
+    check_writable(log_path(args.out), "the log beside --out,")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        args = parse_options(argv)
+    except BadOption as error:
+        print(f"gpu_check: error: {error}", file=sys.stderr, flush=True)
+        return 2
     command = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(
         [sys.executable, "-m", "gradientflow_repro.gpu_check", *argv])
     started = time.monotonic()
     header = header_lines(command)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     results: list[Result] = []
+    limits: dict[str, float] = {}
+    chosen = [item for item in ITEMS if not args.only or item.name in args.only]
+    gates = {item.name: gpu_gate(item.gpus, item.on_test_cpu) for item in chosen}
 
     def emit(result: Result) -> None:
         print(result.line(), flush=True)
+        results.append(result)
 
-    with open(args.out.with_suffix(".log"), "w") as log_file:
+    with open(log_path(args.out), "w") as log_file:
         def log(line: str) -> None:
             log_file.write(line + "\n")
             log_file.flush()
 
-        for item in (ITEM_BY_NAME[name] for name in (args.only or ITEM_BY_NAME)):
-            write_report(args.out, header, results, f"running {item.name} ({tally(results)} so far)")
+        for index, item in enumerate(chosen):
+            write_report(args.out, header, results, f"running {item.name} ({tally(results)} so far)", limits)
             left = args.budget_s - (time.monotonic() - started)
-            reason = gpu_gate(item.gpus) or (f"the check's {args.budget_s:.0f} s budget is spent"
-                                             if left < 15 else None)
-            item = dataclasses.replace(item, timeout_s=min(item.timeout_s, left))
+            later = [other for other in chosen[index + 1:] if other.gpus and not gates[other.name]]
+            limit = item_limit(item, later, left) if item.gpus else min(item.timeout_s, left)
+            reason = gates[item.name] or (None if limit >= MIN_ITEM_S else (
+                f"the check's {args.budget_s:.0f} s budget is spent ({left:.0f} s left)"))
             try:
                 if reason:
                     emit(Result("SKIP", item.name, reason))
-                    results.append(Result("SKIP", item.name, reason))
                 elif item.gpus == 0:
-                    results += run_here(item, emit)
+                    run_here(item, emit)
                 else:
-                    results += run_in_child(item, emit, log)
+                    limits[item.name] = limit
+                    run_in_child(dataclasses.replace(item, timeout_s=limit), emit, log)
             except KeyboardInterrupt:
-                write_report(args.out, header, results, f"interrupted during {item.name} ({tally(results)})")
+                write_report(args.out, header, results, f"interrupted during {item.name} ({tally(results)})", limits)
                 print(f"interrupted during {item.name}; partial report: {args.out}", flush=True)
                 return 130
     failed = any(result.status == "FAIL" for result in results)
-    state = f"{tally(results)} in {time.monotonic() - started:.0f} s; exit status {int(failed)}"
-    write_report(args.out, header, results, state)
+    skipped = [result.item for result in results if result.status == "SKIP"]
+    status = 1 if failed or (args.strict and skipped) else 0
+    state = (f"{tally(results)} in {time.monotonic() - started:.0f} s; exit status {status}"
+             + (f"; not checked here: {', '.join(skipped)}" if skipped else ""))
+    write_report(args.out, header, results, state, limits)
     print(f"{state}; report: {args.out}", flush=True)
-    return 1 if failed else 0
+    return status
 
 
 if __name__ == "__main__":

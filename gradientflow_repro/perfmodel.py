@@ -32,11 +32,20 @@ ladder of `make reproduce` is derived from ``knobs.LADDER``, not retyped):
   chunks of ``chunk_elements`` of its multi-dimensional tensors plus its one-dimensional tensors
   whole, in one payload, after one small allreduce of the chunk norms (one fp32 value per chunk,
   plus one for the fp16 wire's scale), and after CSC's local work (a cost per element);
-- ``builtin``: the backend's own allreduce (``allreduce``, ``ddp``). On a cluster that is NCCL's
-  ring and trees, priced like ours. Where the network description carries the builtin's own
-  measured cost by message size (as nccl-tests measures it), that table is used instead,
-  interpolated linearly in bytes: the builtin is a black box (gloo picks its algorithm by size,
-  and small calls pay the host's scheduling), so it is measured, not described by two numbers.
+- who sums: ``knobs.summing``, the one definition the factory builds (``comm.implementation``): the
+  backend's own allreduce for ``builtin`` (``allreduce``, ``ddp``) and, on an NCCL network
+  (``Network.nccl``, a GPU cluster) by default for every algorithm; our algorithms above by default
+  on gloo, or where ``comm.implementation=ours`` asks for them (a ``Strategy`` built by hand names
+  ours). NCCL's allreduce is priced as NCCL's own tuning model prices it (``nccl_allreduce_s``: one
+  kernel per message, so no per-step launch from the host; its ring's steps inside a node at the
+  intra-node latency, only the 2(M-1) steps between M nodes at the network's; its tree's depth
+  log2(M); between nodes the node's whole uplink, all its NICs), the faster of ring and tree unless
+  ``comm.algorithm=ring`` sets NCCL_ALGO=Ring. Our rings cross between nodes from one GPU, so
+  through one NIC of ``Network.rails``. Gloo's own allreduce is a ring. Where the network
+  description carries the backend's measured cost by message size (as nccl-tests measures it),
+  that table is used instead, interpolated linearly in bytes: the builtin is a black box (gloo
+  picks its algorithm by size, and small calls pay the host's scheduling), so it is measured, not
+  described by two numbers.
 
 Step time = forward + max(end of backward, end of the last message) + optimizer. Speedup for N GPUs
 is weak scaling (fixed per-GPU batch): N * step(1) / step(N).
@@ -54,7 +63,7 @@ backward profile and the local work per element, are in ``gradientflow_repro/har
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Optional
 
@@ -115,6 +124,10 @@ class Network:
     # takes the faster of its tree and its ring for each size; gloo: our recursive doubling always
     nccl: bool = False
     burst_bytes: float = 0.0  # payload an idle link passes at once (an emulated link's token bucket)
+    # NICs per node that ``bandwidth_Bps`` adds up (a rail-optimised GPU node: one per GPU). NCCL's
+    # allreduce spreads its channels over all of them; our rings cross between nodes from one GPU,
+    # through one NIC: ``bandwidth_Bps / rails``
+    rails: int = 1
 
 
 @dataclass(frozen=True)
@@ -127,6 +140,10 @@ class Strategy:
     density: float = 1.0
     chunk_elements: int = 32768
     algorithm: str = "ring"  # builtin | ring | hierarchical | auto, as ``comm.algorithm``
+    # as ``comm.implementation`` (``knobs.summing``); by hand: our algorithms (``from_knobs``: the
+    # configuration's, auto by default: NCCL's allreduce on an NCCL network). Not compared: a rung is
+    # the same strategy (the same messages) whoever carries them; the pricing asks ``summing``
+    implementation: str = field(default="ours", compare=False)
     small_message_bytes: float = comm_knobs.SMALL_MESSAGE_BYTES  # recursive doubling up to here
     # CSC's trust-ratio noise sketches ride with the chunk norms (momentum correction under LARS)
     noise_sketch: bool = False
@@ -148,6 +165,7 @@ class Strategy:
                    wire_bytes=2 if knobs.wire == "fp16" else 4,
                    density=knobs.density if knobs.sparsity == "csc" else 1.0,
                    chunk_elements=knobs.chunk_size, algorithm=knobs.algorithm,
+                   implementation=knobs.implementation,
                    small_message_bytes=comm_knobs.small_message_bytes(knobs),
                    noise_sketch=(lars and knobs.sparsity == "csc" and knobs.momentum_correction
                                  and knobs.trust_noise_correction),
@@ -156,6 +174,15 @@ class Strategy:
     @property
     def builtin(self) -> bool:
         return self.algorithm == "builtin"
+
+    def summing(self, ranks: int, net: "Network") -> comm_knobs.Summing:
+        """What sums this strategy's messages over ``ranks`` ranks on ``net`` (``knobs.summing``)."""
+        return comm_knobs.summing(self.algorithm, ranks, net.ranks_per_node, "nccl" if net.nccl else "gloo",
+                                  self.implementation)
+
+    def ours(self, ranks: int, net: "Network") -> bool:
+        """Whether our algorithms carry the messages (then small ones by recursive doubling)."""
+        return ranks > 1 and self.summing(ranks, net).ours
 
 
 # The ablation ladder of `make reproduce` (comm.knobs.LADDER), as the model sees it.
@@ -241,19 +268,53 @@ def _uplink_sharers(ranks: int, ranks_per_node: int) -> tuple[int, ...]:
 
 
 def allreduce_s(payload_bytes: float, ranks: int, net: Network, algorithm: str = "ring",
-                small_message_bytes: float = comm_knobs.SMALL_MESSAGE_BYTES) -> float:
+                small_message_bytes: float = comm_knobs.SMALL_MESSAGE_BYTES, implementation: str = "ours") -> float:
     """One allreduce of ``payload_bytes`` among ``ranks`` ranks placed ``net.ranks_per_node`` per
-    node (node by node; the last node may be partly filled) by ``algorithm`` (``comm.algorithm``),
-    recursive doubling up to ``small_message_bytes``."""
+    node (node by node; the last node may be partly filled) by ``algorithm`` (``comm.algorithm``)
+    under ``implementation`` (``comm.implementation``, ``knobs.summing``): the backend's allreduce
+    (measured, NCCL's tuning model, or gloo's ring), or ours, by recursive doubling up to
+    ``small_message_bytes`` (on NCCL those go by NCCL's allreduce, priced as the faster of
+    recursive doubling and the ring, as before NCCL's own model was used)."""
     if ranks <= 1 or payload_bytes <= 0:
         return 0.0
-    if algorithm == "builtin" and net.builtin_cost_by_size:
-        return measured_cost_s(payload_bytes, net.builtin_cost_by_size)
-    builtin_gloo = algorithm == "builtin" and not net.nccl  # gloo's own: a ring, unless measured
-    if payload_bytes <= small_message_bytes and not builtin_gloo:
+    chosen = comm_knobs.summing(algorithm, ranks, net.ranks_per_node, "nccl" if net.nccl else "gloo",
+                                implementation)
+    if chosen.how == "backend":
+        if net.builtin_cost_by_size:
+            return measured_cost_s(payload_bytes, net.builtin_cost_by_size)
+        if net.nccl:
+            return nccl_allreduce_s(payload_bytes, ranks, net, chosen.nccl_algo)
+        return _ring_s(payload_bytes, ranks, net, "builtin")  # gloo's own: a ring, unless measured
+    if payload_bytes <= small_message_bytes:
         small = small_allreduce_s(payload_bytes, ranks, net)
         return min(small, _ring_s(payload_bytes, ranks, net, algorithm)) if net.nccl else small
     return _ring_s(payload_bytes, ranks, net, algorithm)
+
+
+def nccl_allreduce_s(payload_bytes: float, ranks: int, net: Network, nccl_algo: Optional[str] = None) -> float:
+    """NCCL's own allreduce of ``payload_bytes`` over ``ranks`` ranks placed node by node, as NCCL's
+    tuning model prices it (``src/graph/tuning.cc``), with this network's figures:
+    - ring: 2(N-1) steps, of which the 2(M-1) that cross between M nodes cost the network's latency
+      and the others the intra-node latency; 2(N-1)/N of the payload over the slowest link;
+    - tree (a chain inside each node, a double binary tree between nodes): 2((G-1) intra-node
+      latencies + floor(log2 M) network latencies) for G ranks per node, and the payload twice (up
+      the tree and down again) over the link.
+    Between nodes both run over the node's whole uplink, ``bandwidth_Bps``: NCCL lays a channel
+    over every NIC (``rails``). One kernel per message: no per-step launch from the host.
+    ``nccl_algo`` "Ring" (NCCL_ALGO=Ring, set by ``comm.algorithm=ring``): the ring alone; None: the
+    faster of the two, as NCCL's tuner picks."""
+    if ranks <= 1 or payload_bytes <= 0:
+        return 0.0
+    per_node = min(max(1, net.ranks_per_node), ranks)
+    nodes = -(-ranks // per_node)
+    link = net.bandwidth_Bps if nodes > 1 else net.intra_bandwidth_Bps
+    steps, crossing = 2 * (ranks - 1), 2 * (nodes - 1)
+    ring = (steps - crossing) * net.intra_latency_s + crossing * net.latency_s + steps / ranks * payload_bytes / link
+    if nccl_algo == "Ring":
+        return ring
+    depth = nodes.bit_length() - 1  # floor(log2 M)
+    tree = 2 * ((per_node - 1) * net.intra_latency_s + depth * net.latency_s) + 2 * payload_bytes / link
+    return min(ring, tree)
 
 
 def switch_over_bytes(ranks: int, net: Network, algorithm: str = "ring") -> int:
@@ -275,10 +336,11 @@ def _ring_s(payload_bytes: float, ranks: int, net: Network, algorithm: str) -> f
     if comm_knobs.two_level(algorithm, ranks, per_node) and per_node > 1:
         # reduce to the leader and broadcast back: each a pipeline over the node's ranks
         inside = 2 * ((per_node - 1) * net.intra_latency_s + payload_bytes / net.intra_bandwidth_Bps)
-        return inside + ring_allreduce_s(payload_bytes, nodes, net.bandwidth_Bps, net.latency_s)
+        return inside + ring_allreduce_s(payload_bytes, nodes, net.bandwidth_Bps / net.rails, net.latency_s)
     if nodes == 1:  # all ranks in one node: the ring runs over the intra-node links
         return ring_allreduce_s(payload_bytes, ranks, net.intra_bandwidth_Bps, net.intra_latency_s)
-    return ring_allreduce_s(payload_bytes, ranks, net.bandwidth_Bps, net.latency_s)
+    # between nodes from one GPU: through one NIC of the node's ``rails``
+    return ring_allreduce_s(payload_bytes, ranks, net.bandwidth_Bps / net.rails, net.latency_s)
 
 
 @dataclass(frozen=True)
@@ -353,8 +415,8 @@ def self_scaled(message: Message, net: Network, strategy: Strategy) -> bool:
     a small payload of our own recursive doubling (not the backend's, not NCCL's) with nothing but
     the wire's scale before it. Then there is no scale to agree on: no small allreduce, and the
     payload is one fp16 value (the scale's exponent) longer."""
-    return (strategy.wire_bytes < 4 and message.small_bytes == 4.0 and not net.nccl and not strategy.builtin
-            and message.payload_bytes <= strategy.small_message_bytes)
+    return (strategy.wire_bytes < 4 and message.small_bytes == 4.0 and not net.nccl
+            and strategy.summing(2, net).ours and message.payload_bytes <= strategy.small_message_bytes)
 
 
 def _sent_bytes(message: Message, ranks: int, net: Network, strategy: Strategy) -> float:
@@ -362,7 +424,7 @@ def _sent_bytes(message: Message, ranks: int, net: Network, strategy: Strategy) 
     its exponent's two bytes (counted, not timed), any other its small allreduce and payload."""
     if self_scaled(message, net, strategy):
         return sent_bytes(message.payload_bytes + 2.0, ranks, strategy, small=True)
-    return (sent_bytes(message.payload_bytes, ranks, strategy)
+    return (sent_bytes(message.payload_bytes, ranks, strategy, net=net)
             + sent_bytes(message.small_bytes, ranks, strategy, small=True))
 
 
@@ -377,24 +439,29 @@ def _lead_s(message: Message, ranks: int, net: Network, strategy: Strategy) -> f
     if message.small_bytes == 4.0 and net.tiny_allreduce_s is not None:
         small = net.tiny_allreduce_s
     elif net.nccl:
-        small = allreduce_s(message.small_bytes, ranks, net, strategy.algorithm, strategy.small_message_bytes)
+        small = allreduce_s(message.small_bytes, ranks, net, strategy.algorithm, strategy.small_message_bytes,
+                            strategy.implementation)
     else:
         small = small_allreduce_s(message.small_bytes, ranks, net)
     return message.local_work_s + small
 
 
 def _payload_s(message: Message, ranks: int, net: Network, strategy: Strategy) -> float:
-    return allreduce_s(message.payload_bytes, ranks, net, strategy.algorithm, strategy.small_message_bytes)
+    return allreduce_s(message.payload_bytes, ranks, net, strategy.algorithm, strategy.small_message_bytes,
+                       strategy.implementation)
 
 
-def sent_bytes(payload_bytes: float, ranks: int, strategy: Strategy, small: bool = False) -> float:
+def sent_bytes(payload_bytes: float, ranks: int, strategy: Strategy, small: bool = False,
+               net: Optional[Network] = None) -> float:
     """Bytes rank 0 sends for one allreduce (the rank whose counts runs report): the ring's (and, as
     communicators count them, any builtin's) 2(N-1)/N of the payload, or for a small message of our
     own (``small``: always, as CSC's norms and the fp16 scale) the payload once per recursive-
-    doubling step, or once in all when rank 0 folds (N not a power of two)."""
+    doubling step, or once in all when rank 0 folds (N not a power of two). ``net``: where the
+    backend sums (``knobs.summing``; None: the builtin alone)."""
     if ranks <= 1:
         return 0.0
-    if small or (not strategy.builtin and payload_bytes <= strategy.small_message_bytes):
+    ours = not strategy.builtin if net is None else strategy.ours(ranks, net)
+    if small or (ours and payload_bytes <= strategy.small_message_bytes):
         power = 1 << (ranks.bit_length() - 1)
         return payload_bytes * (1 if ranks > power else power.bit_length() - 1)
     return 2 * (ranks - 1) / ranks * payload_bytes
@@ -408,9 +475,10 @@ def uplink_bytes(payload_bytes: float, ranks: int, net: Network, strategy: Strat
     per_node = min(net.ranks_per_node, ranks)
     if ranks <= 1 or ranks <= per_node:  # one node: nothing crosses an uplink
         return 0.0
-    if not strategy.builtin and payload_bytes <= strategy.small_message_bytes:
+    chosen = strategy.summing(ranks, net)
+    if chosen.ours and payload_bytes <= strategy.small_message_bytes:
         return payload_bytes * sum(_uplink_sharers(ranks, net.ranks_per_node))
-    if comm_knobs.two_level(strategy.algorithm, ranks, per_node) and per_node > 1:
+    if chosen.how == "two-level" and per_node > 1:
         ranks = -(-ranks // per_node)
     return 2 * (ranks - 1) / ranks * payload_bytes
 

@@ -15,12 +15,14 @@ since ``GradScaler.step`` would read its own inf flag back a second time.
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Optional
+from typing import TYPE_CHECKING, ContextManager, Optional
 
 import torch
 
-from gradientflow_repro.config import PrecisionConfig
 from gradientflow_repro.distributed import agree_max
+
+if TYPE_CHECKING:  # only the type: ``config`` imports Hydra, and this module must import without it
+    from gradientflow_repro.config import PrecisionConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -15,13 +15,21 @@ step's overflow agreement: one collective and one read-back per step for both.)
 
 More signals while the checkpoint is written are recorded and otherwise ignored, so they cannot
 interrupt the write; the checkpoint itself is renamed into place only when complete.
+
+Only the trainer decides. Slurm's ``--signal`` without ``B:`` (and its SIGTERM) reaches every
+process of the step, the data loaders' worker processes included, whose default action for both
+signals is to die; a dead worker ends the next batch with an error and the run with no checkpoint.
+So workers are started inside ``workers_ignore_stop_signals()`` and run ``ignore_stop_signals``.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
+from contextlib import contextmanager
 from types import FrameType
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
@@ -77,3 +85,64 @@ class StopRequests:
     def restore(self) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+
+
+def ignore_stop_signals(*_: object) -> None:
+    """In a data worker process, first thing: the stop signals no longer end it, except a SIGTERM
+    from its parent (the trainer's ``Process.terminate()``, the loaders' and ``multiprocessing``'s
+    last resort at shutdown: a worker deaf to it would hang the trainer's exit in ``join()``).
+
+    SIGUSR1 is ignored (``SIG_IGN``). SIGTERM stays blocked in every thread (as the worker was born,
+    ``workers_ignore_stop_signals``; blocked here too for this thread and the threads it starts),
+    and a daemon thread takes each one with ``sigwaitinfo``, which says who sent it: the parent's
+    ends the worker (exit status 0, as PyTorch's own worker handler does: the DataLoader, watching its
+    workers with a SIGCHLD handler, reports any other status as a crash), anyone else's is dropped.
+    Takes and ignores arguments, so that it serves as a DataLoader ``worker_init_fn``; must run in
+    the worker's main thread (Python sets dispositions there only)."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    if not hasattr(signal, "sigwaitinfo"):  # no sender to tell (not Linux): ignore both
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+    parent = os.getppid()
+
+    def end_when_the_parent_asks() -> None:
+        while signal.sigwaitinfo([signal.SIGTERM]).si_pid != parent:
+            pass
+        os._exit(0)
+
+    threading.Thread(target=end_when_the_parent_asks, name="stop-signals", daemon=True).start()
+
+
+@contextmanager
+def workers_ignore_stop_signals() -> Iterator[None]:
+    """Start data worker processes inside this block: they are born deaf to the stop signals, and
+    the trainer still gets every one of them.
+
+    How: the calling thread blocks SIGUSR1 and SIGTERM (``pthread_sigmask``) for the duration. A
+    child inherits its parent thread's signal mask through fork and keeps it through exec, so the
+    workers (forked by the DataLoader, spawned by DALI: fork and exec) start with both blocked: one
+    sent to them stays pending instead of killing them, from their first instruction on, until
+    ``ignore_stop_signals`` (run in each worker: the DataLoader's ``worker_init_fn``; DALI's, when
+    it unpickles our source) takes over. On leaving, the thread's mask is restored: a signal sent to
+    this thread meanwhile was held pending and reaches the trainer's handler now.
+
+    Why not set ``SIG_IGN`` in the trainer while the workers start (``SIG_IGN`` also survives fork
+    and exec)? The disposition is per process, the mask per thread: a signal sent to the process
+    during that window goes to a thread that does not block it (the trainer has several: DALI's,
+    the heartbeat's, torch's), and with ``SIG_IGN`` in place it would be discarded, the trainer never
+    hearing of its preemption; setting ``SIG_IGN`` also discards one already pending. With the mask
+    alone nothing is ever ignored in the trainer: such a signal runs the trainer's handler as at any
+    other time (CPython catches it in any thread and runs the Python handler in the main thread),
+    and one aimed at this thread waits (Linux queues a blocked signal). Threads started inside the
+    block (DALI's, the DataLoader's pin-memory thread) keep both blocked, which only steers the
+    signals to other threads.
+
+    Not covered: workers forked by a ``forkserver`` started outside the block do not inherit the
+    mask; only ``ignore_stop_signals`` protects them, once it runs.
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -6,16 +6,34 @@ id (the Tracker). Per-rank parts differ between ranks and go to each rank's own 
 (``rank_<r>.pt``): BatchNorm statistics (each rank normalises its own batches), the communicator's
 state (CSC residuals), the torch and CUDA random generators. A ``TrainState`` holds them under the
 keys they have on disk, writes them with ``checkpoint.save_checkpoint`` and restores them, in
-order, from ``checkpoint.load_checkpoint``.
+order, from the files ``checkpoint.find_resumable`` found intact.
 
 On-disk format: ``shared.pt`` and ``rank_<r>.pt`` are dicts with one entry per part, under the keys
 below. ``shared.pt`` names its format under ``format``; checkpoints from before that key existed
 have the same layout and are format 1.
+
+Another number of ranks (a requeue on fewer or more nodes): the shared parts load as they are; each
+per-rank part declares how its state maps (``rank_rule``: a rule for the whole state, or
+``rank_rules()``: one per key of a dict state, as the communicator does):
+- ``mean``: a new rank takes the mean over the old ranks (float tensors; integer tensors such as
+  BatchNorm's ``num_batches_tracked``, equal on every rank, their mean rounded down). For CSC's
+  residuals and velocities this keeps what the old ranks' average would have sent; for BatchNorm's
+  local statistics it is the consensus model evaluation uses. Computed collectively: new rank j
+  reads the old files i with i % new_world == j and sums them, then one all-reduce (SUM) per tensor
+  and a division by the old world size; no rank reads every file.
+- ``same``: equal on every old rank (settings, layouts, counters): old rank 0's, which new rank 0
+  reads and broadcasts.
+- ``own``: new rank r takes old rank r's (the RNG states); a rank with no old counterpart seeds its
+  generators from (the checkpoint's step, its rank), so the streams differ between ranks and are
+  reproducible.
+A part without a rule cannot be mapped and the resume is refused, naming it. ``TrainState.regrouped``
+then says in one line what was done; the run prints it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Protocol
@@ -25,11 +43,12 @@ import torch.distributed as dist
 from torch import nn
 
 from gradientflow_repro import checkpoint
-from gradientflow_repro.checkpoint import CheckpointError
+from gradientflow_repro.checkpoint import SHARED, CheckpointError, Group, load_file, rank_file, sources
 from gradientflow_repro.distributed import barrier, mark_progress
 
 FORMAT = 1  # shared: model_name, model, optimizer, precision, wandb_id, progress;
 #             per rank: buffers, comm, torch_rng, cuda_rng
+MEAN, SAME, OWN = "mean", "same", "own"  # how per-rank state maps onto another number of ranks (above)
 
 
 class Stateful(Protocol):
@@ -146,7 +165,10 @@ class ModelWeights:
 
 class LocalBuffers:
     """This rank's BatchNorm statistics: each rank normalises its own batches, so they differ
-    between ranks (loaded after the model, whose buffers are rank 0's)."""
+    between ranks (loaded after the model, whose buffers are rank 0's). On another number of ranks
+    each new rank takes their mean over the old ranks."""
+
+    rank_rule, rank_label = MEAN, "BatchNorm buffers (num_batches_tracked: the mean rounded down)"
 
     def __init__(self, model: nn.Module, world_size: int) -> None:
         self.model, self.world_size = model, world_size
@@ -175,10 +197,14 @@ class LocalBuffers:
 
 
 class Value:
-    """A Stateful made of a getter and a setter, for state that is not an object of its own."""
+    """A Stateful made of a getter and a setter, for state that is not an object of its own.
+    ``rank_rule``: how it maps onto another number of ranks (module docstring); ``reseed(seed)``:
+    for the ``own`` rule, what a new rank without an old counterpart does instead."""
 
-    def __init__(self, get: Callable[[], Any], put: Callable[[Any], None]) -> None:
+    def __init__(self, get: Callable[[], Any], put: Callable[[Any], None], rank_rule: Optional[str] = None,
+                 reseed: Optional[Callable[[int], None]] = None) -> None:
         self._get, self._put = get, put
+        self.rank_rule, self.reseed = rank_rule, reseed
 
     def state_dict(self) -> Any:
         return self._get()
@@ -195,8 +221,196 @@ def rng_parts(device: torch.device) -> dict[str, Value]:
         if state is not None and cuda:
             torch.cuda.set_rng_state(state)
 
-    return {"torch_rng": Value(torch.get_rng_state, torch.set_rng_state),
-            "cuda_rng": Value(lambda: torch.cuda.get_rng_state() if cuda else None, set_cuda)}
+    def seed_cuda(seed: int) -> None:
+        if cuda:
+            torch.cuda.manual_seed(seed)
+
+    return {"torch_rng": Value(torch.get_rng_state, torch.set_rng_state, OWN, torch.default_generator.manual_seed),
+            "cuda_rng": Value(lambda: torch.cuda.get_rng_state() if cuda else None, set_cuda, OWN, seed_cuda)}
+
+
+def derived_seed(step: int, rank: int) -> int:
+    """The seed of a new rank with no old counterpart: from the checkpoint's step and the rank."""
+    return int.from_bytes(hashlib.sha256(f"resume step {step} rank {rank}".encode()).digest()[:8], "little") >> 1
+
+
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a sum over ranks is kept in: floats in their own type, integers in int64."""
+    return dtype if dtype.is_floating_point else torch.int64
+
+
+class _Meta:
+    """A tensor's place in a broadcast skeleton: its shape and type, not its values."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
+
+
+def _leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors in a state, in a fixed order (dicts by key, as text)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [leaf for key in sorted(value, key=str) for leaf in _leaves(value[key])]
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return []
+
+
+def _skeleton(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _Meta(value)
+    if isinstance(value, dict):
+        return {key: _skeleton(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_skeleton(item) for item in value)
+    return value
+
+
+def _fill(skeleton: Any, leaves: dict[int, torch.Tensor], at: list[int]) -> Any:
+    """``skeleton`` with its ``_Meta`` replaced by ``leaves`` in ``_leaves``' order."""
+    if isinstance(skeleton, _Meta):
+        at[0] += 1
+        return leaves[at[0] - 1]
+    if isinstance(skeleton, dict):
+        filled = {key: _fill(skeleton[key], leaves, at) for key in sorted(skeleton, key=str)}
+        return {key: filled[key] for key in skeleton}
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(_fill(item, leaves, at) for item in skeleton)
+    return skeleton
+
+
+def _rules(key: str, part: Stateful, state: Any) -> dict[Optional[str], str]:
+    """The part's rule for each piece of its ``state`` (None: the whole state)."""
+    if callable(getattr(part, "rank_rules", None)):
+        rules = part.rank_rules()
+        if not isinstance(state, dict):
+            raise CheckpointError(f"per-rank part '{key}' declares rules per key, but its state is not a dict")
+        unruled = sorted(str(k) for k in state if k not in rules)
+        if unruled:
+            raise CheckpointError(f"per-rank part '{key}' has no rule for {unruled} on another number of ranks")
+        return {k: rules[k] for k in state}
+    rule = getattr(part, "rank_rule", None)
+    if rule is None:
+        raise CheckpointError(f"per-rank part '{key}' has no rule for another number of ranks")
+    return {None: rule}
+
+
+class _Regroup:
+    """Per-rank state of ``old`` ranks gathered for ``world`` new ones (module docstring): what this
+    rank read (sums of ``mean`` pieces, its ``own`` pieces, on rank 0 the ``same`` pieces and the
+    skeleton), then ``finish`` (collective) gives each part its state."""
+
+    def __init__(self, parts: dict[str, Stateful], old: int, world: int, rank: int) -> None:
+        self.parts, self.old, self.world, self.rank = parts, old, world, rank
+        self.sums: dict[tuple, list[torch.Tensor]] = {}
+        self.own: dict[tuple, Any] = {}
+        self.layout: Optional[dict] = None  # rank 0: per piece, its rule and skeleton (or value)
+        self.rules: dict[tuple, str] = {}
+
+    def add(self, old_rank: int, saved: dict, where: str) -> None:
+        for key, part in self.parts.items():
+            if key not in saved:
+                raise CheckpointError(f"{where} has no '{key}'")
+            for sub, rule in _rules(key, part, saved[key]).items():
+                value = saved[key] if sub is None else saved[key][sub]
+                piece = (key, sub)
+                self.rules[piece] = rule
+                if rule == MEAN:
+                    leaves = _leaves(value)
+                    held = self.sums.get(piece)
+                    if held is None:
+                        self.sums[piece] = [t.to(_sum_dtype(t.dtype)).clone() for t in leaves]
+                    else:
+                        if [t.shape for t in held] != [t.shape for t in leaves]:
+                            raise CheckpointError(f"{where}: '{key}' {sub or ''} differs in shape between old ranks")
+                        for total, leaf in zip(held, leaves):
+                            total.add_(leaf)
+                elif rule == OWN:
+                    if old_rank == self.rank:
+                        self.own[piece] = value
+                elif rule != SAME:
+                    raise CheckpointError(f"per-rank part '{key}' has an unknown rule '{rule}'")
+                if old_rank == 0:
+                    if self.layout is None:
+                        self.layout = {}
+                    self.layout[piece] = (rule, _skeleton(value) if rule == MEAN else value if rule == SAME else None)
+
+    def finish(self, group: Group, step: int) -> str:
+        """Collective: load every part's mapped state; returns what was done, in words."""
+        layout = group.broadcast(self.layout)
+        states: dict[str, Any] = {}
+        reseeded = []
+        for piece, (rule, shape) in layout.items():
+            key, sub = piece
+            if rule == MEAN:
+                metas = _leaves_meta(shape)
+                totals = self.sums.get(piece) or [torch.zeros(m.shape, dtype=_sum_dtype(m.dtype)) for m in metas]
+                if [tuple(t.shape) for t in totals] != [m.shape for m in metas]:
+                    raise CheckpointError(f"'{key}' {sub or ''}: shapes differ between old ranks 0 and others")
+                means = {}
+                for index, (total, meta) in enumerate(zip(totals, metas)):
+                    if group.active:
+                        on_device = total.to(group.device)
+                        dist.all_reduce(on_device)
+                        total = on_device.cpu()
+                    means[index] = (total / self.old if total.is_floating_point()
+                                    else torch.div(total, self.old, rounding_mode="floor")).to(meta.dtype)
+                value = _fill(shape, means, [0])
+            elif rule == SAME:
+                value = shape
+            else:
+                value = self.own.get(piece)
+                if piece not in self.own:
+                    reseed = getattr(self.parts[key], "reseed", None)
+                    if sub is not None or reseed is None:
+                        raise CheckpointError(f"per-rank part '{key}': rank {self.rank} has no old counterpart "
+                                              f"and the part cannot be reseeded")
+                    reseed(derived_seed(step, self.rank))
+                    reseeded.append(key)
+                    continue
+            if sub is None:
+                states[key] = value
+            else:
+                states.setdefault(key, {})[sub] = value
+        for key, part in self.parts.items():
+            if key in states:
+                part.load_state_dict(states[key])
+        return self._describe(layout, reseeded)
+
+    def _describe(self, layout: dict, reseeded: list) -> str:
+        def label(key: str, sub: Optional[str]) -> str:
+            part = self.parts[key]
+            named = getattr(part, "rank_label", None) or key
+            return named if sub is None else f"{named} {sub}"
+
+        by_rule: dict[str, list[str]] = {}
+        for (key, sub), (rule, _) in layout.items():
+            by_rule.setdefault(rule, []).append(label(key, sub))
+        def ranks(first: int, last: int) -> str:
+            return f"rank {first}" if first == last else f"ranks {first}-{last}"
+
+        said = []
+        if by_rule.get(MEAN):
+            said.append(f"{', '.join(by_rule[MEAN])} averaged over the {self.old} old ranks")
+        if by_rule.get(SAME):
+            said.append(f"{', '.join(by_rule[SAME])} from old rank 0 (equal on every rank)")
+        if by_rule.get(OWN):
+            kept = min(self.old, self.world)
+            said.append(f"{', '.join(by_rule[OWN])}: {ranks(0, kept - 1)} keep their old rank's"
+                        + (f", {ranks(kept, self.world - 1)} seeded from (step, rank)"
+                           if self.world > self.old else ""))
+        return f"resumed {self.old}-rank checkpoint on {self.world} ranks: " + "; ".join(said)
+
+
+def _leaves_meta(skeleton: Any) -> list[_Meta]:
+    if isinstance(skeleton, _Meta):
+        return [skeleton]
+    if isinstance(skeleton, dict):
+        return [m for key in sorted(skeleton, key=str) for m in _leaves_meta(skeleton[key])]
+    if isinstance(skeleton, (list, tuple)):
+        return [m for item in skeleton for m in _leaves_meta(item)]
+    return []
 
 
 class TrainState:
@@ -207,6 +421,11 @@ class TrainState:
         self.shared, self.per_rank = shared, per_rank
         self.rank, self.world_size, self.device = rank, world_size, device
         self.saved_step = -1
+        self.regrouped: Optional[str] = None  # after resuming another number of ranks: what was done
+
+    @property
+    def group(self) -> Group:
+        return Group(self.device)
 
     def shared_state(self) -> dict:
         return {"format": FORMAT, **{key: part.state_dict() for key, part in self.shared.items()}}
@@ -221,34 +440,70 @@ class TrainState:
         mark_progress(f"checkpoint of step {step}")
         self.saved_step = step
         return checkpoint.save_checkpoint(run_dir, step, self.shared_state() if self.rank == 0 else None,
-                                   self.rank_state(), rank=self.rank, world_size=self.world_size,
-                                   barrier=lambda: barrier(self.device), keep=keep)
+                                          self.rank_state(), rank=self.rank, world_size=self.world_size,
+                                          barrier=lambda: barrier(self.device), keep=keep, group=self.group)
 
     def resume(self, run_dir: Path, mode: str) -> Optional[Path]:
-        """Collective: load the checkpoint ``mode`` names (``auto``: the newest intact one in
-        ``run_dir``; ``never``: none; else a path), chosen by rank 0 for every rank. Returns it,
-        or None when there was nothing to resume."""
+        """Collective: load the checkpoint ``mode`` names (``auto``: the newest one intact on every
+        rank in ``run_dir``, each rank checking the files it reads; ``never``: none; else a path,
+        which must be intact). Returns it, or None when there was nothing to resume."""
         if mode == "never":
             return None
-        path = [checkpoint.find_resumable(run_dir) if mode == "auto" else Path(mode)]
-        if dist.is_initialized():  # rank 0 decides, so every rank resumes from the same one
-            dist.broadcast_object_list(path, src=0)
-        if path[0] is not None:
-            self.load(path[0])
-        return path[0]
+        group = self.group
+        if mode == "auto":
+            path = checkpoint.find_resumable(run_dir, group)
+        else:
+            path = Path(mode)
+            problem = checkpoint.intact(path, group)
+            if problem is not None:
+                raise CheckpointError(f"{path} is {problem}")
+        if path is not None:
+            self.load(path)
+        return path
 
     def load(self, path: Path) -> None:
-        shared, mine = checkpoint.load_checkpoint(path, self.rank, self.world_size)
+        """Collective: restore every part from ``path``; per-rank state of another number of ranks
+        is mapped by the parts' rules (module docstring)."""
+        group = self.group
+        manifest = checkpoint.read_manifest(path)
+        old = int(manifest["world_size"])
+        regroup = _Regroup(self.per_rank, old, self.world_size, self.rank) if old != self.world_size else None
+        problem, shared, mine = "", {}, {}
+        try:  # every rank reads its files; errors are agreed before anything collective follows
+            shared = load_file(Path(path) / SHARED)
+            if regroup is None:
+                mine = load_file(Path(path) / rank_file(self.rank))
+            else:
+                for old_rank in sources(self.rank, self.world_size, old):
+                    where = Path(path) / rank_file(old_rank)
+                    regroup.add(old_rank, load_file(where), str(where))
+        except CheckpointError as error:
+            problem = f"rank {self.rank}: {error}"
+        failed = [r for r, flag in enumerate(group.flags(int(bool(problem)))) if flag]
+        if failed:
+            raise CheckpointError(group.all_gather(problem)[failed[0]])
         version = shared.get("format", 1)  # checkpoints written before the key: the same layout
         if version != FORMAT:
             raise CheckpointError(f"{path} is in checkpoint format {version}; this code reads format "
                                   f"{FORMAT}: resume it with the code that wrote it, or start afresh "
                                   f"with resume=never or another run_dir")
-        for parts, saved, where in ((self.shared, shared, "shared.pt"), (self.per_rank, mine, "this rank's file")):
-            for key, part in parts.items():
-                if key not in saved:
-                    raise CheckpointError(f"{path} has no '{key}' in {where} (checkpoint format {version})")
-                try:
-                    part.load_state_dict(saved[key])
-                except CheckpointError as error:
-                    raise CheckpointError(f"{path} {error}") from None
+        for key, part in self.shared.items():
+            self._restore(path, key, part, shared, "shared.pt", version)
+        if regroup is None:
+            for key, part in self.per_rank.items():
+                self._restore(path, key, part, mine, "this rank's file", version)
+            self.regrouped = None
+        else:
+            try:
+                self.regrouped = regroup.finish(group, int(manifest["step"]))
+            except CheckpointError as error:
+                raise CheckpointError(f"{path} {error}") from None
+
+    @staticmethod
+    def _restore(path: Path, key: str, part: Stateful, saved: dict, where: str, version: int) -> None:
+        if key not in saved:
+            raise CheckpointError(f"{path} has no '{key}' in {where} (checkpoint format {version})")
+        try:
+            part.load_state_dict(saved[key])
+        except CheckpointError as error:
+            raise CheckpointError(f"{path} {error}") from None

@@ -5,9 +5,10 @@
 
 Configuration errors are reported before any process group starts, naming the key at fault.
 Exit codes: 0 done; 1 training failed (an error every rank agrees on, such as bad images, a checkpoint
-that does not fit or non-finite gradients, ends with its one-line message and no traceback; a lost
-rank is named); 2 bad configuration or launch; 75 stopped by SIGUSR1 after a checkpoint (the Slurm
-templates requeue the job); 143 stopped by SIGTERM after a checkpoint.
+that does not fit or non-finite gradients, ends with its one-line message and no traceback; so
+does a collective that broke because ranks are lost, with one line naming them); 2 bad configuration
+or launch; 75 stopped by SIGUSR1 after a checkpoint (the Slurm templates requeue the job);
+143 stopped by SIGTERM after a checkpoint.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def main(cfg: DictConfig) -> None:
     phases.done("config check and imports")
     try:
         device = distributed.select_device(cfg.device, world)
+        from gradientflow_repro.comm.factory import prepare_backend  # NCCL_ALGO: before NCCL starts
+
+        prepare_backend(cfg.comm, device, world.world_size)
         distributed.init_process_group(world, device, cfg.dist_timeout_s, cfg.watchdog_s)
     except distributed.WorldError as error:  # two ranks on one GPU, too few GPUs: every rank says it
         print(f"error: {error}", file=sys.stderr, flush=True)
@@ -70,9 +74,15 @@ def main(cfg: DictConfig) -> None:
                   flush=True)
         distributed.destroy_process_group()
         sys.exit(1)
-    except Exception as error:  # noqa: BLE001 - one clear line, naming lost ranks; then the traceback
-        print(f"error: {distributed.describe_failure(world, error)}", file=sys.stderr, flush=True)
-        raise
+    except Exception as error:  # noqa: BLE001 - one clear line, naming lost ranks
+        if distributed.watchdog_fired():  # its line named the lost ranks; it ends this process
+            distributed.wait_for_watchdog()
+        line, ranks_lost = distributed.diagnose_failure(world, error)
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        if not ranks_lost:  # perhaps a bug here: the traceback shows where
+            raise
+        sys.exit(1)  # a collective broke because ranks are gone: the line says it all, every
+        # survivor's traceback would only show where it waited
     finally:
         if trainer is not None:
             trainer.abandon()  # after an error: the MLPerf log says aborted (nothing after a finished run)

@@ -7,9 +7,13 @@
    digits re-encoded at ImageNet size (320x256 JPEGs, 224-px crops), where decoding dominates.
 2. The harness's per-step overhead: Trainer.train_step (schedule, autocast, communicator, agreed
    finiteness check, logging) against a plain PyTorch loop over the same model, optimizer and batch.
+3. The training feeder alone: the DALI external source's work per batch (read files, parse headers,
+   draw crop windows) without decoding, per reader worker and through DALI's worker pool, on
+   synthetic ImageNet-sized JPEGs; how many workers a rank needs for the paper's 3,297 images/s.
+   --feeder-only runs just this one and rewrites only its section of the file.
 The logic: gradientflow_repro/harness/bench_loader.py.
 
-    python scripts/bench_loader.py [--threads 2] [--batches 30] [--rounds 3]
+    python scripts/bench_loader.py [--threads 2] [--batches 30] [--rounds 3] [--feeder-only]
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import sys
 from pathlib import Path
 
 from gradientflow_repro.harness import REPO
-from gradientflow_repro.harness.bench_loader import bench_loader
+from gradientflow_repro.harness.bench_loader import bench_feeder, bench_loader, write_feeder_section
 
 
 def main() -> None:
@@ -28,10 +32,19 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60, help="overhead: steps per round, alternated")
+    parser.add_argument("--feeder-only", action="store_true",
+                        help="measure only the training feeder; rewrite only its section of --out")
+    parser.add_argument("--feeder-batches", type=int, default=40, help="feeder: batches per round")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "loader.md")
     args = parser.parse_args()
-    print(bench_loader(args.out, args.threads, args.batches, args.rounds, args.steps,
-                       command="python scripts/bench_loader.py " + " ".join(sys.argv[1:])))
+    if min(args.threads, args.batches, args.rounds, args.steps, args.feeder_batches) < 1:
+        parser.error("--threads, --batches, --rounds, --steps and --feeder-batches must be positive")
+    command = ("python scripts/bench_loader.py " + " ".join(sys.argv[1:])).strip()
+    if args.feeder_only:
+        print(write_feeder_section(args.out, bench_feeder(batches=args.feeder_batches, rounds=args.rounds),
+                                   command))
+        return
+    print(bench_loader(args.out, args.threads, args.batches, args.rounds, args.steps, command=command))
 
 
 if __name__ == "__main__":

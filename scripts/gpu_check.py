@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """The GPU check: is this project's CUDA path sound on this machine? -> results/gpu_check.md
 
-One line per item, ``PASS|FAIL|SKIP  <item>: <figures or reason>``, each item with its own time
-limit (under 8 minutes in all on one GPU); exit status 1 if any item failed. Items whose packages
-(DALI, hydra-core, ...) or GPUs are missing are SKIP. What each item checks:
-``gradientflow_repro/gpu_check.py``.
+One line per item, ``PASS|FAIL|SKIP  <item>: <figures or reason>``, each item with its share of an
+8-minute budget; exit status 1 if any item failed, 2 for bad options (refused before anything
+runs). Items whose packages (DALI, hydra-core, ...) or GPUs are missing are SKIP, naming them. What
+each item checks and what a bare machine needs: ``gradientflow_repro/gpu_check.py``.
 
-    make gpu-check                                   # in the project's venv
-    python scripts/gpu_check.py [--out FILE] [--only nccl_1rank comm_gloo_cuda ...]   # package installed
+    make gpu-check                                   # installs nothing: the venv's python, else python3
+    python scripts/gpu_check.py [--out FILE] [--only nccl_2gpu nccl_1rank ...] [--strict]
     python3 -m gradientflow_repro.gpu_check [...]    # from the repo root on a bare machine: needs only torch
 """
 

@@ -24,6 +24,11 @@
 ##SBATCH --partition=gpu
 ##SBATCH --account=my-project
 ##SBATCH --exclusive
+##SBATCH --gpu-bind=closest
+#   (binding, for an admin who knows the nodes: each task on the GPU closest to its CPUs, and with
+#    SLURM_CPU_BIND=cores below each task on its own cores, so that DALI's threads and the GPU's
+#    copies share a NUMA node; off by default, since where Slurm's view of the sockets is wrong a
+#    bad binding is slower than none: check 'nvidia-smi topo -m' against the job's rank lines)
 #   (one task per GPU; 12 CPUs per task feed DALI; the warning comes 3 min before the limit, as
 #    Slurm may send it up to a minute late; remove one '#' from a '##SBATCH' line to use it)
 # module load cuda/13.0   # usually unnecessary: the pip wheels bring their own CUDA 13 runtime and
@@ -34,6 +39,11 @@ export DATA=${DATA:-/datasets/imagenet}   # ImageNet with train/ and val/ class 
 # export NCCL_SOCKET_IFNAME=ib0       # the interface NCCL bootstraps over
 # export NCCL_IB_HCA=mlx5             # InfiniBand adapters NCCL may use
 # export NCCL_DEBUG=WARN
+# NCCL's flight recorder: the last 2000 collectives of each communicator, dumped (to the run
+# directory, see launch.sh) when NCCL times out or the watchdog names a lost rank; costs little.
+export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+# export SLURM_CPU_BIND=cores          # srun's --cpu-bind=cores (see the binding note above)
 # ------------------------------------------------------------------------------------------------
 
 EXPERIMENT=resnet50_512gpu

@@ -13,10 +13,17 @@ What NCCL (through PyTorch's ProcessGroupNCCL, with the communicator created eag
 Under the double an op that can never run (a receive queued before the send it waits for) makes
 the waiting rank raise ``StreamHang`` within ``timeout_s``, naming the op, instead of hanging.
 
+With ``claim_nccl=True`` the process group also says it is NCCL (``dist.get_backend`` answers
+"nccl"), so code that chooses by backend (the factory's ``knobs.summing``, ``small_sum``, the fp16
+wire) builds and runs its NCCL path on gloo's CPU tensors. The context yields the ``Counts`` of the
+ops issued under it (point-to-point calls and collectives), so a test can tell NCCL's allreduce
+from our point-to-point algorithms.
+
 Use it inside a spawned gloo worker::
 
-    with nccl_order(timeout_s=10):
+    with nccl_order(timeout_s=10) as counts:
         ring_allreduce_(tensor)
+    assert counts.p2p > 0
 
 It patches ``torch.distributed``'s functions for the duration; creating it is collective (it makes
 one extra gloo group for the rendezvous messages).
@@ -30,6 +37,7 @@ import inspect
 import queue
 import threading
 import zlib
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -43,13 +51,45 @@ class StreamHang(RuntimeError):
     """An op did not complete within the double's timeout: under NCCL the job would hang here."""
 
 
-class _Work:
-    """What the double's ops return: ``wait()`` blocks until the stream has run the op."""
+@dataclass
+class Counts:
+    """Ops issued under the double: ``p2p`` counts calls of isend, irecv and batch_isend_irecv."""
 
-    def __init__(self, description: str, stream: "_Stream") -> None:
-        self.description, self.stream = description, stream
+    p2p: int = 0
+    collectives: int = 0
+
+
+class _Work:
+    """What the double's ops return: ``wait()`` blocks until the stream has run the op;
+    ``get_future()`` completes (with ``result``) when it has, as a ProcessGroup's work does."""
+
+    def __init__(self, description: str, stream: "_Stream", result: Optional[list] = None) -> None:
+        self.description, self.stream, self.result = description, stream, result or []
         self.done = threading.Event()
         self.error: Optional[BaseException] = None
+        self.future: Optional[torch.futures.Future] = None
+        self.lock = threading.Lock()
+
+    def get_future(self) -> torch.futures.Future:
+        with self.lock:
+            if self.future is None:
+                self.future = torch.futures.Future()
+                if self.done.is_set():
+                    self._settle()
+            return self.future
+
+    def _settle(self) -> None:
+        if self.error is not None:
+            self.future.set_exception(self.error)
+        else:
+            self.future.set_result(self.result)
+
+    def finish(self) -> None:
+        """Called by the stream when the op has run (or failed)."""
+        with self.lock:
+            self.done.set()
+            if self.future is not None:
+                self._settle()
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         limit = self.stream.timeout_s * 2
@@ -79,9 +119,9 @@ class _Stream:
     def describe(self) -> str:
         return f"stream of {self.name}, running: {self.running or 'nothing'}"
 
-    def submit(self, run: Callable[[], None], description: str) -> _Work:
+    def submit(self, run: Callable[[], None], description: str, result: Optional[list] = None) -> _Work:
         self.issued += 1
-        work = _Work(f"op #{self.issued} on {self.name} ({description})", self)
+        work = _Work(f"op #{self.issued} on {self.name} ({description})", self, result)
         self.queue.put((run, work))
         return work
 
@@ -101,7 +141,7 @@ class _Stream:
                 except BaseException as error:  # noqa: BLE001 - handed to whoever waits
                     self.broken = work.error = error
             self.running = ""
-            work.done.set()
+            work.finish()
 
     def close(self) -> None:
         self.queue.put(None)
@@ -109,11 +149,13 @@ class _Stream:
 
 
 @contextlib.contextmanager
-def nccl_order(timeout_s: float = 10.0) -> Iterator[None]:
-    """Patch ``torch.distributed`` so this process behaves as an NCCL rank would (see above)."""
+def nccl_order(timeout_s: float = 10.0, claim_nccl: bool = False) -> Iterator[Counts]:
+    """Patch ``torch.distributed`` so this process behaves as an NCCL rank would (see above);
+    ``claim_nccl``: and says its backend is NCCL."""
     original = {name: getattr(dist, name) for name in
                 ("isend", "irecv", "batch_isend_irecv", "all_reduce", "broadcast", "reduce",
-                 "all_gather", "barrier")}
+                 "all_gather", "barrier", "get_backend")}
+    counts = Counts()
     control = dist.new_group(backend="gloo")  # collective: carries the "ready to receive" tokens
     timeout = datetime.timedelta(seconds=timeout_s)
     streams: dict[Any, _Stream] = {}
@@ -157,13 +199,16 @@ def nccl_order(timeout_s: float = 10.0) -> Iterator[None]:
 
     def isend(tensor: torch.Tensor, dst: Optional[int] = None, group: Optional[dist.ProcessGroup] = None,
               tag: int = 0, group_dst: Optional[int] = None) -> _Work:
+        counts.p2p += 1
         return submit_p2p(group, [("send", tensor, _global(group, dst, group_dst), tag)])
 
     def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[dist.ProcessGroup] = None,
               tag: int = 0, group_src: Optional[int] = None) -> _Work:
+        counts.p2p += 1
         return submit_p2p(group, [("recv", tensor, _global(group, src, group_src), tag)])
 
     def batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[_Work]:
+        counts.p2p += 1
         if not p2p_op_list:
             raise ValueError("batch_isend_irecv: empty op list (NCCL rejects it too)")
         groups = {id(op.group) for op in p2p_op_list}
@@ -183,22 +228,28 @@ def nccl_order(timeout_s: float = 10.0) -> Iterator[None]:
             async_op = bound.arguments.pop("async_op", False)
             stream, _ = stream_of(bound.arguments.get("group"))
             call = dict(bound.arguments)
-            work = stream.submit(lambda: function(**call), name)
+            counts.collectives += 1
+            tensor = call.get("tensor")
+            work = stream.submit(lambda: function(**call), name, [tensor] if tensor is not None else [])
             if async_op:
                 return work
             work.wait()
             return None
         return on_stream
 
+    def get_backend(group: Optional[dist.ProcessGroup] = None) -> str:
+        return "nccl"
+
     patched = {"isend": isend, "irecv": irecv, "batch_isend_irecv": batch_isend_irecv,
                **{name: collective(name) for name in ("all_reduce", "broadcast", "reduce",
-                                                       "all_gather", "barrier")}}
+                                                       "all_gather", "barrier")},
+               **({"get_backend": get_backend} if claim_nccl else {})}
     try:
         for name, function in patched.items():
             setattr(dist, name, function)
         # P2POp checks that its op is c10d's isend/irecv: let it accept the patched ones
         c10d.isend, c10d.irecv = isend, irecv
-        yield
+        yield counts
         for stream in list(streams.values()):  # drain: everything issued must have completed
             stream.submit(lambda: None, "drain").wait()
     finally:

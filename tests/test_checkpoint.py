@@ -1,4 +1,6 @@
-"""Checkpoints: atomic directories, checksums, damaged ones skipped with a warning."""
+"""Checkpoints: atomic directories, checksums, damaged ones skipped with a warning; in gloo
+processes, every rank writes and verifies its own files and all agree on the checkpoint to resume;
+pickles that would run code are refused; a resume on another number of ranks follows the rule."""
 
 from __future__ import annotations
 
@@ -6,8 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from gradientflow_repro import checkpoint
+
+from conftest import spawn
+
+CPU = torch.device("cpu")
 
 
 def save(run: Path, step: int, value: float, keep: int = 3) -> Path:
@@ -45,3 +52,234 @@ def test_checkpoint_from_another_world_size_is_refused(tmp_path: Path) -> None:
     with pytest.raises(checkpoint.CheckpointError, match="written by 1 ranks, this job has 4"):
         checkpoint.load_checkpoint(path, rank=0, world_size=4)
 
+
+
+# ---------------------------------------------------------------- in real gloo processes
+
+def _parallel_save(rank: int, world: int, run: str, out: str) -> None:
+    """Two checkpoints, each rank its own file; then the files each rank hashes to verify them."""
+    hashed: list[str] = []
+    real = checkpoint._sha256
+
+    def recording(path: Path) -> str:
+        hashed.append(Path(path).name)
+        return real(path)
+
+    checkpoint._sha256 = recording
+    for step in (1, 2):
+        checkpoint.save_checkpoint(Path(run), step, {"w": torch.arange(5.0) * step} if rank == 0 else None,
+                                   {"r": torch.full((7,), float(rank * 10 + step))}, rank=rank, world_size=world,
+                                   barrier=checkpoint.Group().barrier, keep=3)
+    written_hashes = list(hashed)  # written: hashed as it was written, never read back
+    found = checkpoint.find_resumable(Path(run))
+    torch.save({"while_saving": written_hashes, "verified": sorted(hashed), "found": found.name},
+               Path(out) / f"rank{rank}.pt")
+
+
+def _resume_after_damage(rank: int, world: int, run: str, out: str) -> None:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = checkpoint.find_resumable(Path(run))
+    torch.save({"found": found.name, "warnings": [str(w.message) for w in caught]}, Path(out) / f"rank{rank}.pt")
+
+
+def test_each_rank_writes_and_verifies_its_own_file_and_all_skip_a_damaged_one(tmp_path: Path) -> None:
+    import hashlib
+    import json
+
+    world, run = 3, tmp_path / "run"
+    spawn(_parallel_save, world, str(run), str(tmp_path))
+    newest = run / "checkpoints" / "step_000000002"
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert manifest["world_size"] == world and set(manifest["sha256"]) == {
+        "shared.pt", "rank_00000.pt", "rank_00001.pt", "rank_00002.pt"}
+    for name, digest in manifest["sha256"].items():  # the digests taken while writing are the files'
+        assert hashlib.sha256((newest / name).read_bytes()).hexdigest() == digest, name
+        assert (newest / name).stat().st_size == manifest["bytes"][name]
+    for rank in range(world):
+        seen = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert seen["while_saving"] == [], f"rank {rank} read files back to hash them"
+        assert seen["verified"] == sorted(["shared.pt", f"rank_{rank:05d}.pt"]), f"rank {rank}: {seen}"
+        assert seen["found"] == "step_000000002"
+    with open(newest / "rank_00002.pt", "r+b") as handle:  # one byte flipped in rank 2's file
+        handle.seek(200)
+        byte = handle.read(1)
+        handle.seek(200)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    spawn(_resume_after_damage, world, str(run), str(tmp_path))
+    for rank in range(world):
+        seen = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert seen["found"] == "step_000000001", f"rank {rank}: {seen}"
+        assert any("step_000000002" in w and "damaged on rank(s) [2]" in w and "rank_00002.pt" in w
+                   for w in seen["warnings"]), seen["warnings"]
+
+
+class _RunsCode:
+    """A pickle that runs code when loaded without weights_only: it would create ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204
+        return (Path.touch, (self.marker,))
+
+
+def test_a_pickle_that_would_run_code_is_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "code_ran"
+    path = checkpoint.save_checkpoint(tmp_path, 1, {"w": torch.ones(2)}, {"r": _RunsCode(marker)},
+                                      rank=0, world_size=1, barrier=lambda: None, keep=1)
+    assert checkpoint.find_resumable(tmp_path) == path  # intact: its checksum is right
+    with pytest.raises(checkpoint.CheckpointError, match=r"rank_00000.pt holds objects that safe loading "
+                                                          r"\(weights_only\) refuses"):
+        checkpoint.load_checkpoint(path, rank=0, world_size=1)
+    assert not marker.exists()
+    with pytest.raises(checkpoint.CheckpointError, match="rank 0: .*rank_00000.pt holds objects"):
+        from test_state import make_state
+
+        make_state()[0].load(path)
+    assert not marker.exists()
+
+
+# ---------------------------------------------------------------- another number of ranks
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(37, 53)
+        self.norm = nn.BatchNorm1d(53)
+        self.b = nn.Linear(53, 11)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.norm(self.a(x))))
+
+
+def _trainer_parts(rank: int, world: int) -> tuple:
+    """A small model under Lars and CSC with momentum correction (residual, velocity and noise
+    estimate per rank), in a TrainState as the trainer builds it."""
+    from gradientflow_repro.comm.csc import CSCCommunicator
+    from gradientflow_repro.comm.ring import ring_sum
+    from gradientflow_repro.optim import Lars, parameter_groups
+    from gradientflow_repro.state import LocalBuffers, ModelWeights, Progress, TrainState, rng_parts
+
+    model = _Net()
+    optimizer = Lars(parameter_groups(model, 5e-4), lr=0.5, momentum=0.9, trust_coeff=0.06)
+    comm = CSCCommunicator(CPU, ring_sum(segment_bytes=1024), bucket_bytes=4096, overlap=False, chunk_size=100,
+                           density=0.25, warmup_epochs=0.0, momentum_correction=True)
+    comm.attach(model, optimizer)
+    progress = Progress()
+    state = TrainState(shared={"model": ModelWeights(model, "net"), "optimizer": optimizer, "progress": progress},
+                       per_rank={"buffers": LocalBuffers(model, world), "comm": comm, **rng_parts(CPU)},
+                       rank=rank, world_size=world, device=CPU)
+    return state, model, optimizer, comm, progress
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, comm, rank: int, step: int) -> None:
+    comm.begin_step(epoch=1.0)
+    x = torch.randn(16, 37, generator=torch.Generator().manual_seed(rank * 100 + step)) + rank
+    model(x).pow(2).mean().backward()
+    comm.synchronize()
+    optimizer.step()
+    comm.end_step(True)
+    model.zero_grad(set_to_none=True)
+
+
+def _train_old(rank: int, world: int, run: str) -> None:
+    state, model, optimizer, comm, progress = _trainer_parts(rank, world)
+    for step in range(3):
+        _step(model, optimizer, comm, rank, step)
+        progress.stepped(0.1)
+    torch.manual_seed(50 + rank)  # each rank's generator its own
+    state.save(Path(run), 3, keep=2)
+
+
+def _mean_by_hand(values: list) -> object:
+    """The rule, written out: float tensors averaged (in float64), integers their mean rounded down."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if first.is_floating_point():
+            return (sum(v.double() for v in values) / len(values)).to(first.dtype)
+        return sum(values) // len(values)
+    if isinstance(first, dict):
+        return {key: _mean_by_hand([v[key] for v in values]) for key in first}
+    return [_mean_by_hand([v[i] for v in values]) for i in range(len(first))]
+
+
+def _resume_new(rank: int, world: int, run: str, out: str, old: int) -> None:
+    from gradientflow_repro.state import derived_seed
+
+    failures = []
+    state, model, optimizer, comm, progress = _trainer_parts(rank, world)
+    torch.manual_seed(999)
+    resumed = state.resume(Path(run), "auto")
+    rng_after_resume = torch.get_rng_state()
+    # the reference the rule defines, built by hand from every old rank's file
+    saved = Path(run) / "checkpoints" / "step_000000003"
+    old_states = [torch.load(saved / f"rank_{r:05d}.pt", weights_only=True) for r in range(old)]
+    shared = torch.load(saved / "shared.pt", weights_only=True)
+    _, ref_model, ref_optimizer, ref_comm, _ = _trainer_parts(rank, world)
+    ref_model.load_state_dict(shared["model"])
+    ref_optimizer.load_state_dict(shared["optimizer"])
+    expected_comm = {**old_states[0]["comm"],
+                     **{key: _mean_by_hand([s["comm"][key] for s in old_states]) for key in ("residual", "velocity",
+                                                                                             "noise")}}
+    ref_comm.load_state_dict(expected_comm)
+    expected_buffers = _mean_by_hand([s["buffers"] for s in old_states])
+    for buffer, value in zip(ref_model.buffers(), expected_buffers):
+        buffer.copy_(value)
+    if progress.step != 3 or resumed is None:
+        failures.append(f"resumed {resumed} at step {progress.step}")
+    got = comm.state_dict()
+    if not got["residual"] or not got["velocity"] or not got["noise"]:
+        failures.append("the test does not exercise residual, velocity and noise")
+    for key in ("residual", "velocity", "noise"):
+        for index, tensor in expected_comm[key].items():
+            if not torch.allclose(got[key][index], tensor, rtol=1e-5, atol=1e-7):
+                failures.append(f"{key} {index} is not the mean over the old ranks")
+    if got["optimizer_taken"] != old_states[0]["comm"]["optimizer_taken"] or got["noise_step"] != 3:
+        failures.append("CSC's settings are not old rank 0's")
+    for name, (buffer, value) in zip([n for n, _ in model.named_buffers()], zip(model.buffers(), expected_buffers)):
+        if not torch.allclose(buffer, value, rtol=1e-5, atol=1e-7) or buffer.dtype != value.dtype:
+            failures.append(f"buffer {name} is not the mean over the old ranks: {buffer} vs {value}")
+    if rank < old:
+        expected_rng = old_states[rank]["torch_rng"]
+    else:
+        expected_rng = torch.Generator().manual_seed(derived_seed(3, rank)).get_state()
+    if not torch.equal(rng_after_resume, expected_rng):
+        failures.append(f"rank {rank}'s generator is not {'old rank ' + str(rank) if rank < old else 'derived'}")
+    # the first step after the resume: as from the state built by hand
+    _step(model, optimizer, comm, rank, 10)
+    _step(ref_model, ref_optimizer, ref_comm, rank, 10)
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
+            failures.append(f"after the first step, {name} differs from the reference by {(a - b).abs().max():.3g}")
+    torch.save({"failures": failures, "said": state.regrouped}, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.mark.parametrize("old,new", [(4, 2), (2, 3)])
+def test_resume_on_another_number_of_ranks_follows_the_rule(old: int, new: int, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    spawn(_train_old, old, str(run))
+    spawn(_resume_new, new, str(run), str(tmp_path), old)
+    for rank in range(new):
+        seen = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert seen["failures"] == [], f"rank {rank}: {seen['failures']}"
+    said = torch.load(tmp_path / "rank0.pt", weights_only=True)["said"]
+    assert said.startswith(f"resumed {old}-rank checkpoint on {new} ranks: BatchNorm buffers"), said
+    assert f"CSC residual, CSC velocity, CSC noise averaged over the {old} old ranks" in said, said
+    assert ("rank 2 seeded from (step, rank)" in said) == (new > old), said
+
+
+def test_the_trainer_resumes_on_fewer_ranks_and_says_what_it_did(tmp_path: Path, digits_root: Path) -> None:
+    from conftest import FAST, train
+
+    common = [*FAST, f"data.root={digits_root}", "global_batch_size=128", "epochs=2", "optim.warmup_epochs=1",
+              "comm=gradientflow", "comm.chunk_size=4096"]
+    train(4, [*common, "max_steps=15"], tmp_path)  # in the sparse phase (epoch 2)
+    output = train(2, [*common, "max_steps=16"], tmp_path)
+    assert "resumed from" in output and "at step 15" in output, output[-3000:]
+    assert ("resumed 4-rank checkpoint on 2 ranks: BatchNorm buffers (num_batches_tracked: the mean rounded "
+            "down), CSC residual, CSC velocity, CSC noise averaged over the 4 old ranks") in output, output[-3000:]
+    assert (tmp_path / "checkpoints" / "step_000000016").is_dir()

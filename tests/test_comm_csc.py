@@ -347,7 +347,7 @@ def _checkpoint_and_skip(rank: int, world: int, out: str) -> None:
     restored_model.load_state_dict(model.state_dict())
     restored = csc(density=0.25, momentum_correction=True)
     restored.attach(restored_model, _optimizer_of("lars", restored_model))
-    restored.load_state_dict(torch.load(buffer, weights_only=False))
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
     noise = [part.noise for part in comm.parts if part.noise is not None]
     if not noise or not all((n > 0).all() for n in noise):
         failures.append("the test does not exercise the noise estimate")

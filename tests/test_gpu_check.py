@@ -138,3 +138,171 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[0]
     except (OSError, IndexError):
         return "Z"
+
+
+# ---------------------------------------------------------------------------------------------
+# The check's own verdicts can fail: run on CPU (gloo) with a fault injected, it must say FAIL.
+
+CPU_TEST_ENV = {gpu_check.TEST_DEVICE_ENV: "cpu"}
+
+
+def run_check(tmp_path: Path, args: list[str], env: dict[str, str],
+              timeout: float = 150) -> tuple[subprocess.CompletedProcess, dict[str, tuple[str, str]]]:
+    """``python -m gradientflow_repro.gpu_check`` from the repository root, as on a bare machine."""
+    out = tmp_path / "gpu_check.md"
+    clean = {k: v for k, v in os.environ.items() if k not in (gpu_check.TEST_DEVICE_ENV, gpu_check.TEST_FAULT_ENV)}
+    done = subprocess.run([sys.executable, "-m", "gradientflow_repro.gpu_check", "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env={**clean, "OMP_NUM_THREADS": "1", **env})
+    return done, result_lines(done.stdout)
+
+
+def test_the_collective_items_pass_on_gloo_and_say_what_they_checked(tmp_path: Path) -> None:
+    done, results = run_check(tmp_path, ["--only", "nccl_2gpu", "nccl_1rank"], CPU_TEST_ENV)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    statuses = {item: status for item, (status, _) in results.items()}
+    assert statuses.pop("nccl_1rank/send/recv to self") in ("PASS", "SKIP")  # gloo refuses a self-pair
+    assert set(statuses.values()) == {"PASS"}, done.stdout
+    assert "nccl_2gpu/lazy vs dist.all_reduce" in results and "nccl_2gpu/the trainer's helpers" in results
+    assert "nccl_1rank/all_gather_into_tensor 4 MiB (out of place)" in results
+    assert "through gloo, result checked" in results["nccl_1rank/all_reduce SUM 4 MiB fp32"][1]
+    header = (tmp_path / "gpu_check.md").read_text().split("```")[0]
+    assert f"TEST HOOKS SET (not a check of this machine): {gpu_check.TEST_DEVICE_ENV}=cpu" in header
+
+
+@pytest.mark.parametrize("fault, items, failing", [
+    ("wrong_sum", ["nccl_1rank", "nccl_2gpu"],
+     ["nccl_1rank/all_reduce SUM 4 MiB fp32", "nccl_1rank/all_reduce SUM 8 B fp64", "nccl_2gpu/ring float32",
+      "nccl_2gpu/hierarchical (1 rank per node) float16", "nccl_2gpu/the trainer's helpers"]),
+    # every rank sends the same stale pool: they agree with each other; only the reference tells
+    ("stale_pool", ["nccl_2gpu"], ["nccl_2gpu/lazy vs dist.all_reduce"]),
+])
+def test_an_injected_fault_is_a_fail_line_and_a_non_zero_exit_status(tmp_path: Path, fault: str, items: list[str],
+                                                                      failing: list[str]) -> None:
+    done, results = run_check(tmp_path, ["--only", *items], {**CPU_TEST_ENV, gpu_check.TEST_FAULT_ENV: fault})
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    for item in failing:
+        assert results[item][0] == "FAIL", (item, done.stdout)
+    if fault == "stale_pool":  # the sums themselves are right: only the pool is stale
+        assert results["nccl_2gpu/ring float32"][0] == "PASS"
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert "exit status 1" in text and f"{gpu_check.TEST_FAULT_ENV}={fault}" in text
+
+
+def test_throughput_passes_only_above_the_papers_figure() -> None:
+    assert gpu_check.PAPER_ALEXNET_IMAGES_PER_S == 3297
+    assert gpu_check.throughput_verdict(3297.0) == "FAIL"
+    assert gpu_check.throughput_verdict(3296.0) == "FAIL"
+    assert gpu_check.throughput_verdict(3298.0) == "PASS"
+    assert gpu_check.throughput_verdict(float("nan")) == "FAIL"
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_item_limits_fit_the_budget_whatever_the_gpu_count_and_multi_gpu_items_run_first(gpus: int) -> None:
+    """Every item runs to its limit (the worst case): the sum stays within the budget, and the items
+    that need several GPUs come before those that need one."""
+    runnable = [item for item in gpu_check.ITEMS if 0 < item.gpus <= gpus]
+    needs = [item.gpus for item in gpu_check.ITEMS if item.gpus]
+    assert needs == sorted(needs, reverse=True)
+    for budget in (gpu_check.BUDGET_S, 120.0):
+        left, total = budget, 0.0
+        for index, item in enumerate(runnable):
+            limit = gpu_check.item_limit(item, runnable[index + 1:], left)
+            assert 0 < limit <= item.timeout_s
+            left -= limit
+            total += limit
+        assert total <= budget + 1e-6, (gpus, budget, total)
+
+
+@pytest.mark.parametrize("case", ["directory", "unknown item", "parent is a file", "tiny budget", "bad test fault",
+                                  "unknown option"])
+def test_bad_options_are_refused_in_one_line_before_any_item_runs(tmp_path: Path, case: str,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "a_file").write_text("")
+    args = {"directory": ["--out", str(tmp_path)],
+            "unknown item": ["--only", "nccl_1rank", "nccl_3gpu", "--out", str(tmp_path / "r.md")],
+            "parent is a file": ["--out", str(tmp_path / "a_file" / "r.md")],
+            "tiny budget": ["--budget-s", "1", "--out", str(tmp_path / "r.md")],
+            "bad test fault": ["--out", str(tmp_path / "r.md")],
+            "unknown option": ["--outt", str(tmp_path / "r.md")]}[case]
+    if case == "bad test fault":
+        monkeypatch.setenv(gpu_check.TEST_FAULT_ENV, "wrong_summ")
+    ran = []
+    monkeypatch.setattr(gpu_check, "run_here", lambda *a, **k: ran.append(a) or [])
+    monkeypatch.setattr(gpu_check, "run_in_child", lambda *a, **k: ran.append(a) or [])
+    assert gpu_check.main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not ran
+    assert len(captured.err.strip().splitlines()) == 1 and captured.err.startswith("gpu_check: error: "), captured.err
+    word = {"directory": "is a directory", "unknown item": "nccl_3gpu", "parent is a file": "cannot be written",
+            "tiny budget": "--budget-s", "bad test fault": "wrong_summ", "unknown option": "--outt"}[case]
+    assert word in captured.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # no report, no log
+
+
+def test_an_existing_directory_as_out_is_refused_by_the_script_too(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"gpu_check: error: --out {tmp_path} is a directory: name a file (e.g. {tmp_path / 'gpu_check.md'})"]
+
+
+def test_the_trainer_item_skips_naming_every_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in ("hydra", "omegaconf", "mlperf_logging"):
+        monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ModuleNotFoundError
+    results = gpu_check.run_here(gpu_check.ITEM_BY_NAME["trainer_fp16"])
+    assert [(r.status, r.item) for r in results] == [("SKIP", "trainer_fp16")], results
+    for package in ("hydra-core", "omegaconf", "mlperf-logging"):
+        assert package in results[0].detail, results[0].detail
+
+
+BLOCK_HYDRA = """
+import importlib.abc, sys
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("hydra", "omegaconf", "wandb", "yaml"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Missing())
+"""
+
+
+def test_mixed_precision_and_the_check_import_without_hydra_omegaconf_yaml_or_wandb() -> None:
+    """A GPU machine may have torch and timm and nothing of the rest: the fp16 step the throughput
+    item times (``precision.Precision``) and the check itself must import and run there."""
+    code = BLOCK_HYDRA + (
+        "import types, torch\n"
+        "import gradientflow_repro.gpu_check\n"
+        "from gradientflow_repro.precision import Precision\n"
+        "cfg = types.SimpleNamespace(dtype='fp16', init_scale=1024.0, growth_interval=2)\n"
+        "p = Precision(cfg, torch.device('cpu'))\n"
+        "model = torch.nn.Linear(3, 2); opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "p.backward(model(torch.ones(4, 3)).sum()); assert p.step(opt)\n"
+        "assert not any(m.split('.')[0] in ('hydra', 'omegaconf', 'yaml') for m in sys.modules), sorted(sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_make_gpu_check_installs_nothing(tmp_path: Path) -> None:
+    """Without a venv it runs the machine's python3 (or PYTHON=...); with one, the venv's python."""
+    def dry_run(*args: str) -> list[str]:
+        done = subprocess.run(["make", "-n", "gpu-check", *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=60, env={k: v for k, v in os.environ.items() if k not in ("PYTHON", "VENV")})
+        assert done.returncode == 0, done.stderr
+        return [line.strip() for line in done.stdout.splitlines() if line.strip()]
+
+    assert dry_run(f"VENV={tmp_path / 'none'}") == ["python3 -m gradientflow_repro.gpu_check"]
+    assert dry_run(f"VENV={tmp_path / 'none'}", "PYTHON=/opt/py/bin/python3", "ARGS=--only dali") == [
+        "/opt/py/bin/python3 -m gradientflow_repro.gpu_check --only dali"]
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").write_text("")
+    assert dry_run(f"VENV={tmp_path / 'venv'}") == [f"{tmp_path / 'venv'}/bin/python -m gradientflow_repro.gpu_check"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the item runs instead of skipping")
+def test_a_skip_changes_the_exit_status_only_under_strict(tmp_path: Path) -> None:
+    out = str(tmp_path / "r.md")
+    assert gpu_check.main(["--only", "nccl_1rank", "--out", out]) == 0
+    assert gpu_check.main(["--only", "nccl_1rank", "--out", out, "--strict"]) == 1
+    assert "exit status 1; not checked here: nccl_1rank" in Path(out).read_text()

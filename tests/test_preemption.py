@@ -1,15 +1,20 @@
-"""Preemption without Slurm: a signal to one rank stops every rank after the same step, with a
+"""Preemption without Slurm: a signal to one rank, or to every process of every rank as Slurm sends
+it (data workers included, which must not die of it), stops every rank after the same step, with a
 checkpoint from which the run continues to exactly the parameters of an uninterrupted run."""
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from gradientflow_repro.checkpoint import complete_checkpoints
@@ -33,12 +38,6 @@ def _steps_done(run_dir: Path) -> int:
     return max((r.get("step", 0) for r in read_records(metrics)), default=0)
 
 
-def _start(world: int, overrides: list[str], run_dir: Path) -> subprocess.Popen:
-    command, env = torchrun_command(world, overrides, run_dir)
-    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
-
-
 def test_stop_requests_record_the_strongest_signal_and_restore_handlers() -> None:
     before = signal.getsignal(signal.SIGUSR1)
     stop = StopRequests()
@@ -54,43 +53,180 @@ def test_stop_requests_record_the_strongest_signal_and_restore_handlers() -> Non
     assert signal.getsignal(signal.SIGUSR1) is before
 
 
-def test_signal_to_one_rank_checkpoints_all_and_resumes_exactly(tmp_path: Path, digits_root: Path) -> None:
-    world = 2
-    common = [*FAST, f"data.root={digits_root}", "global_batch_size=128", "epochs=3",
-              "optim.warmup_epochs=1", "eval_every_epochs=1", "save_final_params=true",
-              "deterministic=true", "checkpoint.every_epochs=100"]
-    train(world, common, tmp_path / "straight")  # the reference: launched as make reproduce does
+# A rank with its data workers, as Slurm signals a step: the stop signals reach every process. The
+# loader is built by build_data from data.reader_workers; the script reads a batch, then after each
+# signal to its process group (sent by the test) waits for its handler to record it and reads on.
+WORKERS_SCENARIO = r"""
+import json, os, signal, sys, time
+from pathlib import Path
+import torch
+from gradientflow_repro.config import DataConfig
+from gradientflow_repro.data import build_data
+from gradientflow_repro.preemption import StopRequests
 
-    run_dir = tmp_path / "preempted"
-    job = _start(world, common, run_dir)
-    deadline = time.monotonic() + 180
-    while _steps_done(run_dir) < 4 and job.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    ranks = _children(job.pid)
-    assert len(ranks) == world, f"expected {world} worker processes, found {ranks}"
-    os.kill(ranks[1], signal.SIGUSR1)  # only rank 1 is warned; rank 0 must follow it
-    while job.poll() is None and time.monotonic() < deadline:  # more warnings during the checkpoint
-        for pid in _children(job.pid):
+def children():
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                found.append(int(entry.name))
+        except OSError:
+            pass
+    return sorted(found)
+
+stop = StopRequests()
+cfg = DataConfig(root=sys.argv[2], loader=sys.argv[1], reader_workers=2, num_classes=10, image_size=32,
+                 val_resize=32, min_crop_scale=0.6, flip=False, mean=[0.0] * 3, std=[255.0] * 3,
+                 num_threads=1, prefetch=2, verify_files=False)
+data = build_data(cfg, global_batch=32, rank=0, world_size=1, device=torch.device("cpu"), seed=0)
+batches = data.train_batches(0)
+next(batches)
+workers, received = children(), []
+print("ready", flush=True)
+for expected in (signal.SIGUSR1, signal.SIGTERM):
+    sys.stdin.readline()  # the test has signalled the process group
+    deadline = time.monotonic() + 30
+    while stop.received != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    received.append(stop.received)
+    for _ in range(6):  # more than the loader holds ready: the workers must produce some of them
+        next(batches)
+    print("read", flush=True)
+print(json.dumps({"workers": workers, "after": children(), "received": received}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("loader", ["dali", "torchvision"])
+def test_data_workers_ignore_stop_signals_sent_to_the_whole_process_group(
+        loader: str, digits_root: Path) -> None:
+    job = subprocess.Popen([sys.executable, "-c", WORKERS_SCENARIO, loader, str(digits_root)], cwd=REPO,
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines: queue.Queue = queue.Queue()  # the script's output, read with a deadline (a hang is a failure)
+    threading.Thread(target=lambda: [*map(lines.put, job.stdout), lines.put("")], daemon=True).start()
+    seen: list[str] = []
+
+    def wait_for(word: str) -> None:
+        deadline = time.monotonic() + 60
+        while not seen or seen[-1].strip() != word:
             try:
-                os.kill(pid, signal.SIGUSR1)
+                seen.append(lines.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                seen.append("(no output for 60 s)")
+            if seen[-1] in ("", "(no output for 60 s)"):  # ended, or hangs
+                raise AssertionError(f"no '{word}' from the script:\n" + "".join(seen)[-3000:])
+
+    try:
+        wait_for("ready")
+        for signum in (signal.SIGUSR1, signal.SIGTERM):
+            os.killpg(job.pid, signum)  # the script, and every data worker it started
+            job.stdin.write("go\n")
+            job.stdin.flush()
+            wait_for("read")
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    while seen[-1] != "":  # the rest of the output, up to its end
+        seen.append(lines.get(timeout=10))
+    output = "".join(seen)
+    assert job.returncode == 0 and output.strip().endswith("}"), output[-3000:]
+    report = json.loads(output.strip().splitlines()[-1])
+    assert len(report["workers"]) >= 2, report  # the workers were there to be signalled
+    assert set(report["workers"]) <= set(report["after"]), report  # and none of them died
+    assert report["received"] == [signal.SIGUSR1, signal.SIGTERM], report  # the trainer heard both
+
+
+def _group(pgid: int) -> list[int]:
+    """The processes of process group ``pgid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                found.append(int(entry.name))
+        except OSError:
+            pass
+    return found
+
+
+def _overrides(digits_root: Path) -> list[str]:
+    return [*FAST, f"data.root={digits_root}", "global_batch_size=128", "epochs=2", "optim.warmup_epochs=1",
+            "eval_every_epochs=1", "save_final_params=true", "deterministic=true", "checkpoint.every_epochs=100"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory, digits_root: Path) -> Path:
+    """The uninterrupted reference run (no reader workers: they must not change a bit either),
+    launched as make reproduce does."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    train(2, _overrides(digits_root), run_dir)
+    return run_dir
+
+
+# Who gets the signal: Slurm's --signal=USR1 (no B:) and its SIGTERM reach every process of the step,
+# the data workers included; torchrun starts each rank in a session of its own, so a rank's process
+# group is the rank and its data workers. "rank 1": the warning reaches one rank only, first.
+@pytest.mark.parametrize("signalled, signum, workers", [
+    ("rank 1", signal.SIGUSR1, 0),
+    ("every process group", signal.SIGUSR1, 2),
+    ("every process group", signal.SIGTERM, 2),
+])
+def test_stop_signal_checkpoints_every_rank_and_resumes_exactly(
+        tmp_path: Path, digits_root: Path, straight: Path, signalled: str, signum: int, workers: int) -> None:
+    world, name = 2, signal.Signals(signum).name
+    exit_code = EXIT_REQUEUE if signum == signal.SIGUSR1 else 128 + signum
+    common = [*_overrides(digits_root), f"data.reader_workers={workers}"]
+    run_dir = tmp_path / "preempted"
+    command, env = torchrun_command(world, common, run_dir)
+    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=env, start_new_session=True)
+
+    def send(pids: list[int]) -> None:
+        for pid in pids:
+            try:
+                os.killpg(pid, signum) if signalled != "rank 1" else os.kill(pid, signum)
             except ProcessLookupError:
                 pass
-        time.sleep(0.02)
-    output = job.communicate(timeout=60)[0]
-    assert job.returncode != 0, output[-3000:]
-    assert f"exitcode  : {EXIT_REQUEUE}" in output or f"exit code {EXIT_REQUEUE}" in output, output[-3000:]
-    assert "stopped by SIGUSR1" in output, output[-3000:]
+
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while _steps_done(run_dir) < 4 and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ranks = _children(job.pid)
+        assert len(ranks) == world, f"expected {world} rank processes, found {ranks}"
+        assert all(len(_group(rank)) >= 1 + workers for rank in ranks), [_group(rank) for rank in ranks]
+        if signalled == "rank 1":
+            send(ranks[1:])  # rank 0 must follow rank 1
+        else:  # Slurm signals the processes one by one: here the data workers first, while the ranks
+            for rank in ranks:  # still train and read batches for a moment, which must not fail
+                for worker in set(_group(rank)) - {rank}:
+                    os.kill(worker, signum)
+            time.sleep(1.0)
+            send(ranks)
+        while job.poll() is None and time.monotonic() < deadline:  # more signals during the checkpoint
+            send(ranks)
+            time.sleep(0.02)
+        output = job.communicate(timeout=60)[0]
+    finally:
+        for pid in [job.pid, *ranks]:  # whatever is left of a failed run
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert f"exitcode  : {exit_code}" in output or f"exit code {exit_code}" in output, output[-3000:]
+    assert f"stopped by {name}" in output, output[-3000:]
     saved = complete_checkpoints(run_dir)
     assert len(saved) == 1, saved
     stopped_at = int(saved[0].name.split("_")[1])
-    assert 4 <= stopped_at < 33
+    assert 4 <= stopped_at < 22
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["stopped_by"] == "SIGUSR1" and summary["exit_code"] == EXIT_REQUEUE
+    assert summary["stopped_by"] == name and summary["exit_code"] == exit_code
     assert summary["steps"] == stopped_at
 
-    resumed = torchrun(world, common, run_dir)
+    resumed = torchrun(world, _overrides(digits_root), run_dir)  # without workers: same bits either way
     assert f"at step {stopped_at}" in resumed.stdout
     for rank in range(world):
-        a, b = final_params(tmp_path / "straight", rank), final_params(run_dir, rank)
+        a, b = final_params(straight, rank), final_params(run_dir, rank)
         for key in a:
             assert torch.equal(a[key], b[key]), f"{key} differs on rank {rank}"

@@ -125,7 +125,7 @@ def test_two_nodes_get_the_right_node_ids_and_global_ranks(slurm, tmp_path: Path
 def test_preempted_job_checkpoints_requeues_and_finishes_like_an_uninterrupted_run(
         slurm, tmp_path: Path, digits_root: Path) -> None:
     common = _overrides(digits_root, tmp_path / "preempted", "epochs=3", "deterministic=true",
-                        "checkpoint.every_epochs=100")
+                        "checkpoint.every_epochs=100", "data.reader_workers=2")  # workers get the signal too
     log = tmp_path / "job.out"
     submitted = _sbatch(slurm, ["--nodes=1", "--ntasks-per-node=2", *SCALED_DOWN, f"--output={log}"], common)
     assert submitted.returncode == 0, submitted.stderr
@@ -166,8 +166,38 @@ def test_a_rank_killed_under_slurm_fails_the_job_naming_it(slurm, tmp_path: Path
                   _overrides(digits_root, tmp_path / "run", "epochs=1", "max_steps=8"))
     output = log.read_text()
     assert job.returncode != 0, output[-3000:]
-    assert "lost rank(s) [1]" in output, output[-4000:]
+    assert "error: rank 1 (node node1) was killed by signal 9 (SIGKILL): ending job step" in output, output[-4000:]
     assert "requeue" not in output  # a crash is not a preemption
+
+
+def test_a_vanished_rank_ends_the_job_within_90_s_with_the_512gpu_timeouts(slurm, tmp_path: Path,
+                                                                           digits_root: Path) -> None:
+    """Rank 1 is killed (SIGKILL: nothing in it can react) while a child of it keeps its connections
+    open (faults.py ``vanish``): rank 0 sees no error, only a collective that never ends, as a dead
+    peer looks under NCCL. With the 512-GPU experiment's own watchdog_s and dist_timeout_s (minutes),
+    slurm/task.sh ends the step within seconds, naming the rank, and the job fails unrequeued."""
+    import signal
+
+    log, fired = tmp_path / "job.out", tmp_path / "fired.jsonl"
+    env = {**slurm, "GFR_INJECT_FAULT": "vanish@forward:rank=1:step=5", "GFR_FAULT_LOG": str(fired)}
+    overrides = [o for o in _overrides(digits_root, tmp_path / "run", "epochs=1", "max_steps=8")
+                 if not o.startswith("dist_timeout_s=")]  # the experiment's: watchdog 300 s, timeout 600 s
+    try:
+        job = _sbatch(env, ["--wait", "--nodes=1", "--ntasks-per-node=2", *SCALED_DOWN, f"--output={log}"],
+                      overrides, timeout=400)
+        ended = time.time()
+    finally:
+        for line in fired.read_text().splitlines() if fired.exists() else []:
+            try:  # the holder of the dead rank's sockets, if Slurm left it
+                os.kill(json.loads(line)["holder"], signal.SIGKILL)
+            except (OSError, TypeError):
+                pass
+    output = log.read_text()
+    assert job.returncode != 0, output[-3000:]
+    assert "error: rank 1 (node node1) was killed by signal 9 (SIGKILL): ending job step" in output, output[-4000:]
+    assert "the job ends here" in output and "requeue" not in output, output[-3000:]
+    seconds = ended - json.loads(fired.read_text().splitlines()[0])["time"]
+    assert seconds < 90, f"the job ended {seconds:.0f} s after rank 1 was killed:\n{output[-3000:]}"
 
 
 def test_asking_for_more_than_the_cluster_has_is_refused_at_once(slurm) -> None:

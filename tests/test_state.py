@@ -94,6 +94,28 @@ def test_a_checkpoint_written_before_the_format_key_still_loads(tmp_path: Path) 
     assert all(torch.equal(fresh_model.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
+def test_a_checkpoint_as_the_previous_writer_laid_it_out_still_loads(tmp_path: Path) -> None:
+    """Files from plain ``torch.save``, hashed afterwards, and a manifest without ``bytes``: the
+    layout before ranks hashed their own files while writing them."""
+    import hashlib
+    import json
+
+    state, model, progress, _ = make_state()
+    train_a_little(model, state, progress)
+    path = tmp_path / "checkpoints" / "step_000000003"
+    path.mkdir(parents=True)
+    torch.save(state.shared_state(), path / "shared.pt")
+    torch.save(state.rank_state(), path / "rank_00000.pt")
+    digests = {name: hashlib.sha256((path / name).read_bytes()).hexdigest() for name in ("rank_00000.pt", "shared.pt")}
+    (path / "manifest.json").write_text(json.dumps({"step": 3, "world_size": 1, "sha256": digests}, indent=1))
+    fresh, fresh_model, fresh_progress, _ = make_state()
+    assert fresh.resume(tmp_path, "auto") == path and fresh_progress.step == 3
+    assert all(torch.equal(fresh_model.state_dict()[k], v) for k, v in model.state_dict().items())
+    (path / "manifest.json").write_text(json.dumps({"step": 3, "ranks": 1}))
+    with pytest.raises(CheckpointError, match="manifest.json is not a manifest of this checkpoint format"):
+        make_state()[0].load(path)
+
+
 def test_another_format_is_refused_naming_it(tmp_path: Path) -> None:
     state, *_ = make_state()
     path = checkpoint.save_checkpoint(tmp_path, 1, {**state.shared_state(), "format": 7}, state.rank_state(),

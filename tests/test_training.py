@@ -83,7 +83,7 @@ def test_interrupted_run_resumes_to_exactly_the_same_parameters(comm: list[str],
     train(world, [*common, "max_steps=15"], tmp_path / "cut")  # stops mid-epoch 2, checkpoints
     assert (tmp_path / "cut" / "checkpoints" / "step_000000015").is_dir()
     if comm:  # the cut is in CSC's sparse phase: it holds the optimizer settings it took over
-        saved = torch.load(tmp_path / "cut" / "checkpoints" / "step_000000015" / "rank_00000.pt", weights_only=False)
+        saved = torch.load(tmp_path / "cut" / "checkpoints" / "step_000000015" / "rank_00000.pt", weights_only=True)
         assert saved["comm"]["optimizer_taken"] is not None, "the cut is not in CSC's sparse phase"
     resumed = train(world, common, tmp_path / "cut")
     assert "resumed from" in resumed and "at step 15" in resumed

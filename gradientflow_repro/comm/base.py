@@ -5,7 +5,8 @@ adjust); then every step the trainer calls ``begin_step`` before the forward pas
 ``synchronize`` after ``backward``, which leaves each ``p.grad`` holding the global mean over ranks
 (or, under sparse communication, the mean of what was sent this step). Strategies that work during
 backward do so from gradient hooks. Per-rank state (residuals, velocities) travels through
-``state_dict``/``load_state_dict`` into each rank's own checkpoint file. ``stats`` counts, per step,
+``state_dict``/``load_state_dict`` into each rank's own checkpoint file; ``rank_rules`` says how it
+maps onto another number of ranks. ``stats`` counts, per step,
 the bytes this rank put on the wire, the collectives it issued and the seconds the trainer waited
 in ``synchronize()``.
 
@@ -66,15 +67,44 @@ def ring_bytes(payload_bytes: int, world: int) -> int:
     return 2 * (world - 1) * payload_bytes // world if world > 1 else 0
 
 
-def builtin_sum(group: Optional[dist.ProcessGroup] = None) -> SumFn:
-    """The backend's own allreduce (NCCL or gloo)."""
-    def sum_(tensor: torch.Tensor, stats: CommStats) -> None:
-        world = dist.get_world_size(group) if dist.is_initialized() else 1
+class BuiltinSum:
+    """The backend's own allreduce (NCCL's or gloo's) as a summing function (a ``SumFn``).
+    ``start`` issues it without waiting and returns a future of the summed tensor: what a DDP
+    communication hook returns so that backward goes on while the bucket is summed (``hooks.py``).
+    Our point-to-point algorithms have no ``start``: they finish before they return."""
+
+    asynchronous = True  # has ``start``
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.group = group
+
+    def _count(self, tensor: torch.Tensor, stats: CommStats) -> int:
+        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         if world > 1:
-            dist.all_reduce(tensor, group=group)
             stats.collectives += 1
             stats.bytes += ring_bytes(tensor.numel() * tensor.element_size(), world)
-    return sum_
+        return world
+
+    def __call__(self, tensor: torch.Tensor, stats: CommStats) -> None:
+        if self._count(tensor, stats) > 1:
+            dist.all_reduce(tensor, group=self.group)
+
+    def start(self, tensor: torch.Tensor, stats: CommStats) -> "torch.futures.Future[torch.Tensor]":
+        """Issue the allreduce of ``tensor`` (in place) and return at once: a future of ``tensor``."""
+        if self._count(tensor, stats) <= 1:
+            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            done.set_result(tensor)
+            return done
+
+        def summed(future: "torch.futures.Future[list[torch.Tensor]]") -> torch.Tensor:
+            future.value()  # raises what the collective raised
+            return tensor
+        return dist.all_reduce(tensor, group=self.group, async_op=True).get_future().then(summed)
+
+
+def builtin_sum(group: Optional[dist.ProcessGroup] = None) -> SumFn:
+    """The backend's own allreduce (NCCL or gloo): ``BuiltinSum``."""
+    return BuiltinSum(group)
 
 
 def communication_thread(device: torch.device) -> ThreadPoolExecutor:
@@ -133,6 +163,12 @@ class Communicator(abc.ABC):
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+    def rank_rules(self) -> dict[str, str]:
+        """How each key of ``state_dict`` maps onto another number of ranks at a resume (see
+        ``state``): ``"mean"`` (each new rank takes the mean over the old ranks), ``"same"`` (equal
+        on every rank: old rank 0's) or ``"own"``. A key without a rule refuses such a resume."""
+        return {}
 
     def close(self) -> None:
         """Release threads and hooks."""

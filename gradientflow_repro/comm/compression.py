@@ -1,7 +1,9 @@
 """fp16 wire format: gradients travel in half precision and come back to fp32.
 
 The paper's mixed-precision training also halves the communication volume: fp32 master gradients
-are cast to fp16 for the allreduce and cast back after. Any summing algorithm can be wrapped.
+are cast to fp16 for the allreduce and cast back after. Any summing algorithm can be wrapped: on
+NCCL by default NCCL's own allreduce (``knobs.summing``), on gloo our ring and recursive doubling.
+Over the backend's allreduce ``start`` returns a future (DDP hooks that overlap with backward).
 
 Range. fp16 holds magnitudes from about 6e-8 (subnormal) to 65504. What keeps values inside:
 - Overflow of the *sum*: each message is scaled by a power of two 2^k chosen from the largest
@@ -182,3 +184,29 @@ class Fp16Wire:
         wire = compress(tensor, scale)
         self.inner(wire, stats)
         decompress(wire, tensor, scale)
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether ``start`` can return before the sum is done: the inner sum is the backend's
+        allreduce (``base.BuiltinSum``), not one of our point-to-point loops."""
+        return bool(getattr(self.inner, "asynchronous", False))
+
+    def start(self, tensor: torch.Tensor, stats: CommStats) -> "torch.futures.Future[torch.Tensor]":
+        """Sum ``tensor`` in place as ``__call__`` does, but return once the fp16 message is issued:
+        a future of ``tensor``, its decompression chained on the allreduce's future (as PyTorch's
+        ``fp16_compress_hook``), for DDP hooks that overlap with backward. The shared scale's
+        one-value MAX-allreduce is issued first and not waited for on the host under NCCL (its
+        result stays on the device, read by the scaling kernels on the same stream); on gloo it is
+        a small blocking call. The message gets a buffer of its own: several may be in flight."""
+        if not self.asynchronous:
+            raise TypeError("Fp16Wire.start needs the backend's allreduce inside (base.BuiltinSum)")
+        if tensor.dtype == torch.float16 or tensor.numel() == 0:
+            return self.inner.start(tensor, stats)
+        scale = agreed_scale(tensor, self.world, self.max_fn, stats)
+        wire = torch.empty(tensor.shape, dtype=torch.float16, device=tensor.device)
+        torch.mul(tensor, scale, out=wire)  # as ``compress``: computed in fp32, rounded once
+
+        def back(future: "torch.futures.Future[torch.Tensor]") -> torch.Tensor:
+            decompress(future.value(), tensor, scale)
+            return tensor
+        return self.inner.start(wire, stats).then(back)

@@ -721,6 +721,18 @@ class CSCCommunicator(LazyAllreduce):
                 "optimizer_taken": self._taken, "warmup_epochs": self.warmup_epochs,
                 "layout": self._layout_signature(), "chunk_size": self.chunk_size}
 
+    rank_label = "CSC"  # in the line a resume on another number of ranks prints
+
+    def rank_rules(self) -> dict[str, str]:
+        """On another number of ranks, each new rank's per-bucket state (``BucketState.STATE``:
+        residual, velocity, noise) is the mean over the old ranks: the mean over ranks of what is held
+        back (what the sum, divided by the world size, will deliver) is unchanged, whatever the new
+        world size; the noise estimate, equal on every rank, is kept. The rest is the same on every
+        rank: old rank 0's."""
+        return {**{key: "mean" for key in BucketState.STATE},
+                **{key: "same" for key in ("noise_step", "optimizer_taken", "warmup_epochs", "layout",
+                                           "chunk_size", "optimizer_momentum")}}
+
     def _layout_signature(self) -> list[list[int]]:
         """Each part's length and sparse section: a state saved under another layout cannot load."""
         return [[b.flat.numel(), b.sparse_elements] for b in self.buckets]

@@ -2,10 +2,12 @@
 
 DDP fuses gradients into ~25 MB buckets and allreduces each bucket as soon as backward fills it, so
 its communication happens inside ``backward()`` and ``synchronize()`` has nothing left to wait for.
-A pass-through communication hook counts the buckets and their bytes. With ``comm.algorithm`` or
-``comm.wire`` set, DDP's buckets are summed by this project's ring / hierarchical / fp16 wire
-through ``sum_hook``. The hooks themselves, which any DDP program can register (``sum_hook``,
-``csc_hook``), live in ``comm/hooks.py``.
+A pass-through communication hook counts the buckets and their bytes. Where the configuration sums
+differently (the fp16 wire; our ring or two-level ring on gloo), DDP's buckets are summed through
+``sum_hook``: over the backend's allreduce it returns the collective's future, so the buckets still
+overlap with backward; our point-to-point algorithms finish inside the hook, which the factory
+refuses on NCCL (``knobs.check_overlap``). The hooks themselves, which any DDP program can register
+(``sum_hook``, ``csc_hook``), live in ``comm/hooks.py``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,21 @@
 """Communicators from a resolved configuration: which summing function, which fusion.
 
 The strategies, their knobs and how a configuration resolves to one live in ``knobs.py`` (torch-free,
-read from the presets in ``configs/comm/``); this module turns a resolved ``CommConfig`` into the
-objects that do the work.
+read from the presets in ``configs/comm/``), and so does what sums a message (``knobs.summing``: on
+NCCL NCCL's own allreduce by default, ours on gloo); this module turns a resolved ``CommConfig``
+into the objects that do the work, and sets NCCL_ALGO before the process group starts
+(``prepare_backend``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from gradientflow_repro.comm.allreduce import PerTensorAllreduce
-from gradientflow_repro.comm.base import Communicator, SumFn, builtin_sum
+from gradientflow_repro.comm.base import BuiltinSum, Communicator, SumFn, builtin_sum
 from gradientflow_repro.comm.compression import Fp16Wire
 from gradientflow_repro.comm.csc import CSCCommunicator
 from gradientflow_repro.comm.ddp import DDPCommunicator
@@ -21,63 +23,91 @@ from gradientflow_repro.comm.hierarchical import HierarchicalSum
 from gradientflow_repro.comm.knobs import (
     SMALL_MESSAGE_BYTES,
     CommConfig,
+    check_overlap,
     csc_warmup,
+    describe_nccl_algo,
     resolve,
     sends_sparse,
+    set_nccl_algo,
     small_message_bytes,
-    two_level,
+    summing,
 )
 from gradientflow_repro.comm.lazy import LazyAllreduce
 from gradientflow_repro.comm.recursive_doubling import SizedSum
 from gradientflow_repro.comm.ring import DEFAULT_SEGMENT_BYTES, ring_sum
 
 
-def summing(algorithm: str, world: int, ranks_per_node: int | None) -> str:
-    """What ``algorithm`` sums with for ``world`` ranks placed ``ranks_per_node`` per node: "builtin",
-    "ring" (flat) or "two-level" (``auto`` is two-level on several nodes of several ranks)."""
-    if two_level(algorithm, world, ranks_per_node):
-        return "two-level"
-    return "ring" if algorithm in ("ring", "auto") else "builtin"
+def backend_name(backend: Optional[str] = None) -> str:
+    """``backend``, or the default process group's backend ("nccl", "gloo"); "gloo" without one."""
+    if backend is not None:
+        return backend
+    return dist.get_backend() if dist.is_initialized() else "gloo"
 
 
 def build_sum(algorithm: str, wire: str, ranks_per_node: int | None = None,
               segment_kb: int = DEFAULT_SEGMENT_BYTES // 1024, local_rank: int | None = None,
-              small_bytes: int = SMALL_MESSAGE_BYTES) -> SumFn:
-    """The summing function of ``algorithm`` (with the fp16 wire around it). ``ranks_per_node``:
-    how many consecutive ranks share a node, as the launcher says (torchrun's LOCAL_WORLD_SIZE,
-    Slurm's tasks per node) or ``comm.ranks_per_node`` sets; ``local_rank`` checks that layout.
-    Our own algorithms send small messages (at most ``small_bytes``: by default ``SMALL_MESSAGE_BYTES``,
+              small_bytes: int = SMALL_MESSAGE_BYTES, implementation: str = "auto",
+              backend: Optional[str] = None) -> SumFn:
+    """The summing function of ``algorithm`` (with the fp16 wire around it) on ``backend`` (None:
+    the process group's) under ``comm.implementation``: what ``knobs.summing`` says, the backend's
+    allreduce by default on NCCL (``comm.algorithm=ring`` then selects NCCL's ring through
+    NCCL_ALGO, ``prepare_backend``), our algorithms by default elsewhere. ``ranks_per_node``: how
+    many consecutive ranks share a node, as the launcher says (torchrun's LOCAL_WORLD_SIZE, Slurm's
+    tasks per node) or ``comm.ranks_per_node`` sets; ``local_rank`` checks that layout. Our own
+    algorithms send small messages (at most ``small_bytes``: by default ``SMALL_MESSAGE_BYTES``,
     measured) by recursive doubling: log2(N) latencies instead of the ring's 2(N-1)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         return builtin_sum()  # nothing to sum with
-    chosen = summing(algorithm, world, ranks_per_node)
-    if chosen == "two-level":
+    chosen = summing(algorithm, world, ranks_per_node, backend_name(backend), implementation)
+    if chosen.how == "two-level":
         sum_fn = SizedSum(HierarchicalSum(ranks_per_node or 1, segment_kb * 1024, local_rank=local_rank),
                           threshold_bytes=small_bytes)
-    elif chosen == "ring":
+    elif chosen.how == "ring":
         sum_fn = SizedSum(ring_sum(segment_bytes=segment_kb * 1024), threshold_bytes=small_bytes)
     else:
         sum_fn = builtin_sum()
     return Fp16Wire(sum_fn, world) if wire == "fp16" else sum_fn
 
 
+def prepare_backend(options: Union[Mapping[str, Any], CommConfig, Any], device: torch.device,
+                    world_size: int) -> Optional[str]:
+    """Before the process group starts (``train.py``): set NCCL_ALGO for the job as the
+    configuration asks (``knobs.set_nccl_algo``: NCCL reads it when its communicator is created,
+    which ``distributed.init_process_group`` does eagerly), and refuse a combination that cannot
+    overlap (``knobs.check_overlap``) before any work. The backend follows the device as
+    ``distributed.init_process_group`` chooses it: NCCL for CUDA devices on more than one rank.
+    Returns the NCCL_ALGO in force. Raises ``distributed.WorldError`` naming the keys."""
+    from gradientflow_repro.distributed import WorldError
+
+    backend = "nccl" if device.type == "cuda" and world_size > 1 else "gloo"
+    try:
+        return set_nccl_algo(options, backend)
+    except ValueError as error:
+        raise WorldError(str(error)) from None
+
+
 def build_communicator(options: Union[Mapping[str, Any], CommConfig], device: torch.device,
                        ranks_per_node: int | None = None, local_rank: int | None = None,
-                       lr_warmup_epochs: float = 0.0) -> Communicator:
+                       lr_warmup_epochs: float = 0.0, backend: Optional[str] = None) -> Communicator:
     """The communicator of ``options`` (``comm.*``, resolved against its preset). ``ranks_per_node``
     and ``local_rank`` come from the launcher (``distributed.World``); ``comm.ranks_per_node``
     overrides the former, to emulate nodes on one machine (then the launcher's local rank says
     nothing about that layout). ``lr_warmup_epochs``: the optimizer's learning-rate warm-up, which
     CSC's dense warm-up follows unless ``comm.csc_warmup_epochs`` is set (``knobs.csc_warmup``;
-    0, as without a training run: sparse from the first step)."""
+    0, as without a training run: sparse from the first step). ``backend``: the process group's
+    (None: as ``dist.get_backend()`` says), for the payloads; the small messages (CSC's norms, the
+    fp16 wire's scale: ``recursive_doubling.small_sum``) follow the group's own backend."""
     knobs = resolve(options)
+    backend = backend_name(backend)
+    check_overlap(knobs, backend)
     if knobs.ranks_per_node:
         ranks_per_node, local_rank = knobs.ranks_per_node, None
     sum_fn = build_sum(knobs.algorithm, knobs.wire, ranks_per_node, knobs.segment_kb, local_rank,
-                       small_message_bytes(knobs))
+                       small_message_bytes(knobs), knobs.implementation, backend)
     communicator = _communicator(knobs, device, sum_fn, lr_warmup_epochs)
-    communicator.summing = describe_sum(knobs.algorithm, knobs.wire, ranks_per_node, small_message_bytes(knobs))
+    communicator.summing = describe_sum(knobs.algorithm, knobs.wire, ranks_per_node, small_message_bytes(knobs),
+                                        knobs.implementation, backend)
     communicator.schedule = describe_schedule(knobs, lr_warmup_epochs)
     return communicator
 
@@ -95,24 +125,32 @@ def describe_schedule(knobs: CommConfig, lr_warmup_epochs: float) -> str:
 
 
 def describe_sum(algorithm: str, wire: str, ranks_per_node: int | None,
-                 small_bytes: int = SMALL_MESSAGE_BYTES) -> str:
-    """``build_sum``'s choice in words, for the run's first lines (our algorithms: with the size up
-    to which they send by recursive doubling)."""
+                 small_bytes: int = SMALL_MESSAGE_BYTES, implementation: str = "auto",
+                 backend: Optional[str] = None) -> str:
+    """``build_sum``'s choice in words, for the run's first lines: NCCL's allreduce with the
+    NCCL_ALGO in force, or ours (with the size up to which they send by recursive doubling)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         return "one rank: nothing to sum"
-    chosen = summing(algorithm, world, ranks_per_node)
-    how = {"two-level": f"two-level ring ({-(-world // (ranks_per_node or 1))} nodes x {ranks_per_node} ranks)",
-           "ring": f"flat ring over {world} ranks",
-           "builtin": f"the backend's allreduce over {world} ranks"}[chosen]
-    if chosen != "builtin":
-        how += f", small messages (up to {small_bytes // 1024} KiB) by recursive doubling"
+    backend = backend_name(backend)
+    chosen = summing(algorithm, world, ranks_per_node, backend, implementation)
+    if chosen.how == "backend" and backend == "nccl":
+        how = f"NCCL's allreduce ({describe_nccl_algo(chosen.nccl_algo)}) over {world} ranks"
+    elif chosen.how == "backend":
+        how = f"the backend's allreduce ({backend}) over {world} ranks"
+    else:
+        how = {"two-level": f"two-level ring ({-(-world // (ranks_per_node or 1))} nodes x {ranks_per_node} ranks)",
+               "ring": f"flat ring over {world} ranks"}[chosen.how]
+        if backend == "nccl":  # ours, asked for by name; its small messages go by NCCL's allreduce
+            how = f"our {how} (comm.implementation=ours: point-to-point groups issued from Python)"
+        else:
+            how += f", small messages (up to {small_bytes // 1024} KiB) by recursive doubling"
     return how + (", fp16 wire" if wire == "fp16" else "")
 
 
 def _communicator(knobs: CommConfig, device: torch.device, sum_fn: SumFn, lr_warmup_epochs: float) -> Communicator:
-    if knobs.fusion == "ddp":
-        custom = (knobs.algorithm, knobs.wire) != ("builtin", "fp32")
+    if knobs.fusion == "ddp":  # DDP's own hook where it sums as DDP would, ``sum_hook`` otherwise
+        custom = isinstance(sum_fn, Fp16Wire) or not isinstance(sum_fn, BuiltinSum)
         return DDPCommunicator(device, knobs.ddp_bucket_mb, sum_fn if custom else None)
     bucket_bytes = int(knobs.bucket_mb * 2**20)
     if knobs.sparsity == "csc":

@@ -9,6 +9,12 @@ hold fewer, as when a job's GPU count is not a multiple of the node size); on on
 size can be chosen, which is how the tests emulate several nodes. The block size comes from the
 launcher (torchrun's LOCAL_WORLD_SIZE, Slurm's tasks per node: ``distributed.World``), never
 guessed; a layout that is not node by node (Slurm's ``--distribution=cyclic``) is refused.
+
+Where it runs: on gloo (``comm.algorithm=hierarchical``, or ``auto`` on several nodes of several
+ranks). On NCCL it runs only under ``comm.implementation=ours``, for comparison: its leaders' ring
+sends between nodes through local rank 0's NIC alone (one of a node's NICs), while NCCL's own
+allreduce, the default there (``knobs.summing``), is two-level by itself (its tree: a chain inside
+the node, a double binary tree between nodes) and lays a channel over every NIC.
 """
 
 from __future__ import annotations

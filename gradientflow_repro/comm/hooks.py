@@ -20,7 +20,8 @@ saved beside each rank's checkpoint)::
     torch.save(state.state_dict(), f"csc_rank{rank}.pt")  # residuals are per rank
 
 - ``sum_hook`` sums each bucket with any summing function (``SumFn``: ring, hierarchical, fp16 wire,
-  the builtin allreduce) and divides by the world size.
+  the builtin allreduce) and divides by the world size; over the builtin allreduce it returns the
+  collective's future (below: overlap).
 - ``csc_hook`` sends each bucket by coarse-grained sparse communication (``comm/csc.py``): the chunk
   norms of residual + gradient are summed over ranks, the top ``density`` of the chunks (plus every
   chunk holding part of a 1-D tensor: biases, BatchNorm) are averaged, the rest stay in the bucket's
@@ -31,7 +32,15 @@ saved beside each rank's checkpoint)::
 - ``counting_allreduce_hook`` is DDP's own allreduce with bytes and collectives counted
   (``DDPCommunicator``'s default).
 
-A hook runs synchronously inside backward: DDP's own overlap comes from its bucketing order.
+Overlap. DDP calls a hook as soon as backward fills its bucket and waits for the future it returns
+only at the end of backward. ``sum_hook`` over the backend's allreduce (``base.BuiltinSum``, alone
+or inside the fp16 wire) returns the collective's own future, the division (and the fp16 wire's
+decompression) chained on it with ``then``, as PyTorch's ``fp16_compress_hook``: backward goes on
+while the bucket is summed. Over our point-to-point algorithms (ring, two-level, recursive
+doubling) the sum is done before the hook returns, so that bucket's communication holds backward
+up: the trainer refuses that combination on NCCL (``knobs.check_overlap``: ``comm.fusion=ddp`` with
+``comm.implementation=ours``); on gloo it runs so, as measured. ``csc_hook`` too finishes its bucket
+inside the hook (it selects chunks from the summed norms before it sends).
 (No postponed annotations in this file: DDP checks a hook's annotations at run time.)
 """
 
@@ -74,8 +83,13 @@ def sum_hook(state: SumHookState, bucket: dist.GradBucket) -> torch.futures.Futu
         ddp_model.register_comm_hook(SumHookState(ring_sum()), sum_hook)
     """
     buffer = bucket.buffer()
-    state.sum_fn(buffer, state.stats)
-    buffer.div_(dist.get_world_size())
+    world = dist.get_world_size()
+    if getattr(state.sum_fn, "asynchronous", False):  # the backend's allreduce: DDP overlaps it
+        def mean(future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            return future.value().div_(world)
+        return state.sum_fn.start(buffer, state.stats).then(mean)
+    state.sum_fn(buffer, state.stats)  # one of our point-to-point loops: done when it returns
+    buffer.div_(world)
     return _done(buffer)
 
 

@@ -12,6 +12,11 @@ line (``comm=ring comm.wire=fp16``) to build the paper's ablation one technique 
 | overlap   | true, false                   | pool parts sent during backward (lazy only)        |
 | sparsity  | dense, csc                    | coarse-grained sparse communication (csc.py)       |
 
+and one more key, ``implementation`` (not part of the presets: every preset takes ``auto``), says
+who carries the algorithm's messages: ``ours`` (ring.py, recursive_doubling.py, hierarchical.py,
+loops of point-to-point ops issued from Python), ``backend`` (the process group's own allreduce:
+NCCL's or gloo's), or ``auto``: the backend on NCCL, ours elsewhere (``summing``).
+
 The presets are the YAML files of ``configs/comm/`` (Hydra's pattern: the preset is the YAML): each
 names its strategy and sets all five knobs and its sizes, and this module reads them, so the
 trainer (through Hydra), the factory, the scaling model and ``make reproduce`` all see one
@@ -24,12 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
-
-import yaml
+from typing import Any, Mapping, MutableMapping, Optional, Union
 
 from gradientflow_repro.checks import (
     boolean,
@@ -56,11 +60,16 @@ PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "comm"
 KNOB_VALUES: dict[str, tuple[Any, ...]] = {
     "algorithm": ("builtin", "ring", "hierarchical", "auto"), "wire": ("fp32", "fp16"),
     "fusion": ("per_tensor", "lazy", "ddp"), "overlap": (True, False), "sparsity": ("dense", "csc")}
+# comm.implementation: who carries an algorithm's messages (``summing``)
+IMPLEMENTATIONS = ("auto", "backend", "ours")
 
 
 @lru_cache(maxsize=1)
 def presets() -> dict[str, dict[str, Any]]:
     """Every preset of ``configs/comm/``: strategy name -> the keys its YAML sets (strategy aside)."""
+    import yaml  # here: the collective helpers (distributed.py, precision.py) import this module, and
+    # a GPU machine with nothing but torch must be able to import them (the GPU check)
+
     found = {}
     for path in sorted(PRESET_DIR.glob("*.yaml")):
         values = yaml.safe_load(path.read_text()) or {}
@@ -89,6 +98,10 @@ class CommConfig:
     fusion: Optional[str] = setting(None, optional(one_of(*KNOB_VALUES["fusion"])))
     overlap: Optional[bool] = setting(None, optional(boolean))  # lazy: send pool parts during backward
     sparsity: Optional[str] = setting(None, optional(one_of(*KNOB_VALUES["sparsity"])))
+    # who sums: NCCL's/gloo's own allreduce ("backend") or our point-to-point algorithms ("ours");
+    # "auto": the backend on NCCL (one kernel per message, all of a node's NICs), ours elsewhere
+    # (measured against gloo). Not a preset's knob: every preset takes auto (``summing``)
+    implementation: str = setting("auto", one_of(*IMPLEMENTATIONS))
     bucket_mb: float = setting(32.0, positive)  # lazy-allreduce pool part (fusion threshold)
     ddp_bucket_mb: float = setting(25.0, positive)
     segment_kb: int = setting(4096, positive)  # ring: pipelining segment
@@ -143,6 +156,112 @@ def two_level(algorithm: str, world: int, ranks_per_node: Optional[int]) -> bool
         return True
     per_node = ranks_per_node or 1
     return algorithm == "auto" and 1 < per_node < world
+
+
+@dataclass(frozen=True)
+class Summing:
+    """What sums a message, for one job: the one definition that the factory builds
+    (``factory.build_sum``), the run's first lines print (``factory.describe_sum``) and the scaling
+    model prices (``perfmodel``).
+
+    ``how``: ``backend`` (the process group's own allreduce, one call per message), ``ring`` (our
+    flat ring, ``ring.py``) or ``two-level`` (our reduce / leaders' ring / broadcast,
+    ``hierarchical.py``); ours send messages up to ``small_message_bytes`` by our recursive
+    doubling. ``nccl_algo``: the NCCL_ALGO this choice asks NCCL for, for the whole job (None: NCCL's
+    tuner picks by size and topology)."""
+
+    how: str
+    backend: str
+    nccl_algo: Optional[str] = None
+
+    @property
+    def ours(self) -> bool:
+        return self.how != "backend"
+
+
+def implementation_of(algorithm: str, implementation: str, backend: str) -> str:
+    """``backend`` or ``ours``: who carries ``algorithm``'s messages on ``backend`` ("nccl", "gloo").
+
+    ``builtin`` is the backend's allreduce by definition. Otherwise ``comm.implementation`` decides;
+    ``auto`` takes the backend on NCCL and ours elsewhere. Why: on NCCL our algorithms issue 2(N-1)
+    ``batch_isend_irecv`` groups per message from Python (1,022 at 512 ranks), each a separate launch
+    serialised on the communicator's one stream, and the two-level ring crosses between nodes
+    through local rank 0's NIC only; NCCL's own allreduce runs one kernel per message whose rings and
+    trees span every NIC of the node (one channel per rail). On gloo (CPU tensors) ours are what the
+    ladder measures, each compared with gloo's own allreduce (results/allreduce.md,
+    results/small_allreduce.md)."""
+    if algorithm == "builtin":
+        return "backend"
+    if implementation == "auto":
+        return "backend" if backend == "nccl" else "ours"
+    return implementation
+
+
+def nccl_algo_for(algorithm: str, implementation: str, backend: str) -> Optional[str]:
+    """The NCCL_ALGO that ``algorithm`` asks for on ``backend``: ``Ring`` for ``comm.algorithm=ring``
+    carried by NCCL's allreduce (the paper's algorithm, run by NCCL's kernels rather than our loop),
+    None otherwise: ``hierarchical`` and ``auto`` leave NCCL's tuner to pick per size between its
+    ring and its trees (intra-node chain, inter-node double binary tree: NCCL's own two levels,
+    topology-aware), and ``builtin`` is the backend as it comes."""
+    if backend == "nccl" and algorithm == "ring" and implementation_of(algorithm, implementation, backend) == "backend":
+        return "Ring"
+    return None
+
+
+def summing(algorithm: str, world: int, ranks_per_node: Optional[int], backend: str = "gloo",
+            implementation: str = "auto") -> Summing:
+    """What sums ``algorithm``'s messages for ``world`` ranks placed ``ranks_per_node`` per node on
+    ``backend`` under ``comm.implementation``: see ``Summing``, ``implementation_of``, ``two_level``."""
+    if world > 1 and implementation_of(algorithm, implementation, backend) == "backend":
+        return Summing("backend", backend, nccl_algo_for(algorithm, implementation, backend))
+    if world > 1 and two_level(algorithm, world, ranks_per_node):
+        return Summing("two-level", backend)
+    return Summing("ring" if world > 1 else "backend", backend)
+
+
+def check_overlap(knobs: CommConfig, backend: str) -> None:
+    """Refuse what cannot overlap with backward on ``backend``: DDP's buckets summed by our
+    algorithms on NCCL. DDP runs a communication hook inside backward and overlaps only when the
+    hook returns a future that completes later; ours are loops of point-to-point groups that finish
+    before the hook returns, so every bucket would stall backward (on gloo, CPU tensors, it runs so,
+    synchronously, as measured). Raises ValueError naming the keys."""
+    if (knobs.fusion == "ddp" and backend == "nccl"
+            and implementation_of(knobs.algorithm, knobs.implementation, backend) == "ours"):
+        raise ValueError(f"config keys 'comm.fusion' = 'ddp' and 'comm.implementation' = "
+                         f"{knobs.implementation!r} (comm.algorithm={knobs.algorithm}) on NCCL: DDP would run our "
+                         f"point-to-point algorithm synchronously inside backward, so nothing overlaps; use "
+                         f"comm.implementation=backend (NCCL's allreduce, overlapped) or comm.fusion=lazy "
+                         f"(our pool overlaps on its own thread)")
+
+
+def set_nccl_algo(options: Union[Mapping[str, Any], Any], backend: str,
+                  environ: Optional[MutableMapping[str, str]] = None) -> Optional[str]:
+    """Set NCCL_ALGO in ``environ`` (the process's environment) for ``options`` on ``backend``, as
+    ``nccl_algo_for`` asks, unless it is set already (a user's NCCL_ALGO is kept, and
+    ``describe_nccl_algo`` says so). Must run before the NCCL communicator is created: NCCL reads
+    it once, at its initialisation. Also refuses, before the process group starts, what
+    ``check_overlap`` refuses. Returns the NCCL_ALGO now in force (None: unset)."""
+    environ = os.environ if environ is None else environ
+    knobs = resolve(options)
+    check_overlap(knobs, backend)
+    wanted = nccl_algo_for(knobs.algorithm, knobs.implementation, backend)
+    if wanted and not environ.get("NCCL_ALGO"):
+        environ["NCCL_ALGO"] = wanted
+    return environ.get("NCCL_ALGO") or None
+
+
+def describe_nccl_algo(wanted: Optional[str], environ: Optional[Mapping[str, str]] = None) -> str:
+    """NCCL_ALGO in words, against what the configuration asks for (``wanted``)."""
+    actual = (os.environ if environ is None else environ).get("NCCL_ALGO")
+    if actual and wanted and actual != wanted:
+        return f"NCCL_ALGO={actual} from the environment, kept (comm.algorithm asks for {wanted})"
+    if actual and actual == wanted:
+        return f"NCCL_ALGO={actual}"
+    if actual:
+        return f"NCCL_ALGO={actual} from the environment"
+    if wanted:
+        return f"NCCL_ALGO not set (comm.algorithm asks for {wanted}: set before the process group starts)"
+    return "NCCL_ALGO unset: ring or tree by size"
 
 
 def small_message_bytes(knobs: CommConfig) -> int:

@@ -28,8 +28,8 @@ both partners alike; the hand-over of the fold and of the unfold are groups of o
 point-to-point ops of a communicator run in issue order on one stream and a send may not finish
 before its receiver runs the matching receive: a blocking send issued ahead of the receive would
 deadlock there. (Under NCCL ``small_sum`` uses NCCL's own allreduce anyway, which switches to trees
-for small messages by itself; the groups keep ``recursive_doubling_allreduce_`` itself correct
-there.)
+for small messages by itself, and so does every message by default there: ``knobs.summing``; the
+groups keep ``recursive_doubling_allreduce_`` itself correct there.)
 """
 
 from __future__ import annotations

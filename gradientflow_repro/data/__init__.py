@@ -34,9 +34,10 @@ def build_data(cfg: DataConfig, *, global_batch: int, rank: int, world_size: int
                  world_size=world_size, seed=seed)
     if cfg.loader == "dali":
         from gradientflow_repro.data.dali import DaliSource
-        return DaliSource(train, val, options, device=device, **shard)
+        return DaliSource(train, val, options, device=device, reader_workers=cfg.reader_workers, **shard)
     from gradientflow_repro.data.folder import TorchvisionSource
-    return TorchvisionSource(train, val, options, device=device, **shard)
+    return TorchvisionSource(train, val, options, device=device, reader_workers=cfg.reader_workers,
+                             **shard)
 
 
 def verify_files(files: list[str], rank: int, world_size: int) -> None:

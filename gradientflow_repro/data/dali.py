@@ -31,8 +31,9 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from PIL import Image
 
 from gradientflow_repro.data.base import Batch
-from gradientflow_repro.data.listing import (ImageOptions, Listing, ShardedFolder, epoch_permutation,
-                                             shard_bounds)
+from gradientflow_repro.data.cpus import loader_cpus, source_queue_depth
+from gradientflow_repro.data.listing import ImageOptions, Listing, ShardedFolder, epoch_permutation, shard_bounds
+from gradientflow_repro.preemption import ignore_stop_signals, workers_ignore_stop_signals
 
 READER = "Reader"
 EXIF_ORIENTATION, TRANSPOSED = 0x0112, (5, 6, 7, 8)  # orientations that swap width and height
@@ -82,8 +83,20 @@ class EpochBatches:
         self.min_scale, self.flip = min_scale, flip
         self._order: tuple[int, list[int]] = (-1, [])
 
+    def __setstate__(self, state: dict) -> None:
+        # Unpickled only in a reader worker (DALI sends the source to each spawned worker), so this
+        # is the first of our code a worker runs: from now on it ignores the stop signals, which it
+        # has held blocked since its birth (preemption.workers_ignore_stop_signals).
+        self.__dict__.update(state)
+        ignore_stop_signals()
+
     def epoch_of(self, pipeline_epoch: int) -> int:
         return self.first_epoch + pipeline_epoch
+
+    def image_size(self, index: int, encoded: np.ndarray) -> tuple[int, int]:
+        """(width, height) of training file ``index`` as decoded, from its header: parsed for every
+        image (a fraction of the feeder's work: ``results/loader.md``), so nothing goes stale."""
+        return oriented_size(encoded)
 
     def __call__(self, info: "types.BatchInfo") -> tuple:
         epoch = self.epoch_of(info.epoch_idx)
@@ -99,7 +112,7 @@ class EpochBatches:
             index = self._order[1][position]
             data = np.fromfile(self.files[index], dtype=np.uint8)
             rng = np.random.default_rng([self.seed, epoch, position])
-            width, height = oriented_size(data)
+            width, height = self.image_size(index, data)
             x, y, w, h = crop_window(width, height, rng, self.min_scale)
             encoded.append(data)
             labels.append(np.array([self.labels[index]], dtype=np.int32))
@@ -111,9 +124,12 @@ class EpochBatches:
 
 @pipeline_def
 def train_pipeline(source: EpochBatches, image_size: int, mean: list[float], std: list[float],
-                   on_gpu: bool, parallel: bool):
+                   on_gpu: bool, parallel: bool, source_depth: int = 1):
+    # source_depth: batches the reader workers compute ahead (cpus.source_queue_depth); DALI
+    # accepts the argument only from a parallel source
+    ahead = dict(prefetch_queue_depth=source_depth) if parallel else {}
     jpegs, label, anchor, shape, mirror = fn.external_source(
-        source=source, num_outputs=5, batch=True, batch_info=True, parallel=parallel)
+        source=source, num_outputs=5, batch=True, batch_info=True, parallel=parallel, **ahead)
     # the window in fractions of the image: inside it whatever size the decoder finds
     images = fn.decoders.image_slice(jpegs, anchor, shape, device="mixed" if on_gpu else "cpu",
                                      output_type=types.RGB, normalized_anchor=True,
@@ -144,15 +160,18 @@ def _as_batch(output: list[dict]) -> Batch:
 class DaliSource(ShardedFolder):
     """``reader_workers``: processes that read the files for the training pipeline (DALI's parallel
     external source); 0 reads them in the training process, enough for small images and CPU
-    training. By default: half the DALI threads on a GPU, none on the CPU."""
+    training. ``reader_workers=None`` and ``options.num_threads=None`` follow the rank's CPUs
+    (``cpus.loader_cpus``: on a GPU a quarter of the spare cores read, the rest decode; none read
+    on the CPU)."""
 
     def __init__(self, train: Listing, val: Listing, options: ImageOptions, *, device: torch.device,
                  reader_workers: Optional[int] = None, **shard: int) -> None:
         super().__init__(train, val, options, **shard)
         self.on_gpu = device.type == "cuda"
-        self.reader_workers = (max(1, options.num_threads // 2) if self.on_gpu else 0
-                               if reader_workers is None else reader_workers)
-        self.common = dict(batch_size=self.local_batch, num_threads=options.num_threads,
+        self.cpus = loader_cpus(options.num_threads, reader_workers, on_gpu=self.on_gpu)
+        self.reader_workers = self.cpus.workers
+        self.source_depth = source_queue_depth(options.prefetch, self.reader_workers)
+        self.common = dict(batch_size=self.local_batch, num_threads=self.cpus.threads,
                            device_id=device.index if self.on_gpu else None,
                            prefetch_queue_depth=options.prefetch, mean=list(options.mean),
                            std=list(options.std), image_size=options.image_size, on_gpu=self.on_gpu)
@@ -171,8 +190,10 @@ class DaliSource(ShardedFolder):
                               self.options.flip)
         pipe = train_pipeline(source=source, seed=self.epoch_seed(epoch), parallel=self.reader_workers > 0,
                               py_num_workers=max(1, self.reader_workers), py_start_method="spawn",
+                              source_depth=self.source_depth,
                               **self.common)
-        pipe.build()
+        with workers_ignore_stop_signals():  # build() starts the reader workers
+            pipe.build()
         self.pipelines_built += 1
         iterator = DALIGenericIterator(pipe, ["images", "labels"], auto_reset=False)
         self._train = (source, iterator)
@@ -193,7 +214,8 @@ class DaliSource(ShardedFolder):
             pipe = val_pipeline(files=self.val.files, labels=self.val.labels, shard_id=self.rank,
                                 num_shards=self.world_size, resize=self.options.val_resize,
                                 seed=self.seed, **self.common)
-            pipe.build()
+            with workers_ignore_stop_signals():  # no Python workers today: any it ever starts
+                pipe.build()
             self.pipelines_built += 1
             self._val = DALIGenericIterator(pipe, ["images", "labels"], reader_name=READER,
                                             last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)

@@ -4,7 +4,7 @@ reference the DALI pipeline is benchmarked against."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from PIL import Image
@@ -12,8 +12,16 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 
 from gradientflow_repro.data.base import Batch
-from gradientflow_repro.data.listing import (ImageOptions, Listing, ShardedFolder, epoch_permutation,
-                                             shard_bounds)
+from gradientflow_repro.data.cpus import loader_cpus
+from gradientflow_repro.data.listing import ImageOptions, Listing, ShardedFolder, epoch_permutation, shard_bounds
+from gradientflow_repro.preemption import ignore_stop_signals, workers_ignore_stop_signals
+
+
+def to_device(images: torch.Tensor, labels: torch.Tensor, device: torch.device) -> Batch:
+    """Both tensors copied without waiting for the host: on CUDA the DataLoader pins its batches
+    (``pin_memory``), so a ``non_blocking`` copy is queued on the stream and the step goes on (a
+    blocking one would stall every step until the copy lands); on the CPU nothing is copied."""
+    return images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
 
 
 class _Files(Dataset):
@@ -35,11 +43,16 @@ class _Files(Dataset):
 
 class TorchvisionSource(ShardedFolder):
     def __init__(self, train: Listing, val: Listing, options: ImageOptions, *, device: torch.device,
-                 **shard: int) -> None:
+                 reader_workers: Optional[int] = None, **shard: int) -> None:
         super().__init__(train, val, options, **shard)
         self.device = device
-        workers = options.num_threads
+        # reader_workers (data.reader_workers) where given; else num_threads=None: every spare core
+        # decodes (cpus.loader_cpus; no separate readers here)
+        workers = (loader_cpus(options.num_threads, 0, on_gpu=device.type == "cuda").threads
+                   if reader_workers is None else reader_workers)
+        # the workers ignore the stop signals: only the trainer decides (preemption.py)
         self.loader_args = dict(batch_size=self.local_batch, num_workers=workers,
+                                worker_init_fn=ignore_stop_signals,
                                 pin_memory=device.type == "cuda",
                                 prefetch_factor=options.prefetch if workers > 0 else None)
         normalize = transforms.Normalize([m / 255 for m in options.mean], [s / 255 for s in options.std])
@@ -58,12 +71,16 @@ class TorchvisionSource(ShardedFolder):
         dataset = _Files([self.train.files[i] for i in mine], [self.train.labels[i] for i in mine],
                          self.train_transform, seed=self.epoch_seed(epoch) * 1_000_003)
         loader = DataLoader(dataset, shuffle=False, drop_last=True, **self.loader_args)
-        for step, (images, labels) in enumerate(loader):
+        with workers_ignore_stop_signals():  # the workers start with the iterator
+            batches = iter(loader)
+        for step, (images, labels) in enumerate(batches):
             if step >= skip:
-                yield images.to(self.device, non_blocking=True), labels.to(self.device)
+                yield to_device(images, labels, self.device)
 
     def val_batches(self) -> Iterator[Batch]:
         start, end = shard_bounds(len(self.val), self.rank, self.world_size)
         dataset = _Files(self.val.files[start:end], self.val.labels[start:end], self.val_transform)
-        for images, labels in DataLoader(dataset, shuffle=False, **self.loader_args):
-            yield images.to(self.device, non_blocking=True), labels.to(self.device)
+        with workers_ignore_stop_signals():  # the workers start with the iterator
+            batches = iter(DataLoader(dataset, shuffle=False, **self.loader_args))
+        for images, labels in batches:
+            yield to_device(images, labels, self.device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -114,7 +115,7 @@ class ImageOptions:
     flip: bool
     mean: tuple[float, ...]
     std: tuple[float, ...]
-    num_threads: int
+    num_threads: Optional[int]  # None: follow the rank's CPUs (cpus.loader_cpus)
     prefetch: int
 
 

@@ -1,0 +1,250 @@
+"""On NCCL the paper's layers run over NCCL's own allreduce; ours stay the implementation on gloo.
+
+Under the NCCL-ordering double with the process group claiming to be NCCL (``nccl_order(claim_nccl=
+True)``, on gloo's CPU tensors), every preset of ``configs/comm/`` (and the fp16 wire over the lazy
+pool and per tensor) is built by the factory and trained a few steps: each step must deliver what
+``dist.all_reduce`` of every rank's own gradient gives (``test_comm_every_strategy._strategy``: the
+mean, or for CSC the mean of what was sent while the residuals hold the rest), and not one
+point-to-point op may be issued (no ``isend``/``irecv``/``batch_isend_irecv``: a Python ring would
+issue 2(N-1) groups per message). ``comm.implementation=ours`` still runs our point-to-point
+algorithms there, and completes under the double. Then: which NCCL_ALGO the configuration sets (a
+user's kept), the run's description, the refusal of DDP over ours on NCCL, and DDP's hook over the
+backend's allreduce returning before the bucket is summed (overlap), in gloo processes.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_comm_every_strategy import CPU, Net, _batch, _options, _strategy
+
+from gradientflow_repro.comm import STRATEGIES, build_communicator, knobs
+from gradientflow_repro.comm.factory import prepare_backend
+from gradientflow_repro.distributed import WorldError
+
+from conftest import assert_no_failures, spawn
+from nccl_order import nccl_order
+
+# every preset, and the fp16 wire's two ways over the backend's allreduce
+VARIANTS = {**{name: {} for name in STRATEGIES}, "lazy+fp16": {"wire": "fp16"}, "ring+fp16": {"wire": "fp16"}}
+# ours, asked for by name on NCCL: still our point-to-point algorithms (at world 4 two nodes of two)
+OURS = ("gradientflow", "ring")
+
+
+def _variant_options(label: str, world: int) -> dict:
+    """Tiny messages, so that our algorithms (were they chosen) would send most of them by the ring:
+    on NCCL our small side is NCCL's allreduce, which would hide a fallback to our ring."""
+    name = label.split("+")[0]
+    return {**_options(name, world), "small_message_kb": 1, **VARIANTS.get(label, {})}
+
+
+def _every_preset_on_nccl(rank: int, world: int, out: str) -> None:
+    failures = []
+    for index, label in enumerate([*VARIANTS, *(f"ours:{name}" for name in OURS)]):
+        folder = Path(out) / str(index)
+        folder.mkdir(exist_ok=True)
+        ours = label.startswith("ours:")
+        options = _variant_options(label.removeprefix("ours:"), world)
+        if ours:
+            options["implementation"] = "ours"
+            if world % 2 == 0:
+                options["ranks_per_node"] = 2  # gradientflow's auto: the two-level ring
+        with nccl_order(timeout_s=20, claim_nccl=True) as counts:
+            described = build_communicator(options, CPU).summing
+            _strategy(rank, world, str(folder), options)
+        everywhere = torch.tensor([counts.p2p])
+        dist.all_reduce(everywhere)  # two-level: the leaders alone send point-to-point
+        failures += [f"{label}: {failure}" for failure in torch.load(folder / f"rank{rank}.pt")]
+        if ours and everywhere.item() == 0:
+            failures.append(f"{label}: comm.implementation=ours issued no point-to-point op on NCCL")
+        if not ours and counts.p2p:
+            failures.append(f"{label}: {counts.p2p} point-to-point calls on NCCL ({described})")
+        if not ours and not described.startswith("NCCL's allreduce (") or not counts.collectives:
+            failures.append(f"{label}: described as {described!r}, {counts.collectives} collectives")
+        if ours and not described.startswith("our "):
+            failures.append(f"{label}: described as {described!r}")
+    torch.save(failures, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_preset_sums_by_nccls_allreduce_on_nccl(world: int, tmp_path: Path) -> None:
+    spawn(_every_preset_on_nccl, world, str(tmp_path))
+    assert_no_failures(tmp_path, world)
+
+
+def test_what_sums_on_each_backend() -> None:
+    """The one mapping (knobs.summing): NCCL's allreduce by default on NCCL, ours on gloo."""
+    for algorithm in ("ring", "hierarchical", "auto", "builtin"):
+        on_nccl = knobs.summing(algorithm, 512, 8, "nccl")
+        assert on_nccl.how == "backend" and on_nccl.nccl_algo == ("Ring" if algorithm == "ring" else None)
+    assert knobs.summing("ring", 512, 8, "nccl", "ours").how == "ring"
+    assert knobs.summing("auto", 512, 8, "nccl", "ours").how == "two-level"
+    assert knobs.summing("auto", 512, 8, "gloo").how == "two-level"  # gloo: ours, as measured
+    assert knobs.summing("ring", 8, 4, "gloo").how == "ring"
+    assert knobs.summing("ring", 8, 4, "gloo", "backend") == knobs.Summing("backend", "gloo")
+    assert knobs.summing("builtin", 8, 4, "gloo", "ours").how == "backend"  # builtin is the backend's
+    with pytest.raises(ValueError, match="comm.implementation"):
+        knobs.resolve({"strategy": "ring", "implementation": "nccl"})
+
+
+def test_algorithm_ring_on_nccl_sets_nccl_algo_before_the_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda = torch.device("cuda", 0)  # a device object only: nothing touches a GPU
+    monkeypatch.delenv("NCCL_ALGO", raising=False)
+    assert prepare_backend({"strategy": "gradientflow"}, cuda, 8) is None  # auto: NCCL's tuner picks
+    assert prepare_backend({"strategy": "ring"}, torch.device("cpu"), 8) is None  # gloo: nothing to set
+    assert prepare_backend({"strategy": "ring"}, cuda, 1) is None  # one rank: no NCCL
+    assert prepare_backend({"strategy": "ring", "implementation": "ours"}, cuda, 8) is None
+    assert prepare_backend({"strategy": "lazy", "wire": "fp16"}, cuda, 8) == "Ring"
+    import os
+
+    assert os.environ["NCCL_ALGO"] == "Ring"
+    assert knobs.describe_nccl_algo("Ring") == "NCCL_ALGO=Ring"
+    monkeypatch.setenv("NCCL_ALGO", "Tree")  # a user's choice is kept, and the run says so
+    assert prepare_backend({"strategy": "ring"}, cuda, 8) == "Tree"
+    kept = "NCCL_ALGO=Tree from the environment, kept (comm.algorithm asks for Ring)"
+    assert knobs.describe_nccl_algo("Ring") == kept
+    assert knobs.describe_nccl_algo(None) == "NCCL_ALGO=Tree from the environment"
+
+
+def test_ddp_over_our_algorithms_on_nccl_is_refused_naming_the_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NCCL_ALGO", raising=False)
+    options = {"strategy": "ddp", "algorithm": "ring", "implementation": "ours"}
+    with pytest.raises(WorldError, match="'comm.fusion' = 'ddp' and 'comm.implementation' = 'ours'"):
+        prepare_backend(options, torch.device("cuda", 0), 8)
+    with pytest.raises(ValueError, match="comm.implementation=backend"):
+        build_communicator(options, CPU, backend="nccl")
+    prepare_backend({"strategy": "ddp", "algorithm": "ring"}, torch.device("cuda", 0), 8)  # NCCL's: fine
+    knobs.check_overlap(knobs.resolve(options), "gloo")  # gloo: runs, synchronously, as measured
+
+
+class _SlowAllreduce:
+    """``dist.all_reduce`` whose async calls finish on a thread after ``delay_s``: a hook that waits
+    for its collective would return a completed future."""
+
+    def __init__(self, original, delay_s: float) -> None:
+        self.original, self.delay_s = original, delay_s
+
+    def __call__(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if not async_op:
+            return self.original(tensor, op=op, group=group)
+        future: torch.futures.Future = torch.futures.Future()
+        work = self.original(tensor, op=op, group=group, async_op=True)  # issued now, in order
+
+        def finish() -> None:
+            time.sleep(self.delay_s)
+            work.wait()
+            future.set_result([tensor])
+        threading.Thread(target=finish, daemon=True).start()
+        return type("Work", (), {"get_future": lambda self: future, "wait": lambda self: future.wait()})()
+
+
+def _ddp_overlaps(rank: int, world: int, out: str) -> None:
+    """DDP with the fp16 wire over the backend's allreduce (gloo): each bucket's hook returns before
+    its sum is done, and the gradients are the all_reduce mean (fp16 rounding)."""
+    from gradientflow_repro.comm import ddp
+
+    failures = []
+    for options in ({"strategy": "ddp", "wire": "fp16"}, {"strategy": "ddp", "algorithm": "ring", "wire": "fp16",
+                                                          "implementation": "backend"}):
+        model = Net()
+        reference = copy.deepcopy(model)
+        comm = build_communicator({**options, "ddp_bucket_mb": 0.004}, CPU)
+        pending: list[bool] = []
+        real_hook = ddp.sum_hook
+
+        def watching(state, bucket):
+            future = real_hook(state, bucket)
+            pending.append(not future.done())
+            return future
+        ddp.sum_hook = watching  # what DDPCommunicator registers
+        try:
+            module = comm.attach(model)
+        finally:
+            ddp.sum_hook = real_hook
+        original = dist.all_reduce
+        dist.all_reduce = _SlowAllreduce(original, 0.2)
+        try:
+            for step in range(2):
+                x = _batch(rank, step)
+                reference.zero_grad(set_to_none=True)
+                reference(x).pow(2).mean().backward()
+                module(x).pow(2).mean().backward()
+                for mine, theirs in zip(model.parameters(), reference.parameters()):
+                    expected = theirs.grad.clone()
+                    original(expected)
+                    expected /= world
+                    bound = 2e-3 * world * expected.abs().max().item() + 1e-6
+                    if not (mine.grad - expected).abs().max() <= bound:
+                        failures.append(f"{options} step {step}: not the all_reduce mean")
+                model.zero_grad(set_to_none=True)
+        finally:
+            dist.all_reduce = original
+        if not pending or not all(pending):
+            failures.append(f"{options}: a hook returned a completed future ({pending}): no overlap")
+        if comm.stats.collectives == 0:
+            failures.append(f"{options}: nothing counted")
+    torch.save(failures, Path(out) / f"rank{rank}.pt")
+
+
+def test_ddp_over_the_backends_allreduce_returns_before_the_sum_is_done(tmp_path: Path) -> None:
+    spawn(_ddp_overlaps, 2, str(tmp_path))
+    assert_no_failures(tmp_path, 2)
+
+
+def test_ddp_preset_on_nccl_keeps_ddps_own_hook() -> None:
+    """fp32 DDP over NCCL's allreduce, even with comm.algorithm=ring: DDP's own (counting) hook."""
+    from gradientflow_repro.comm.ddp import DDPCommunicator
+
+    comm = build_communicator({"strategy": "ddp", "algorithm": "ring"}, CPU, backend="nccl")
+    assert isinstance(comm, DDPCommunicator) and comm.sum_fn is None
+
+
+
+# ---------------------------------------------------------------- the model prices the same choice
+def test_the_model_prices_nccls_allreduce_on_a_gpu_cluster_and_ours_as_before() -> None:
+    from dataclasses import replace
+
+    from gradientflow_repro import perfmodel as pm
+
+    gloo = pm.Network(1e8, 1e-3, ranks_per_node=4, intra_bandwidth_Bps=1e10, intra_latency_s=1e-5)
+    nccl = replace(gloo, nccl=True)
+    payload = 4e6
+    # NCCL_ALGO=Ring (comm.algorithm=ring): 2(N-1) = 14 steps, of which 2(M-1) = 2 cross the two
+    # nodes at the network's latency, 12 stay inside at the intra-node latency; no recursive doubling
+    ring = pm.Strategy.from_knobs("ring", knobs.resolve({"strategy": "ring"}))
+    assert ring.implementation == "auto" and ring.summing(8, nccl).nccl_algo == "Ring"
+    nccl_ring = 12 * 1e-5 + 2 * 1e-3 + 14 / 8 * payload / 1e8
+    assert pm.allreduce_s(payload, 8, nccl, "ring", implementation="auto") == pytest.approx(nccl_ring)
+    assert pm.allreduce_s(400, 8, nccl, "ring", implementation="auto") == pytest.approx(
+        12 * 1e-5 + 2 * 1e-3 + 14 / 8 * 400 / 1e8)
+    # auto / hierarchical: NCCL's tuner, the faster of its ring and its tree (depth log2(2) = 1)
+    tree_small = 2 * (3 * 1e-5 + 1 * 1e-3) + 2 * 400 / 1e8
+    assert pm.allreduce_s(400, 8, nccl, "auto", implementation="auto") == pytest.approx(tree_small)
+    assert pm.allreduce_s(payload, 8, nccl, "hierarchical", implementation="auto") == pytest.approx(
+        min(nccl_ring, 2 * (3 * 1e-5 + 1e-3) + 2 * payload / 1e8))
+    # ours on NCCL, by name: priced as before (the hand-built Strategy's default)
+    assert pm.allreduce_s(payload, 8, nccl, "ring", implementation="ours") == pm.allreduce_s(payload, 8, nccl, "ring")
+    assert pm.allreduce_s(payload, 8, nccl, "ring") == pytest.approx(14 * (1e-3 + payload / 8 / 1e8))
+    # gloo: auto is ours, every rung of the ladder priced exactly as before
+    for label, options in knobs.LADDER.items():
+        configured = pm.Strategy.from_knobs(label, knobs.resolve(options))
+        before = replace(configured, implementation="ours")
+        profile = pm.uniform_profile([100_000, 1000, 300_000], 0.01, 0.02)
+        assert pm.predict_step(profile, 8, gloo, configured) == pm.predict_step(profile, 8, gloo, before), label
+    # rails: NCCL's channels use every NIC of the node; our ring crosses from one GPU, one NIC
+    rails = replace(nccl, rails=4)
+    assert pm.allreduce_s(payload, 8, rails, "ring", implementation="auto") == pytest.approx(nccl_ring)
+    assert pm.allreduce_s(payload, 8, rails, "ring", implementation="ours") == pytest.approx(
+        14 * (1e-3 + payload / 8 / (1e8 / 4)))
+    assert pm.allreduce_s(payload, 8, rails, "hierarchical", implementation="ours") == pytest.approx(
+        2 * (3 * 1e-5 + payload / 1e10) + 2 * (1e-3 + payload / 2 / (1e8 / 4)))
+    # the counts follow: NCCL's allreduce counts the ring's 2(N-1)/N bytes, even for small messages
+    small = pm.Message(ready_s=0.0, payload_bytes=400, small_bytes=0.0, local_work_s=0.0)
+    assert pm._sent_bytes(small, 8, nccl, ring) == pytest.approx(14 / 8 * 400)
+    assert pm._sent_bytes(small, 8, nccl, replace(ring, implementation="ours")) == pytest.approx(3 * 400)
