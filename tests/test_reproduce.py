@@ -965,6 +965,7 @@ def test_the_convergence_study_runs_whole_schedules_and_continues_where_it_stopp
 
 def test_a_cpu_that_emulates_bf16_trains_the_comparison_in_fp32(monkeypatch, capsys) -> None:
     from gradientflow_repro import precision
+    from gradientflow_repro.config import PrecisionConfig
     from gradientflow_repro.harness.reproduce import machine_overrides
 
     monkeypatch.setattr(precision, "native_bf16", lambda device: False)
@@ -979,8 +980,8 @@ def test_a_cpu_that_emulates_bf16_trains_the_comparison_in_fp32(monkeypatch, cap
     assert machine_overrides(["+experiment=digits_cpu", "precision=bf16"]) == []  # asked for by name: kept
     assert machine_overrides(["+experiment=digits_cpu", "precision.dtype=bf16"]) == []
     assert machine_overrides(["+experiment=digits_cpu", "device=cuda"]) == []  # not on this CPU
-    assert not precision.Precision(precision.PrecisionConfig(dtype="fp32"), torch.device("cpu")).emulated_bf16
-    assert precision.Precision(precision.PrecisionConfig(dtype="bf16"), torch.device("cpu")).emulated_bf16
+    assert not precision.Precision(PrecisionConfig(dtype="fp32"), torch.device("cpu")).emulated_bf16
+    assert precision.Precision(PrecisionConfig(dtype="bf16"), torch.device("cpu")).emulated_bf16
     monkeypatch.setattr(precision, "native_bf16", lambda device: True)
     assert machine_overrides(["+experiment=digits_cpu"]) == []
-    assert not precision.Precision(precision.PrecisionConfig(dtype="bf16"), torch.device("cpu")).emulated_bf16
+    assert not precision.Precision(PrecisionConfig(dtype="bf16"), torch.device("cpu")).emulated_bf16
