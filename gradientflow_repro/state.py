@@ -246,14 +246,15 @@ class _Meta:
         self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
 
 
-def _leaves(value: Any) -> list[torch.Tensor]:
-    """The tensors in a state, in a fixed order (dicts by key, as text)."""
-    if isinstance(value, torch.Tensor):
+def _leaves(value: Any, kind: type = torch.Tensor) -> list[Any]:
+    """The leaves of type ``kind`` in a state (tensors; ``_Meta`` in a skeleton), in a fixed order
+    (dicts by key, as text): a state and its skeleton list their leaves alike."""
+    if isinstance(value, kind):
         return [value]
     if isinstance(value, dict):
-        return [leaf for key in sorted(value, key=str) for leaf in _leaves(value[key])]
+        return [leaf for key in sorted(value, key=str) for leaf in _leaves(value[key], kind)]
     if isinstance(value, (list, tuple)):
-        return [leaf for item in value for leaf in _leaves(item)]
+        return [leaf for item in value for leaf in _leaves(item, kind)]
     return []
 
 
@@ -344,7 +345,7 @@ class _Regroup:
         for piece, (rule, shape) in layout.items():
             key, sub = piece
             if rule == MEAN:
-                metas = _leaves_meta(shape)
+                metas = _leaves(shape, _Meta)
                 totals = self.sums.get(piece) or [torch.zeros(m.shape, dtype=_sum_dtype(m.dtype)) for m in metas]
                 if [tuple(t.shape) for t in totals] != [m.shape for m in metas]:
                     raise CheckpointError(f"'{key}' {sub or ''}: shapes differ between old ranks 0 and others")
@@ -401,16 +402,6 @@ class _Regroup:
                         + (f", {ranks(kept, self.world - 1)} seeded from (step, rank)"
                            if self.world > self.old else ""))
         return f"resumed {self.old}-rank checkpoint on {self.world} ranks: " + "; ".join(said)
-
-
-def _leaves_meta(skeleton: Any) -> list[_Meta]:
-    if isinstance(skeleton, _Meta):
-        return [skeleton]
-    if isinstance(skeleton, dict):
-        return [m for key in sorted(skeleton, key=str) for m in _leaves_meta(skeleton[key])]
-    if isinstance(skeleton, (list, tuple)):
-        return [m for item in skeleton for m in _leaves_meta(item)]
-    return []
 
 
 class TrainState:
