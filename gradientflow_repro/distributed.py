@@ -259,6 +259,10 @@ def wait_for_watchdog() -> None:
 
 
 DONE = b"done"  # a rank's heartbeat after it left cleanly: finished, not lost
+# a rank's heartbeat after its own watchdog ended it: it named the lost ranks itself, and the peers
+# judging at the same moment must not count it among them
+STOPPED = b"stopped"
+LEFT = (DONE, STOPPED)
 
 
 class Liveness:
@@ -312,6 +316,7 @@ class Liveness:
         self._last_values: list[bytes] = []
         self._changed: dict[int, float] = {}  # rank -> when its count last moved (monotonic)
         self._lock = threading.Lock()  # the heartbeat thread writes what the watchdog reads
+        self._write_lock = threading.Lock()  # this rank's key: counts, then why it left
         self._last_read = time.monotonic()  # when the store last answered a read
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=target, name=f"gradientflow-{name}", daemon=True)
@@ -343,8 +348,11 @@ class Liveness:
 
     def _beat(self) -> bool:
         try:
-            self._count += 1
-            self.store.set(self.keys[self.world.rank], str(self._count))
+            with self._write_lock:  # never a count after the watchdog wrote why this rank is gone
+                if self.fired.is_set():
+                    return False
+                self._count += 1
+                self.store.set(self.keys[self.world.rank], str(self._count))
             return True
         except Exception:  # noqa: BLE001 - the store is gone; judged only when we are stuck
             return False
@@ -375,10 +383,8 @@ class Liveness:
                     self.read()
                 except Exception:  # noqa: BLE001 - the store is gone: the watchdog sees _last_read age
                     pass
-        try:  # leaving: the others must not take this rank for lost
-            self.store.set(self.keys[self.world.rank], DONE)
-        except Exception:  # noqa: BLE001 - the store is gone with rank 0: nobody is left to ask
-            pass
+        if not self.fired.is_set():  # leaving cleanly: the others must not take this rank for lost
+            self._set_quietly(DONE)
 
     def peers_lost(self, now: Optional[float] = None) -> Optional[list[int]]:
         """Registered ranks whose count has not moved for ``lost_after_s`` of answers from the store
@@ -391,7 +397,7 @@ class Liveness:
                 return None
             values = dict(zip(self._registered, self._last_values))
             return [rank for rank, changed in sorted(self._changed.items()) if rank != self.world.rank
-                    and values.get(rank) != DONE and self._last_read - changed > self.lost_after_s]
+                    and values.get(rank) not in LEFT and self._last_read - changed > self.lost_after_s]
 
     def _watch(self) -> None:
         while not self._stop.wait(self.beat_s):
@@ -412,9 +418,25 @@ class Liveness:
             dump = dump_flight_recorder(self.world.rank) if self.nccl else None
             print(f"error: {message}" + (f"; NCCL flight recorder in {dump}" if dump else ""),
                   file=sys.stderr, flush=True)
+            self._stop.set()  # no more counts: the key says why this rank is gone
+            self._write_left(STOPPED)
             if self.world.rank == 0:  # it may host the store the other ranks are still reading
                 time.sleep(self.window_s + 2 * self.store_timeout_s)
             os._exit(1)
+
+    def _write_left(self, value: bytes) -> None:
+        """Write ``value`` under this rank's key from a helper thread (the store may be frozen: the
+        watching thread never blocks on it for more than one store timeout)."""
+        writer = threading.Thread(target=lambda: self._set_quietly(value), daemon=True)
+        writer.start()
+        writer.join(timeout=self.store_timeout_s)
+
+    def _set_quietly(self, value: bytes) -> None:
+        try:
+            with self._write_lock:
+                self.store.set(self.keys[self.world.rank], value)
+        except Exception:  # noqa: BLE001 - the store is gone with rank 0: nobody is left to ask
+            pass
 
     def silent_ranks(self) -> Optional[list[int]]:
         """Ranks that never started their heartbeat, or whose count did not move over a few beats
@@ -429,7 +451,7 @@ class Liveness:
             time.sleep(self.window_s)
             after = self.store.multi_get(keys)
             result.append(sorted(never + [rank for rank, a, b in zip(registered, before, after)
-                                          if a == b and a != DONE and rank != self.world.rank]))
+                                          if a == b and a not in LEFT and rank != self.world.rank]))
 
         reader = threading.Thread(target=compare, daemon=True)
         reader.start()

@@ -287,8 +287,11 @@ def test_mixed_precision_and_the_check_import_without_hydra_omegaconf_yaml_or_wa
 def test_make_gpu_check_installs_nothing(tmp_path: Path) -> None:
     """Without a venv it runs the machine's python3 (or PYTHON=...); with one, the venv's python."""
     def dry_run(*args: str) -> list[str]:
-        done = subprocess.run(["make", "-n", "gpu-check", *args], cwd=REPO, capture_output=True, text=True,
-                              timeout=60, env={k: v for k, v in os.environ.items() if k not in ("PYTHON", "VENV")})
+        # under a parent make (as `make test` runs it) MAKELEVEL/MAKEFLAGS would add "Entering directory"
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("PYTHON", "VENV") and not k.startswith(("MAKE", "MFLAGS"))}
+        done = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=60, env=env)
         assert done.returncode == 0, done.stderr
         return [line.strip() for line in done.stdout.splitlines() if line.strip()]
 

@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from gradientflow_repro import distributed
-from gradientflow_repro.distributed import DONE, Liveness, World
+from gradientflow_repro.distributed import DONE, STOPPED, Liveness, World
 
 
 class CountingStore:
@@ -91,6 +91,31 @@ def test_a_rank_whose_heartbeat_stops_is_lost_and_a_rank_that_left_is_not() -> N
     # the store stops answering (its host froze): that is what is lost, not the ranks it last showed
     assert liveness.peers_lost(liveness._last_read + 0.9) == [2]
     assert liveness.peers_lost(liveness._last_read + 1.5) is None
+
+
+def test_a_peer_whose_own_watchdog_ended_it_is_not_named_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks stuck in the same collective arm at the same step and fire within a beat of each
+    other: one that has already printed its line and left must not appear in the next one's list
+    (a real race in a three-rank run with one rank frozen)."""
+    store = dist.HashStore()
+    ended = Liveness(store, _world(2, 3), limit_s=0.3, beat_s=0.05, lost_after_s=30.0)
+    judge = Liveness(store, _world(0, 3), limit_s=30.0, beat_s=0.05, lost_after_s=30.0)
+    for liveness in (ended, judge):
+        liveness._beat()
+        store.append(liveness.registry, f"{liveness.world.rank},")
+    store.set(judge.keys[1], "1")  # rank 1: frozen, never counts again
+    store.append(judge.registry, "1,")
+    exits: list[int] = []
+    monkeypatch.setattr(distributed.os, "_exit", exits.append)
+    ended.where = "step 5"
+    ended.since = time.monotonic() - 1.0  # stalled past its limit: its watchdog fires at once
+    ended.start()
+    deadline = time.monotonic() + 10
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ended.stop()
+    assert exits == [1] and store.get(ended.keys[2]) == STOPPED
+    assert judge.silent_ranks() == [1]
 
 
 @pytest.mark.parametrize("size", [4, 64])
