@@ -13,11 +13,12 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
+from gradientflow_repro import REPO
 from gradientflow_repro.checks import (
     boolean,
     field_problems,
@@ -211,3 +212,15 @@ def _validate_image_folder(root: Optional[str]) -> None:
             _fail("data.root", root, f"has no '{split}' directory (expected {split}/<class>/<image>)")
         if not any(p.is_dir() for p in split_dir.iterdir()):
             _fail("data.root", root, f"'{split}' has no class folders (expected {split}/<class>/<image>)")
+
+
+def compose(overrides: Sequence[str]) -> "DictConfig":
+    """The configuration ``gradientflow_repro.train`` runs with these Hydra ``overrides``, composed in
+    this process from the checkout's ``configs/`` (no Hydra app, no run directory, nothing validated):
+    how the benchmarks, profiles and checks read an experiment instead of restating it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        return hydra_compose(config_name="config", overrides=list(overrides))

@@ -7,7 +7,7 @@ calls back to back, as nccl-tests does), so ratios are not skewed by drift; the 
 repeated (``--repeats``) and the table gives the median and the range over the sweeps. Bus bandwidth follows
 nccl-tests: algbw = bytes / time, busbw = algbw * 2(N-1)/N (what each link carries for a
 bandwidth-optimal allreduce). Hierarchical treats blocks of ``--ranks-per-node`` ranks as nodes.
-The logic: gradientflow_repro/harness/bench_allreduce.py.
+The logic: gradientflow_repro/bench/allreduce.py.
 
     python scripts/bench_allreduce.py [--worlds 2 4] [--max-mb 256] [--repeats 3] [--backend gloo]
     # the ring's segment size against the default, side by side:
@@ -21,9 +21,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from gradientflow_repro import REPO
+from gradientflow_repro.bench.allreduce import bench_allreduce
 from gradientflow_repro.comm.ring import DEFAULT_SEGMENT_BYTES
-from gradientflow_repro.harness import REPO
-from gradientflow_repro.harness.bench_allreduce import bench_allreduce
 
 
 def main() -> None:

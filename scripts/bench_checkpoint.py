@@ -6,7 +6,7 @@ scaled-down CSC residual + velocity (every rank writes and hashes its own file) 
 (each rank verifies and loads only its files), next to what the previous design's rank-0-only
 verification cost; then the projection for 512 ranks of AlexNet-BN and ResNet-50 with
 comm=gradientflow at a stated file-system bandwidth, against the 180 s preemption warning.
-The logic: gradientflow_repro/harness/bench_checkpoint.py.
+The logic: gradientflow_repro/bench/checkpoint.py.
 
     python scripts/bench_checkpoint.py [--worlds 1 2 4 8] [--rank-mb 64] [--shared-mb 32] [--repeats 3]
 """
@@ -17,8 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from gradientflow_repro.harness import REPO
-from gradientflow_repro.harness.bench_checkpoint import bench_checkpoint
+from gradientflow_repro import REPO
+from gradientflow_repro.bench.checkpoint import bench_checkpoint
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ nodes x 2, 4 ranks as 2 x 2; then the largest dense strategy again at twice the 
 network-bound check, after the first round). Every layout is launched 3 times in rounds
 (--launches): the tables give the median over the launches and each launch's figure. Stopped, the
 same command continues from the finished launches (--fresh discards them). Needs root for the
-emulation (else loopback, and the report says so). The logic: gradientflow_repro/harness/bench_cluster.py.
+emulation (else loopback, and the report says so). The logic: gradientflow_repro/bench/cluster.py.
 
     python scripts/bench_cluster.py [--rate-mbit 50] [--steps 7] [--layouts 8x4 8x2 4x2] [--launches 3]
 """
@@ -20,9 +20,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from gradientflow_repro.harness import bench_cluster as bench
-from gradientflow_repro.harness.netemu import run_script
-from gradientflow_repro.harness.progress import CannotContinue
+from gradientflow_repro.bench import cluster as bench
+from gradientflow_repro.cluster.netemu import run_script
+from gradientflow_repro.reproduction.progress import CannotContinue
 
 
 def layout(text: str) -> tuple[int, int]:

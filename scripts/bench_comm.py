@@ -6,7 +6,7 @@ both end in an adaptive pool, so a small random input gives the real 61M / 25.6M
 gradients at a fraction of the compute), each strategy runs real steps (forward, backward,
 ``synchronize()``) in ``--world`` gloo processes. Reported per step: seconds the trainer waited in
 ``synchronize()``, the whole step, bytes this rank sent and collectives issued. CSC is measured in
-its sparse phase (after warm-up). The logic: gradientflow_repro/harness/bench_comm.py.
+its sparse phase (after warm-up). The logic: gradientflow_repro/bench/comm.py.
 
     python scripts/bench_comm.py [--world 4] [--steps 3] [--models alexnet resnet50]
 """
@@ -17,8 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from gradientflow_repro.harness import REPO
-from gradientflow_repro.harness.bench_comm import bench_comm
+from gradientflow_repro import REPO
+from gradientflow_repro.bench.comm import bench_comm
 
 
 def main() -> None:

@@ -11,7 +11,7 @@
    draw crop windows) without decoding, per reader worker and through DALI's worker pool, on
    synthetic ImageNet-sized JPEGs; how many workers a rank needs for the paper's 3,297 images/s.
    --feeder-only runs just this one and rewrites only its section of the file.
-The logic: gradientflow_repro/harness/bench_loader.py.
+The logic: gradientflow_repro/bench/loader.py.
 
     python scripts/bench_loader.py [--threads 2] [--batches 30] [--rounds 3] [--feeder-only]
 """
@@ -22,8 +22,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from gradientflow_repro.harness import REPO
-from gradientflow_repro.harness.bench_loader import bench_feeder, bench_loader, write_feeder_section
+from gradientflow_repro import REPO
+from gradientflow_repro.bench.loader import bench_feeder, bench_loader, write_feeder_section
 
 
 def main() -> None:

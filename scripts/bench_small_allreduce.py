@@ -6,7 +6,7 @@ For each world size, gloo ranks on loopback time every message size (4 B, then t
 warm-up; each figure is the slowest rank's trimmed mean per call. The file states, per world size,
 the largest size at which recursive doubling beats the ring, and the value for
 ``SMALL_MESSAGE_BYTES`` (gradientflow_repro/comm/knobs.py) that follows.
-The logic: gradientflow_repro/harness/bench_small.py.
+The logic: gradientflow_repro/bench/small_allreduce.py.
 
     python scripts/bench_small_allreduce.py [--worlds 2 4 8] [--max-bytes 4194304] [--budget-s 1.0]
 """
@@ -17,8 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from gradientflow_repro.harness import REPO
-from gradientflow_repro.harness.bench_small import bench_small
+from gradientflow_repro import REPO
+from gradientflow_repro.bench.small_allreduce import bench_small
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ once per seed without stopping at the target, on loopback, then results/converge
 
 Finished runs are kept (results/runs/convergence/) and reused by the next study with the same
 overrides, world size and code (commit and uncommitted changes): run it again after an interruption
-and it continues. What it does: gradientflow_repro/harness/convergence.py.
+and it continues. What it does: gradientflow_repro/reproduction/convergence.py.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from gradientflow_repro.harness import convergence
-from gradientflow_repro.harness.netemu import run_script
+from gradientflow_repro.cluster.netemu import run_script
+from gradientflow_repro.reproduction import convergence
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
 For each fault: what the harness did (exit code, the error it printed), how long after the fault
 fired the job ended (time to detection), and whether anything was lost (the newest complete
 checkpoint, and whether a resumed run finishes from it). The scenarios and the logic:
-gradientflow_repro/harness/fault_report.py.
+gradientflow_repro/reproduction/fault_report.py.
 
     python scripts/fault_report.py [--out results/reliability.md]
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from gradientflow_repro.harness import REPO
-from gradientflow_repro.harness.fault_report import fault_report
+from gradientflow_repro import REPO
+from gradientflow_repro.reproduction.fault_report import fault_report
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ handle (PNG content behind a .JPEG name, CMYK or grayscale JPEGs); exit code 1 i
 was found. The label file for --arrange-val is either the Kaggle CSV
 (``ImageId,PredictionString`` with the wnid first) or lines of ``<file name> <wnid>``; images are
 moved (same filesystem) into ``val/<wnid>/``. Nothing is moved unless every listed file exists.
-The logic: gradientflow_repro/harness/imagenet.py.
+The logic: gradientflow_repro/data/imagenet.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from gradientflow_repro.harness.imagenet import arrange_val, check
+from gradientflow_repro.data.imagenet import arrange_val, check
 
 
 def main() -> int:

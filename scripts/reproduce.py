@@ -11,7 +11,7 @@ options that shape the runs (not --timeout-s or --report), the overrides, the co
 uncommitted changes) and the machine (CPU, cores, GPU, Python and torch versions); with another, it
 stops and says what differs, and --fresh discards the unfinished reproduction and starts over. A
 finished one is always done again; two launches never work in one directory at once.
-What it does, step by step: gradientflow_repro/harness/reproduce.py.
+What it does, step by step: gradientflow_repro/reproduction/reproduce.py.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from gradientflow_repro.cluster.netemu import run_script
 from gradientflow_repro.comm.knobs import COMPARED
-from gradientflow_repro.harness import reproduce
-from gradientflow_repro.harness.netemu import run_script
-from gradientflow_repro.harness.progress import CannotContinue
+from gradientflow_repro.reproduction import reproduce
+from gradientflow_repro.reproduction.progress import CannotContinue
 
 
 def main() -> None:

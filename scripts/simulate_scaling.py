@@ -2,7 +2,7 @@
 """The scaling model for any published setup -> results/scaling.md, .png
 
 With no options: the paper's setting (AlexNet-BN at 224, 128 images per GPU, 56 Gbit/s, 8 GPUs per
-node; each value's source in gradientflow_repro/perfmodel.py), the speedup of every strategy for 1
+node; each value's source in gradientflow_repro/scaling/perfmodel.py), the speedup of every strategy for 1
 to 512 GPUs, the checks against the paper's 410.2x and 2.5x, and the sensitivity of the full stack.
 Every input is an option, so another paper's cluster can be set against the model without editing
 code, e.g. ResNet-50 at 256 images per GPU on 100 Gbit/s with 4 GPUs per node:
@@ -10,7 +10,7 @@ code, e.g. ResNet-50 at 256 images per GPU on 100 Gbit/s with 4 GPUs per node:
     python scripts/simulate_scaling.py --model resnet50 --images-per-gpu 256 --single-gpu-images-s 1200 \\
         --link-gbps 100 --gpus-per-node 4 --out results/scaling_resnet50
 
-The logic: gradientflow_repro/harness/scaling.py.
+The logic: gradientflow_repro/scaling/projection.py.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from gradientflow_repro.harness import REPO
-from gradientflow_repro.harness.scaling import DEFAULT_STRATEGIES, Setup, strategy_options, write_scaling
+from gradientflow_repro import REPO
+from gradientflow_repro.scaling.projection import DEFAULT_STRATEGIES, Setup, strategy_options, write_scaling
 
 
 def main() -> None:

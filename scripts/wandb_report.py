@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gradientflow_repro.harness.wandb_report import build_report
+from gradientflow_repro.reproduction.wandb_report import build_report
 
 
 def main() -> int:

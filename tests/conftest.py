@@ -1,5 +1,5 @@
 """Shared helpers: the embedded dataset, launching real multi-process training with torchrun or as
-``make reproduce`` does (``train``), and (from ``gradientflow_repro.harness.world``) ``spawn`` and
+``make reproduce`` does (``train``), and (from ``gradientflow_repro.cluster.world``) ``spawn`` and
 ``free_port`` for gloo processes."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 # a port, and a function in N gloo processes: the package's helpers, re-exported for the tests
-from gradientflow_repro.harness.world import free_port, spawn  # noqa: F401
+from gradientflow_repro.cluster.world import free_port, spawn  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -38,7 +38,7 @@ def for_this_cpu(overrides: list[str]) -> list[str]:
     """``overrides`` and what this machine needs, as ``make reproduce`` adds it: digits_cpu trains
     under bf16 autocast, which a CPU without native bf16 emulates at many times fp32's time, so
     there a run trains in fp32 unless it names a precision (the tests about bf16 do)."""
-    from gradientflow_repro.harness.reproduce import machine_overrides
+    from gradientflow_repro.reproduction.reproduce import machine_overrides
 
     try:
         return [*overrides, *machine_overrides(overrides)]
@@ -68,13 +68,13 @@ def torchrun(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 2
 
 
 def train(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 240) -> str:
-    """A training launch on loopback by ``harness.launch.run_ranks``, as ``make reproduce`` launches
+    """A training launch on loopback by ``cluster.launch.run_ranks``, as ``make reproduce`` launches
     its ranks: the environment torchrun gives (rank, local rank, world size, master), one thread per
     rank, wandb offline, this CPU's precision override. The ranks are forked from this process
-    (``harness.preloaded``) where that is safe, so they skip seconds of imports each; tests of what
+    (``cluster.preloaded``) where that is safe, so they skip seconds of imports each; tests of what
     torchrun itself does (the entry point, a lost rank, signals) use ``torchrun``. Returns rank 0's
     output; a failed rank fails with every failed rank's last lines."""
-    from gradientflow_repro.harness.launch import run_ranks
+    from gradientflow_repro.cluster.launch import run_ranks
 
     run_ranks(nproc, [f"run_dir={run_dir}", *for_this_cpu(overrides)], run_dir, "train", None, timeout, show=False)
     return (run_dir / "rank0.log").read_text()

@@ -1,4 +1,4 @@
-"""The communication-only cluster benchmark (``harness.bench_cluster``): the replay releases every
+"""The communication-only cluster benchmark (``bench.cluster``): the replay releases every
 gradient in the order asked, and a short run on loopback writes complete rows and tables."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradientflow_repro.harness import bench_cluster
+from gradientflow_repro.bench import cluster as bench_cluster
 
 
 def test_the_replay_releases_each_gradient_in_the_given_order_with_its_value() -> None:
@@ -83,7 +83,7 @@ def _fake_layout(calls: list[tuple[str, int]], stop_at: int = 0):
 
 def test_an_interrupted_benchmark_keeps_its_finished_launches_and_continues_only_the_same_plan(
         tmp_path: Path, monkeypatch) -> None:
-    from gradientflow_repro.harness.progress import CannotContinue
+    from gradientflow_repro.reproduction.progress import CannotContinue
 
     md, raw, runs = tmp_path / "c.md", tmp_path / "c.json", tmp_path / "runs"
     plan = {"layouts": [(2, 1), (4, 2)], "labels": ["lazy"], "steps": 1, "warmup": 0, "emulate": False,
@@ -117,7 +117,7 @@ def test_an_interrupted_benchmark_keeps_its_finished_launches_and_continues_only
 
 
 def test_the_model_is_set_against_the_median_over_launches_with_each_launchs_error(monkeypatch) -> None:
-    from gradientflow_repro.harness import cluster_check
+    from gradientflow_repro.scaling import cluster_check
 
     def row(label: str, launch: int, measured: float, predicted: float, layout: str = "2x4") -> dict:
         return {"layout": layout, "world": 8, "strategy": label, "launch": launch, "options": {},
@@ -145,7 +145,7 @@ def test_the_model_is_set_against_the_median_over_launches_with_each_launchs_err
 
 
 def test_a_strategy_that_failed_in_a_launch_is_counted_over_the_others() -> None:
-    from gradientflow_repro.harness import cluster_check
+    from gradientflow_repro.scaling import cluster_check
 
     ran = {"layout": "2x2", "world": 4, "strategy": "csc", "comm_s_min": 0.1, "comm_s_max": 0.3, "error": None}
     rows = [{**ran, "launch": 1, "comm_s_median": 0.2}, {**ran, "launch": 2, "error": "RuntimeError: x"},
@@ -158,7 +158,7 @@ def test_a_strategy_that_failed_in_a_launch_is_counted_over_the_others() -> None
 
 
 def test_a_failed_network_bound_check_names_a_rate_that_would_pass() -> None:
-    from gradientflow_repro.harness.bench_cluster import SUGGESTED_SPEEDUP, _suggestion, rate_for_speedup
+    from gradientflow_repro.bench.cluster import SUGGESTED_SPEEDUP, _suggestion, rate_for_speedup
 
     fixed, wire_at_100 = 0.309, 1.176  # the split of results/cluster_comm.md's failed check on a slow machine
 

@@ -141,7 +141,7 @@ def test_the_communication_thread_adopts_the_rank_s_gpu(monkeypatch: pytest.Monk
 
 
 def test_reproduce_gives_each_rank_its_local_rank(tmp_path: Path) -> None:
-    from gradientflow_repro.harness import launch
+    from gradientflow_repro.cluster import launch
 
     probe = ("import os; print('[probe]', os.environ['LOCAL_RANK'], os.environ['LOCAL_WORLD_SIZE'], "
              "flush=True)")

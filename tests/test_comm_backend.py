@@ -210,7 +210,7 @@ def test_ddp_preset_on_nccl_keeps_ddps_own_hook() -> None:
 def test_the_model_prices_nccls_allreduce_on_a_gpu_cluster_and_ours_as_before() -> None:
     from dataclasses import replace
 
-    from gradientflow_repro import perfmodel as pm
+    from gradientflow_repro.scaling import perfmodel as pm
 
     gloo = pm.Network(1e8, 1e-3, ranks_per_node=4, intra_bandwidth_Bps=1e10, intra_latency_s=1e-5)
     nccl = replace(gloo, nccl=True)

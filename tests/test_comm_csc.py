@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradientflow_repro import perfmodel as pm
 from gradientflow_repro.comm.base import CommStats, builtin_sum
 from gradientflow_repro.comm.csc import (
     BucketState,
@@ -26,6 +25,7 @@ from gradientflow_repro.comm.csc import (
 from gradientflow_repro.comm.lazy import LazyAllreduce
 from gradientflow_repro.comm.ring import ring_sum
 from gradientflow_repro.optim import Lars, parameter_groups
+from gradientflow_repro.scaling import perfmodel as pm
 
 from conftest import assert_no_failures, spawn
 

@@ -1,4 +1,4 @@
-"""The FLOP-based profile (``harness/profile.py``): exact counts on layers small enough to count by
+"""The FLOP-based profile (``scaling/profile.py``): exact counts on layers small enough to count by
 hand, and on AlexNet-BN at 224 the property that motivates it, that the convolutions do most of
 backward's work while the fully connected layers hold most of the parameters."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from gradientflow_repro import perfmodel as pm
-from gradientflow_repro.harness import profile
-from gradientflow_repro.harness.profile import flop_profile, flop_readiness, flops_per_image, readiness_table
 from gradientflow_repro.models import build_model
+from gradientflow_repro.scaling import perfmodel as pm
+from gradientflow_repro.scaling import profile
+from gradientflow_repro.scaling.profile import flop_profile, flop_readiness, flops_per_image, readiness_table
 
 
 def test_linear_counts_by_hand() -> None:

@@ -10,19 +10,19 @@ import pytest
 import torch
 from torch import nn
 
-from gradientflow_repro import perfmodel as pm
 from gradientflow_repro.comm import knobs
 from gradientflow_repro.comm.csc import CSCCommunicator
 from gradientflow_repro.comm.lazy import LazyAllreduce
 from gradientflow_repro.comm.pool import CSCPart, Part, csc_parts, pack_parts
-from gradientflow_repro.harness.reproduce import ladder_overrides
-from gradientflow_repro.harness.runs import dense_warmup_epochs
+from gradientflow_repro.reproduction.reproduce import ladder_overrides
+from gradientflow_repro.reproduction.runs import dense_warmup_epochs
+from gradientflow_repro.scaling import perfmodel as pm
 
 from conftest import REPO
 
 
 def test_the_analytic_model_imports_no_torch() -> None:
-    code = ("import sys; import gradientflow_repro.perfmodel as pm; pm.LADDER; "
+    code = ("import sys; import gradientflow_repro.scaling.perfmodel as pm; pm.LADDER; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

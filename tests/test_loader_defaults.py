@@ -144,8 +144,7 @@ def test_torchvision_labels_arrive_from_pinned_memory_without_a_host_sync(digits
 
 
 def test_imagenet_config_follows_the_cpus_and_digits_keeps_one_thread(digits_root: Path) -> None:
-    from gradientflow_repro.config import ConfigError, validate
-    from gradientflow_repro.harness import compose
+    from gradientflow_repro.config import ConfigError, compose, validate
 
     paper = compose(["+experiment=alexnet_512gpu", f"data.root={digits_root}", "data.num_classes=10"])
     assert paper.data.num_threads is None

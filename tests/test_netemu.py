@@ -1,4 +1,4 @@
-"""The emulated cluster of ``harness.netemu`` with nodes of several ranks: ranks of one node share a
+"""The emulated cluster of ``cluster.netemu`` with nodes of several ranks: ranks of one node share a
 namespace and talk over loopback (unshaped), nodes talk through one shaped uplink each, the ranks
 are told their place in the node, and nothing is left behind."""
 
@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from gradientflow_repro.harness import netemu, preloaded
-from gradientflow_repro.harness.launch import network, run_ranks
+from gradientflow_repro.cluster import netemu, preloaded
+from gradientflow_repro.cluster.launch import network, run_ranks
 
 # Each rank: its node's namespace, its local rank, the address gloo bound to; then rank 0 times an
 # 8 MiB send (and a one-element reply) to rank 1 (its own node) and to rank 2 (the other node).
 PROBE = """
 import json, os, time
 import torch, torch.distributed as dist
-from gradientflow_repro.harness.world import run_rank
+from gradientflow_repro.cluster.world import run_rank
 
 def probe(rank, world):
     seen = [None] * world
@@ -50,7 +50,7 @@ run_rank(probe, int(os.environ['RANK']), int(os.environ['WORLD_SIZE']), 'env://'
 def test_two_nodes_of_two_ranks_share_a_shaped_uplink_and_talk_inside_unshaped(
         started: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each rank a fresh interpreter (``-c``), or forked from this process into its node's
-    namespace (``-m``, ``harness.preloaded``), as training ranks are."""
+    namespace (``-m``, ``cluster.preloaded``), as training ranks are."""
     module: tuple[str, ...] = ("-c", PROBE)
     if started == "forked":
         (tmp_path / "netemu_probe.py").write_text(PROBE)

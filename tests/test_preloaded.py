@@ -1,4 +1,4 @@
-"""Ranks forked from a launcher that imported torch once (``harness.preloaded``) are what ``python
+"""Ranks forked from a launcher that imported torch once (``cluster.preloaded``) are what ``python
 -m MODULE ARGS`` would have been: exit status, output, environment, session, signal handlers, working
 directory, the module as ``__main__``; a rank that cannot start is named. The same ranks in the
 emulated network are ``test_netemu``'s probe, forked."""
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gradientflow_repro.harness import netemu, preloaded
+from gradientflow_repro.cluster import netemu, preloaded
 
 # A module that reports what a fresh interpreter would show, then exits as its argument says.
 PROBE = """

@@ -268,7 +268,7 @@ def test_default_threshold_is_a_measured_power_of_four() -> None:
 
 
 def test_small_message_bench_writes_the_table(tmp_path: Path) -> None:
-    from gradientflow_repro.harness.bench_small import bench_small
+    from gradientflow_repro.bench.small_allreduce import bench_small
 
     out = tmp_path / "small.md"
     text = bench_small(out, worlds=(2,), max_bytes=64, budget_s=0.01, min_calls=3, command="bench test")

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradientflow_repro import perfmodel as pm
+from gradientflow_repro.cluster import netemu
+from gradientflow_repro.cluster.launch import run_ranks
 from gradientflow_repro.comm import knobs
-from gradientflow_repro.harness import netemu
-from gradientflow_repro.harness.launch import run_ranks
-from gradientflow_repro.harness.profile import measure_wire_cast_s_per_element
+from gradientflow_repro.scaling import perfmodel as pm
+from gradientflow_repro.scaling.profile import measure_wire_cast_s_per_element
 
 from conftest import REPO
 
@@ -145,8 +145,8 @@ def test_csc_under_momentum_correction_pays_the_optimizers_plain_step() -> None:
     """Sparse under momentum correction, the optimizer runs as plain SGD (CSC's local work does its
     momentum, weight decay and Lars's adaptation): the model prices that step, measured by the
     profile on the run's own optimizer, and the whole step otherwise."""
-    from gradientflow_repro.harness.profile import measure_optimizer_s
     from gradientflow_repro.optim import Lars
+    from gradientflow_repro.scaling.profile import measure_optimizer_s
 
     plain = replace(PROFILE, plain_optimizer_s=0.001)
     net = pm.Network(1e9, 1e-5)
@@ -196,7 +196,7 @@ def test_csc_pool_parts_and_norms_as_the_communicator_sends_them() -> None:
     assert not pm.Strategy.from_knobs("gf", full_stack, lars=False).noise_sketch
     assert not pm.Strategy.from_knobs("gf", replace(full_stack, trust_noise_correction=False)).noise_sketch
     # the report's model check asks the runs: Lars without weight decay adapts nothing, sends none
-    from gradientflow_repro.harness.runs import sends_trust_sketches
+    from gradientflow_repro.reproduction.runs import sends_trust_sketches
     assert sends_trust_sketches({"config": {"optim": {"name": "lars", "weight_decay": 5e-4}}})
     assert not sends_trust_sketches({"config": {"optim": {"name": "lars", "weight_decay": 0.0}}})
     assert not sends_trust_sketches({"config": {"optim": {"name": "apex_larc", "weight_decay": 5e-4}}})
@@ -336,7 +336,7 @@ def test_ctrl_c_ends_a_script_with_130_and_no_traceback(tmp_path: Path) -> None:
     script = tmp_path / "long.py"
     script.write_text(
         "import os, signal, time\n"
-        "from gradientflow_repro.harness.netemu import run_script\n"
+        "from gradientflow_repro.cluster.netemu import run_script\n"
         "def main():\n"
         "    try:\n"
         "        os.kill(os.getpid(), signal.SIGINT)\n"
@@ -458,7 +458,7 @@ def test_short_comparison_interrupted_continues_and_writes_a_complete_report(tmp
 
 
 def test_progress_continues_only_the_same_unfinished_plan_and_discards_only_when_told(tmp_path: Path) -> None:
-    from gradientflow_repro.harness.progress import CannotContinue, Progress
+    from gradientflow_repro.reproduction.progress import CannotContinue, Progress
 
     def kept(plan: dict, runs: Path = tmp_path / "runs", fresh: bool = False, job: str = "") -> int:
         with Progress(runs, plan, fresh) as progress:
@@ -514,7 +514,7 @@ def test_a_measured_network_sets_the_switch_over_to_the_ring_of_our_own_algorith
     send the same bytes and recursive doubling has fewer steps, so the model never prefers the ring:
     the default (measured on loopback) caps it, and a `ring` rung still sends large messages by the ring."""
     from gradientflow_repro.comm import knobs
-    from gradientflow_repro.harness.netbench import small_message_kb
+    from gradientflow_repro.scaling.netbench import small_message_kb
 
     measured = {"bandwidth_Bps": 29.1e6, "latency_s": 1231e-6}
     assert small_message_kb(4, measured) == 256 and small_message_kb(2, measured) == 1024  # the default caps it
@@ -528,7 +528,7 @@ def test_a_measured_network_sets_the_switch_over_to_the_ring_of_our_own_algorith
 
 
 def test_check_world_sizes_default_to_2_unless_it_is_the_ladders_and_never_repeat() -> None:
-    from gradientflow_repro.harness.reproduce import check_worlds_for
+    from gradientflow_repro.reproduction.reproduce import check_worlds_for
 
     assert check_worlds_for(4, None) == [2] and check_worlds_for(2, None) == []  # make reproduce NPROC=2
     assert check_worlds_for(4, (3, 2)) == [3, 2] and check_worlds_for(4, ()) == []
@@ -542,9 +542,9 @@ def test_a_reproduction_interrupted_at_any_job_continues_to_the_same_result(tmp_
     """Every job of a small plan (two world sizes checked), with launches and measurements faked:
     stopped at job k, the next launch runs job k and those after it, once each, and ends with the
     facts of an uninterrupted reproduction; stopped while writing the report, it trains nothing again."""
-    from gradientflow_repro.harness import code_version
-    from gradientflow_repro.harness import reproduce as rp
-    from gradientflow_repro.harness.netbench import small_message_kb
+    from gradientflow_repro.provenance import code_version
+    from gradientflow_repro.reproduction import reproduce as rp
+    from gradientflow_repro.scaling.netbench import small_message_kb
 
     if code_version() is None:
         pytest.skip("git cannot say which code this is: nothing can be continued")
@@ -670,7 +670,7 @@ def test_the_report_splits_gradientflows_gap_into_the_links_rate_and_the_rest() 
     """gradientflow's step over the compute-only step, and with the links unshaped the part the link's
     rate accounts for; the note on ranks sharing cores only where they do. The network table says
     where recursive doubling hands over to the ring (the default for a network measured before)."""
-    from gradientflow_repro.harness.report import _hidden_communication, _network_table
+    from gradientflow_repro.reproduction.report import _hidden_communication, _network_table
 
     checks = {4: {"allreduce": {"step_s": 0.5, "sync_wait_s": 0.3, "behind_slowest_s": 0.04},
                   "gradientflow": {"step_s": 0.3, "behind_slowest_s": 0.05}}}
@@ -708,7 +708,7 @@ def test_the_model_runs_on_the_slowest_ranks_clock_of_the_allreduce_runs_beside_
     """The model's compute at a world size is allreduce's step less its wait plus how much longer its
     slowest rank's forward and backward took (every collective after backward waits for it); for a
     rung with short runs at the ladder's world size, that of allreduce's short runs beside them."""
-    from gradientflow_repro.harness.report import model_check
+    from gradientflow_repro.reproduction.report import model_check
 
     calibration = {"profile": {"forward_s": 0.01, "backward_s": 0.02, "optimizer_s": 0.0,
                                "tensors": [[40000, 0.02, False], [100, 0.02, True]]}}
@@ -754,7 +754,7 @@ def test_a_steady_step_is_the_median_interval_after_the_warmup_and_says_what_was
     """Intervals that begin at or after the warm-up, their medians; the wait for the slowest rank
     where every interval logged it (runs from before it was logged have none, and their repeats
     leave it out of the median over repeats)."""
-    from gradientflow_repro.harness.runs import median_step, steady_step
+    from gradientflow_repro.reproduction.runs import median_step, steady_step
 
     def interval(epoch: float, step_s: float, behind: "float | None" = None) -> dict:
         return {"kind": "train", "epoch": epoch, "step_s": step_s, "sync_wait_s_per_step": step_s / 4,
@@ -770,7 +770,7 @@ def test_a_steady_step_is_the_median_interval_after_the_warmup_and_says_what_was
 
 
 def test_the_speedup_decomposes_into_step_time_epochs_and_overhead() -> None:
-    from gradientflow_repro.harness.report import decomposition
+    from gradientflow_repro.reproduction.report import decomposition
 
     runs = {"ddp": [_fake_run("ddp", s, [90, 95, 98], step_s=0.2) for s in range(3)],
             "gradientflow": [_fake_run("gradientflow", s, [90, 94, 96, 98], step_s=0.05) for s in range(3)]}
@@ -785,7 +785,7 @@ def test_the_speedup_decomposes_into_step_time_epochs_and_overhead() -> None:
 
 
 def test_the_decomposition_states_the_floor_of_the_step_ratio() -> None:
-    from gradientflow_repro.harness.report import _decomposition_section
+    from gradientflow_repro.reproduction.report import _decomposition_section
 
     runs = {"ddp": [_fake_run("ddp", s, [90, 95, 98], step_s=0.2) for s in range(3)],
             "gradientflow": [_fake_run("gradientflow", s, [90, 94, 96, 98], step_s=0.05) for s in range(3)]}
@@ -798,7 +798,7 @@ def test_the_decomposition_states_the_floor_of_the_step_ratio() -> None:
 
 
 def test_the_report_names_falls_after_warmup_and_dense_disagreement() -> None:
-    from gradientflow_repro.harness.report import convergence_table, dense_agreement, falls_after_warmup
+    from gradientflow_repro.reproduction.report import convergence_table, dense_agreement, falls_after_warmup
 
     runs = {"allreduce": [_fake_run("allreduce", 0, [50, 96, 98]), _fake_run("allreduce", 1, [40, 80, 98])],
             "ddp": [_fake_run("ddp", 0, [50, 90, 84, 98]), _fake_run("ddp", 1, [20, 85, 97])],
@@ -825,7 +825,7 @@ def test_the_report_says_how_many_epochs_to_target_were_sparse() -> None:
     """The epochs goal is stated with how many of the sparse strategy's epochs sent sparsely (after
     its dense warm-up, the learning rate's: 1 epoch in these runs); a target reached within one sparse
     epoch is called out, since it then says little about what sparse communication costs."""
-    from gradientflow_repro.harness.report import _convergence_section
+    from gradientflow_repro.reproduction.report import _convergence_section
 
     ddp = [_fake_run("ddp", s, [80, 95, 98]) for s in range(3)]
     slow = {"ddp": ddp, "gradientflow": [_fake_run("gradientflow", s, [80, 90, 95, 98]) for s in range(3)]}
@@ -846,7 +846,7 @@ def test_the_report_says_how_many_epochs_to_target_were_sparse() -> None:
 
 
 def test_the_timeline_counts_jobs_and_estimates_the_time_left(capsys: pytest.CaptureFixture, monkeypatch) -> None:
-    from gradientflow_repro.harness import progress
+    from gradientflow_repro.reproduction import progress
 
     now = [1000.0]
     monkeypatch.setattr(progress.time, "time", lambda: now[0])
@@ -869,7 +869,7 @@ def test_the_timeline_counts_jobs_and_estimates_the_time_left(capsys: pytest.Cap
 
 # ---------------------------------------------------------------- accuracy over the whole schedule
 def test_the_convergence_study_sets_sparse_against_dense_seed_by_seed(tmp_path: Path) -> None:
-    from gradientflow_repro.harness.convergence import write_study
+    from gradientflow_repro.reproduction.convergence import write_study
 
     never = 101.0  # full curves: the study's runs never stop at a target
     runs = {"ddp": [_fake_run("ddp", 0, [90, 97, 99.5, 99], target=never),
@@ -907,7 +907,7 @@ def test_the_convergence_study_sets_sparse_against_dense_seed_by_seed(tmp_path: 
 
 
 def test_the_convergence_study_refuses_unknown_configurations() -> None:
-    from gradientflow_repro.harness.convergence import experiment_target, parse_configs
+    from gradientflow_repro.reproduction.convergence import experiment_target, parse_configs
 
     assert parse_configs(["ddp", "cap0=comm=gradientflow comm.release_cap=0"]) == {
         "ddp": ["comm=ddp"], "cap0": ["comm=gradientflow", "comm.release_cap=0"]}
@@ -966,7 +966,7 @@ def test_the_convergence_study_runs_whole_schedules_and_continues_where_it_stopp
 def test_a_cpu_that_emulates_bf16_trains_the_comparison_in_fp32(monkeypatch, capsys) -> None:
     from gradientflow_repro import precision
     from gradientflow_repro.config import PrecisionConfig
-    from gradientflow_repro.harness.reproduce import machine_overrides
+    from gradientflow_repro.reproduction.reproduce import machine_overrides
 
     monkeypatch.setattr(precision, "native_bf16", lambda device: False)
     assert machine_overrides(["+experiment=digits_cpu"]) == ["precision=fp32"]  # digits_cpu: bf16 autocast on the CPU

@@ -1,4 +1,4 @@
-"""The scaling projection (``harness/scaling.py``, ``scripts/simulate_scaling.py``): any setup from the
+"""The scaling projection (``scaling/projection.py``, ``scripts/simulate_scaling.py``): any setup from the
 command line, the paper's checks and goals, and the sensitivity table."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gradientflow_repro import perfmodel as pm
-from gradientflow_repro.harness.scaling import Setup, paper_check
+from gradientflow_repro.scaling import perfmodel as pm
+from gradientflow_repro.scaling.projection import Setup, paper_check
 
 from conftest import REPO
 

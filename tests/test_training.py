@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradientflow_repro.harness.wandb_report import PANELS, X_AXIS
+from gradientflow_repro.reproduction.wandb_report import PANELS, X_AXIS
 from gradientflow_repro.tracking import read_records
 
 from conftest import FAST, final_params, torchrun, train, wandb_history_keys

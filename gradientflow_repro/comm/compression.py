@@ -38,7 +38,7 @@ Local work, per element sent: the peak, scaling and casting, casting back and un
 pass without a temporary, into and out of a wire buffer kept between calls (self-scaled: at every
 step of the recursive doubling, a decode, an add and an encode). On a CPU a fresh
 fp32 temporary and half-size buffer per message cost page faults that made this work four times as
-long as its arithmetic (2.25M elements on one thread, the same calls as ``harness/profile.py``
+long as its arithmetic (2.25M elements on one thread, the same calls as ``scaling/profile.py``
 times: 4.2-4.8 ns per element with fresh allocations, 0.6-0.8 now).
 """
 

@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 
 from gradientflow_repro import checkpoint
-from gradientflow_repro.harness.world import spawn
+from gradientflow_repro.cluster.world import spawn
 
 WARNING_S = 180.0  # the Slurm templates' --signal=USR1@180: the time a preempted job has to save
 RANKS, RANKS_PER_NODE = 512, 8

@@ -1,7 +1,7 @@
 """Bus bandwidth of the builtin allreduce, our ring and hierarchical allreduce, side by side ->
 results/allreduce.md and .csv.
 
-For each world size, one set of processes (``harness.world.spawn``) measures every message size
+For each world size, one set of processes (``cluster.world.spawn``) measures every message size
 with the three algorithms side by side (in rounds; in each round every algorithm runs a warm-up call
 and a block of timed calls back to back, as nccl-tests does), so ratios are not skewed by drift; the
 whole sweep is repeated and the table gives the median and the range over the sweeps. Bus bandwidth
@@ -21,10 +21,10 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from gradientflow_repro.cluster.world import spawn
 from gradientflow_repro.comm.base import CommStats
 from gradientflow_repro.comm.hierarchical import HierarchicalSum
 from gradientflow_repro.comm.ring import DEFAULT_SEGMENT_BYTES, ring_allreduce_
-from gradientflow_repro.harness.world import spawn
 from gradientflow_repro.tracking import environment_facts
 
 BLOCK_CALLS = 3  # timed calls per algorithm and round

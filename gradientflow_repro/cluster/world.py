@@ -7,7 +7,7 @@ connections down while a peer may still be reading) and leaves through
 ``distributed.destroy_process_group_and_exit``: it exits without finalizing the interpreter, which
 keeps gloo's worker thread from aborting a passing run during tear-down. A failure in any rank
 fails ``spawn``. ``run_rank`` is the same for a rank started by someone else (``init_method``
-``env://`` under ``harness.launch.run_ranks``).
+``env://`` under ``cluster.launch.run_ranks``).
 
 Only the standard library is imported at module level (``gpu_check`` uses ``free_port``).
 """

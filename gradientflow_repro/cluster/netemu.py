@@ -31,7 +31,7 @@ from types import TracebackType
 from typing import IO, TYPE_CHECKING, Callable, Optional, Sequence
 
 if TYPE_CHECKING:
-    from gradientflow_repro.harness import preloaded
+    from gradientflow_repro.cluster import preloaded
 
 PREFIX = "gfr"
 NETNS_DIR = Path("/var/run/netns")  # where `ip netns add` binds each namespace

@@ -4,10 +4,10 @@
 rank, world size, master address), streams rank 0's progress lines with a prefix, keeps every
 rank's output in ``rank<r>.log``, and ends every rank when one fails or the deadline passes (then
 it raises with the failed ranks' last lines): nothing waits forever. ``network`` is the emulated
-network (``harness.netemu``) when it can be had, else nothing (loopback); with ``ranks_per_node``
+network (``cluster.netemu``) when it can be had, else nothing (loopback); with ``ranks_per_node``
 G > 1 it emulates nodes of G ranks sharing one shaped uplink, and each rank is told its place in
 its node as torchrun would (LOCAL_RANK = rank % G, LOCAL_WORLD_SIZE = G). Ranks of a module are
-forked from this process, which imports torch and the rest once (``harness.preloaded``), where that
+forked from this process, which imports torch and the rest once (``cluster.preloaded``), where that
 is safe; elsewhere, and for other programs, each is a fresh interpreter.
 """
 
@@ -22,7 +22,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Optional, Sequence
 
-from gradientflow_repro.harness import REPO, netemu, preloaded
+from gradientflow_repro import REPO
+from gradientflow_repro.cluster import netemu, preloaded
 
 TRAIN = ("-m", "gradientflow_repro.train")
 
@@ -95,7 +96,7 @@ def start_rank(rank: int, module: Sequence[str], overrides: Sequence[str], env: 
                forked: bool) -> "subprocess.Popen | preloaded.ForkedRank":
     """Start one rank of ``python *module *overrides`` with ``env``, in ``rank``'s network namespace
     if ``net``, in a session of its own, output and errors to ``stdout``: ``forked`` from this
-    process (``harness.preloaded``), else as a fresh interpreter."""
+    process (``cluster.preloaded``), else as a fresh interpreter."""
     if forked:
         rank_env = net.rank_env(env) if net else env
         process = preloaded.fork_rank(module[1], overrides, rank_env, stdout, REPO,

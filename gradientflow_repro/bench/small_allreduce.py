@@ -1,7 +1,7 @@
 """Small-message allreduce: recursive doubling vs our ring vs gloo's own, by message size ->
 results/small_allreduce.md, and from it the switch-over size ``SMALL_MESSAGE_BYTES``.
 
-For each world size one set of gloo processes on loopback (``harness.world.spawn``) times every
+For each world size one set of gloo processes on loopback (``cluster.world.spawn``) times every
 message size (4 B, then times 4) with the three algorithms. Per size the algorithms take turns in
 rounds, the order rotating, so load from other processes on a shared machine falls on all of them
 alike; in each round an algorithm runs after a barrier, one untimed warm-up call and then a block
@@ -26,10 +26,10 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from gradientflow_repro.cluster.world import spawn
 from gradientflow_repro.comm.recursive_doubling import recursive_doubling_allreduce_
 from gradientflow_repro.comm.ring import ring_allreduce_
-from gradientflow_repro.harness.netbench import trimmed_mean
-from gradientflow_repro.harness.world import spawn
+from gradientflow_repro.scaling.netbench import trimmed_mean
 from gradientflow_repro.tracking import environment_facts
 
 ALGORITHMS = ("recursive doubling", "ring", "builtin")

@@ -50,14 +50,14 @@ ladder of `make reproduce` is derived from ``knobs.LADDER``, not retyped):
 Step time = forward + max(end of backward, end of the last message) + optimizer. Speedup for N GPUs
 is weak scaling (fixed per-GPU batch): N * step(1) / step(N).
 
-An emulated link (``harness/netemu.py``: Linux's token-bucket shaper) also lets a burst through at
+An emulated link (``cluster/netemu.py``: Linux's token-bucket shaper) also lets a burst through at
 once after it has been idle: ``Network.burst_bytes`` of credit, refilled at the link's rate while
 nothing crosses it (during local work, between steps) and spent by the next large message, whose
 time shrinks by the credit it uses over B. At 100 Mbit/s a 256 KiB bucket is worth 21 ms, as much
 as a sparse strategy's whole payload takes; a real link has none (0, the default).
 
 The analytic model only: no torch, nothing measured here (the measurements that feed it, a model's
-backward profile and the local work per element, are in ``gradientflow_repro/harness/profile.py``).
+backward profile and the local work per element, are in ``gradientflow_repro/scaling/profile.py``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ the emulated cluster's benchmark times them on every rank at once). ``profile_mo
 configured model on the per-rank batch and writes them as JSON; `make reproduce` runs it in a
 process of its own:
 
-    python -m gradientflow_repro.harness.profile OUT.json -- HYDRA_OVERRIDES...   # PROFILE_WORLD=4
+    python -m gradientflow_repro.scaling.profile OUT.json -- HYDRA_OVERRIDES...   # PROFILE_WORLD=4
 
 For the projection to the paper's cluster the profile comes from FLOPs instead (``flop_profile``):
 backward's work per gradient tensor counted by ``torch.utils.flop_counter.FlopCounterMode``, scaled
@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
-from gradientflow_repro.harness import compose
-from gradientflow_repro.perfmodel import ModelProfile, TensorProfile
+from gradientflow_repro.config import compose
+from gradientflow_repro.scaling.perfmodel import ModelProfile, TensorProfile
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 def _median_seconds(work: Callable[[], None], repeats: int) -> float:
     """Median wall-clock seconds of ``work()`` over ``repeats`` calls after one warm-up call, on one
-    thread, as each rank runs (``harness.world.run_rank``, ``threads_per_rank``): the models
+    thread, as each rank runs (``cluster.world.run_rank``, ``threads_per_rank``): the models
     multiply a local-work figure by the ranks sharing each core, so one taken on torch's threads
     of every core would be short by their speed-up."""
     import torch

@@ -3,7 +3,7 @@
 For torchvision's AlexNet and ResNet-50 (their gradient shapes do not depend on the input size:
 both end in an adaptive pool, so a small random input gives the real 61M / 25.6M-parameter
 gradients at a fraction of the compute), each strategy runs real steps (forward, backward,
-``synchronize()``) in ``world`` gloo processes (``harness.world.spawn``). Reported per step: seconds
+``synchronize()``) in ``world`` gloo processes (``cluster.world.spawn``). Reported per step: seconds
 the trainer waited in ``synchronize()``, the whole step, bytes this rank sent and collectives
 issued. CSC is measured in its sparse phase (after warm-up).
 """
@@ -18,8 +18,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from gradientflow_repro.cluster.world import spawn
 from gradientflow_repro.comm import build_communicator
-from gradientflow_repro.harness.world import spawn
 from gradientflow_repro.models import build_model
 from gradientflow_repro.tracking import environment_facts
 

@@ -10,7 +10,7 @@ the end of ``synchronize()``, on the slowest rank. Communicators come from the f
 trainer builds them; CSC is in its sparse phase (epoch 10, after its dense warm-up).
 
 Each layout (nodes x ranks per node) is one launch of the ranks into the emulated cluster
-(``harness.netemu``: a namespace per node, ranks of a node on its loopback, one tbf-shaped uplink
+(``cluster.netemu``: a namespace per node, ranks of a node on its loopback, one tbf-shaped uplink
 per node), and measures in the same launch the network as an analytic model needs it: per-message
 latency and bandwidth between node leaders (the uplink), inside a node, and over the flat ring of
 all ranks, and the backend's own allreduce by message size. Every layout is launched ``launches``
@@ -20,7 +20,7 @@ within one (the two-level ``gradientflow`` of 2x4 measured 67-82 ms in six launc
 each within 5 ms of its median), so one launch is a draw, and what is reported and set against the
 model is the median over the launches, each launch's figure beside it. Each rank runs this module:
 
-    python -m gradientflow_repro.harness.bench_cluster OUT.json SPEC.json    # RANK, WORLD_SIZE, MASTER_* set
+    python -m gradientflow_repro.bench.cluster OUT.json SPEC.json    # RANK, WORLD_SIZE, MASTER_* set
 
 The rate is checked to make the runs network-bound: the dense strategies of the first layout run
 again on links twice as fast (the largest must take about half as long) and unshaped (what CPU and
@@ -39,13 +39,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from gradientflow_repro.harness import REPO, compose, netemu
-from gradientflow_repro.harness.cluster_check import launch_of, markdown_lines, network_fields, over_launches
-from gradientflow_repro.harness.launch import network, run_ranks
-from gradientflow_repro.harness.netbench import LARGE_BYTES, ring_figures, trimmed_mean
-from gradientflow_repro.harness.progress import MACHINE_KEYS, Progress, Timeline
+from gradientflow_repro import REPO
+from gradientflow_repro.cluster import netemu
+from gradientflow_repro.cluster.launch import network, run_ranks
+from gradientflow_repro.config import compose
+from gradientflow_repro.reproduction.progress import MACHINE_KEYS, Progress, Timeline
+from gradientflow_repro.scaling.cluster_check import launch_of, markdown_lines, network_fields, over_launches
+from gradientflow_repro.scaling.netbench import LARGE_BYTES, ring_figures, trimmed_mean
 
-MODULE = ("-m", "gradientflow_repro.harness.bench_cluster")
+MODULE = ("-m", "gradientflow_repro.bench.cluster")
 # The leaders' ring is timed again in segments of this size: with two nodes each step of 4 MiB
 # segments was one large message each way on one gloo pair, and gloo then often carried the two
 # directions one after the other (a 2-rank exchange of 8 MiB took 1x or 2x the wire time, where
@@ -260,7 +262,7 @@ def _local_work_in_step(elements: int) -> dict[str, float]:
     collective after it waits for that one. One process alone times each rank's share of a core
     fairly, but the scheduler does not: with 8 ranks on 2 cores the slowest of them took about
     1.5x four times the one-process figure."""
-    from gradientflow_repro.harness.profile import sparsify_work, wire_cast_work
+    from gradientflow_repro.scaling.profile import sparsify_work, wire_cast_work
 
     figures = {}
     for key, (work, covered) in (("sparsify_s_per_element", sparsify_work(elements, noise_sketch=False)),
@@ -381,8 +383,8 @@ def _with_switch_over(strategies: list[list[Any]], measured: dict[str, Any], wor
     import torch.distributed as dist
 
     from gradientflow_repro.comm import knobs
-    from gradientflow_repro.harness.cluster_check import model_network
-    from gradientflow_repro.perfmodel import switch_over_bytes
+    from gradientflow_repro.scaling.cluster_check import model_network
+    from gradientflow_repro.scaling.perfmodel import switch_over_bytes
 
     net = model_network(measured)
     chosen = [knobs.resolve(options).algorithm for _, options in strategies]
@@ -395,7 +397,7 @@ def _with_switch_over(strategies: list[list[Any]], measured: dict[str, Any], wor
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """A rank of the benchmark, as ``run_ranks`` starts it: ``OUT.json SPEC.json``."""
-    from gradientflow_repro.harness.world import run_rank
+    from gradientflow_repro.cluster.world import run_rank
 
     out, spec_file = (Path(a) for a in (sys.argv[1:] if argv is None else argv))
     run_rank(_measure, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", out, spec_file,
@@ -441,7 +443,7 @@ def bench_cluster(out_md: Path = OUT_MD, out_json: Path = OUT_JSON, rate_mbit: f
     launch is saved as it ends (``progress.Progress`` in ``runs_dir``): run again with the same plan
     (these options, the code, the machine), an interrupted benchmark keeps them and goes on; another
     plan raises ``CannotContinue`` unless ``fresh``."""
-    from gradientflow_repro.harness import code_version
+    from gradientflow_repro.provenance import code_version
     from gradientflow_repro.tracking import environment_facts
 
     if launches < 1:
@@ -604,7 +606,7 @@ def _suggestion(check: dict[str, Any]) -> str:
 def markdown(facts: dict[str, Any]) -> str:
     """results/cluster_comm.md from the facts ``bench_cluster`` writes as JSON."""
     machine, model, launches = facts["machine"], facts["model"], facts.get("launches", 1)
-    where = (f"emulated cluster (`harness.netemu`): a network namespace per node, its ranks on the node's "
+    where = (f"emulated cluster (`cluster.netemu`): a network namespace per node, its ranks on the node's "
              f"loopback (unshaped), one uplink per node shaped by `tc tbf` to {facts['rate_mbit']:g} Mbit/s"
              if facts["emulated"] else f"loopback, not emulated ({facts['why_not']})")
     lines = [
@@ -662,12 +664,12 @@ def markdown(facts: dict[str, Any]) -> str:
     lines += ["## Network per layout and launch", "",
               "Rings of one element per rank (latency) and of 8 MiB (bandwidth), in 4 MiB segments (our "
               "ring's default) and, between leaders, also in 1 MiB segments (see `SEGMENT_BYTES` in "
-              "`harness/bench_cluster.py`); a ring of two ranks, as the leaders' of 2 nodes, cuts both to "
+              "`bench/cluster.py`); a ring of two ranks, as the leaders' of 2 nodes, cuts both to "
               "512 KiB (`ring.EXCHANGE_SEGMENT_BYTES`: its two directions share one gloo connection). The model "
               "takes the per-message latency from the leaders' ring and the uplink's bandwidth from the fastest "
               "of the rings whose flows cross each uplink once each way, the flat ring and the leaders' (contention "
               "on a shared host slows a ring by an amount that changes between launches), at most the shaped rate "
-              "(`harness/cluster_check.py`).", "",
+              "(`scaling/cluster_check.py`).", "",
               "| layout, launch | uplink payload rate | leaders: latency, bandwidth (1 MiB segments) "
               "| inside a node: latency, bandwidth | flat ring of all ranks: latency, bandwidth "
               "| one-value MAX allreduce (the fp16 scale) |",
@@ -724,8 +726,8 @@ def markdown(facts: dict[str, Any]) -> str:
     if facts["emulated"]:
         names = list(dict.fromkeys(layout["layout"] for layout in facts["layouts"]))
         lines += ["## The scaling model against these measurements", "",
-                  "`gradientflow_repro/perfmodel.py` fed with each layout's measured network "
-                  "(`harness/cluster_check.py` says how; nothing fitted to the step times). Our algorithms send "
+                  "`gradientflow_repro/scaling/perfmodel.py` fed with each layout's measured network "
+                  "(`scaling/cluster_check.py` says how; nothing fitted to the step times). Our algorithms send "
                   "messages up to this network's "
                   "switch-over between recursive doubling and the ring (`comm.small_message_kb`, from the model "
                   "on the figures measured at the start of each launch: " + ", ".join(

@@ -19,8 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gradientflow_repro import REPO
 from gradientflow_repro.checkpoint import complete_checkpoints
-from gradientflow_repro.harness import REPO
 from gradientflow_repro.tracking import environment_facts
 
 BASE = ["+experiment=digits_cpu", "model.width=0.125", "logger=jsonl", "threads_per_rank=1",

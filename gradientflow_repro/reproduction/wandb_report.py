@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from gradientflow_repro.harness import REPO
+from gradientflow_repro import REPO
 
 X_AXIS = "time/mlperf_s"
 # wandb metric (as gradientflow_repro.tracking.wandb_keys names it) -> panel title

@@ -1,12 +1,12 @@
 """The network as the ring and the backend see it: per-message latency, link bandwidth, the
 backend's own allreduce by message size, and one allreduce per gradient of a model.
 
-``measure_network`` launches the ranks (``harness.launch.run_ranks``, in the emulated network or on
+``measure_network`` launches the ranks (``cluster.launch.run_ranks``, in the emulated network or on
 loopback) ``launches`` times and averages what rank 0 wrote. Each rank runs this module:
 
-    python -m gradientflow_repro.harness.netbench OUT.json TENSORS.json    # RANK, WORLD_SIZE, MASTER_* set
+    python -m gradientflow_repro.scaling.netbench OUT.json TENSORS.json    # RANK, WORLD_SIZE, MASTER_* set
 
-and joins the group through ``harness.world.run_rank`` (``env://``).
+and joins the group through ``cluster.world.run_rank`` (``env://``).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-from gradientflow_repro.harness import netemu
-from gradientflow_repro.harness.launch import run_ranks
+from gradientflow_repro.cluster import netemu
+from gradientflow_repro.cluster.launch import run_ranks
 
 if TYPE_CHECKING:
-    from gradientflow_repro import perfmodel as pm
+    from gradientflow_repro.scaling import perfmodel as pm
 
-MODULE = ("-m", "gradientflow_repro.harness.netbench")
+MODULE = ("-m", "gradientflow_repro.scaling.netbench")
 LARGE_BYTES = 8 << 20  # the ring's bandwidth is taken from an allreduce of this size
 
 
@@ -57,7 +57,7 @@ def measure_network(world: int, net: Optional[netemu.EmulatedNetwork], run_dir: 
 def priced_network(measured: dict) -> "pm.Network":
     """``perfmodel.Network`` from ``measure_network``'s figures (``cluster_check.model_network`` reads
     the cluster benchmark's, which describe nodes)."""
-    from gradientflow_repro import perfmodel as pm
+    from gradientflow_repro.scaling import perfmodel as pm
 
     table = measured.get("builtin_cost_by_size")
     return pm.Network(measured["bandwidth_Bps"], measured["latency_s"],
@@ -74,7 +74,7 @@ def small_message_kb(world: int, measured: dict) -> int:
     ring). At two ranks the model never prefers the ring (the same bytes in twice the steps); the
     cap keeps large messages on the ring there, so a `ring` rung still sends by the ring."""
     from gradientflow_repro.comm.knobs import SMALL_MESSAGE_BYTES
-    from gradientflow_repro.perfmodel import switch_over_bytes
+    from gradientflow_repro.scaling.perfmodel import switch_over_bytes
 
     return max(1, min(switch_over_bytes(world, priced_network(measured), "ring"), SMALL_MESSAGE_BYTES) // 1024)
 
@@ -152,7 +152,7 @@ def _measure(rank: int, world: int, out: Path, tensors_file: Path) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """A rank of the measurement, as ``run_ranks`` starts it: ``OUT.json TENSORS.json``."""
-    from gradientflow_repro.harness.world import run_rank
+    from gradientflow_repro.cluster.world import run_rank
 
     out, tensors_file = (Path(a) for a in (sys.argv[1:] if argv is None else argv))
     run_rank(_measure, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", out, tensors_file,

@@ -24,11 +24,12 @@ from pathlib import Path
 
 import torch
 
+from gradientflow_repro import REPO
+from gradientflow_repro.config import compose
 from gradientflow_repro.data.dali import DaliSource, EpochBatches
 from gradientflow_repro.data.digits import build_digits
 from gradientflow_repro.data.folder import TorchvisionSource
 from gradientflow_repro.data.listing import ImageOptions, Listing, list_image_folder
-from gradientflow_repro.harness import REPO, compose
 from gradientflow_repro.tracking import environment_facts
 
 

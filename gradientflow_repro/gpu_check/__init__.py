@@ -45,7 +45,7 @@ Time: every item has a nominal limit; an item's limit is its share of what is le
 (default 480 s), in proportion to the nominal limits of the items still to run here, and never
 more than its nominal limit, so the whole check ends within the budget whatever the GPU count.
 
-What a bare machine needs. Only the standard library, torch and ``harness.world.free_port``
+What a bare machine needs. Only the standard library, torch and ``cluster.world.free_port``
 (standard library only) are imported at module level; the project's other modules and optional
 packages are imported inside the items that use them, and a missing one makes its item (or part)
 SKIP, naming every missing package. ``environment``, ``nccl_1rank`` (the collectives and the
@@ -119,7 +119,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from gradientflow_repro.harness.world import free_port
+from gradientflow_repro.cluster.world import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "results" / "gpu_check.md"
@@ -1228,9 +1228,9 @@ def throughput_verdict(rate: float, floor: float = PAPER_ALEXNET_IMAGES_PER_S) -
 
 def _trainer_for_sync_count(device: torch.device, run_dir: Path) -> Any:
     """A Trainer from the composed configuration: gradientflow, fp16, synthetic 64 px images."""
+    from gradientflow_repro.config import compose
     from gradientflow_repro.distributed import discover_world
     from gradientflow_repro.engine import Trainer
-    from gradientflow_repro.harness import compose
 
     cfg = compose([*TRAIN_OVERRIDES, "comm=gradientflow", "comm.csc_warmup_epochs=0", f"run_dir={run_dir}",
                    "resume=never", "logger.log_every=1000000", "data.image_size=64",

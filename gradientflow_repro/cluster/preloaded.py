@@ -40,7 +40,7 @@ import traceback
 from pathlib import Path
 from typing import IO, Optional, Sequence
 
-from gradientflow_repro.harness.netemu import STOP_SIGNALS
+from gradientflow_repro.cluster.netemu import STOP_SIGNALS
 
 # What a training rank, the network measurement and the cluster benchmark import (the rest they
 # import is small). Importing them starts no Python thread and touches no GPU. torch._dynamo is

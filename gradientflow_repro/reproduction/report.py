@@ -1,4 +1,4 @@
-"""results/REPORT.md from the runs of a reproduction (``harness.reproduce``): the comparison table,
+"""results/REPORT.md from the runs of a reproduction (``reproduction.reproduce``): the comparison table,
 figures, the scaling model against measurement and against the paper.
 """
 
@@ -8,11 +8,8 @@ import statistics
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from gradientflow_repro import perfmodel as pm
 from gradientflow_repro.comm import knobs
-from gradientflow_repro.harness.netbench import priced_network
-from gradientflow_repro.harness.profile import profile_from_json
-from gradientflow_repro.harness.runs import (
+from gradientflow_repro.reproduction.runs import (
     compute_only_s,
     dense_warmup_epochs,
     epochs_to_target,
@@ -22,7 +19,10 @@ from gradientflow_repro.harness.runs import (
     run_warmup_epochs,
     sends_trust_sketches,
 )
-from gradientflow_repro.harness.scaling import paper_check, plot
+from gradientflow_repro.scaling import perfmodel as pm
+from gradientflow_repro.scaling.netbench import priced_network
+from gradientflow_repro.scaling.profile import profile_from_json
+from gradientflow_repro.scaling.projection import paper_check, plot
 
 
 def spread(values: list[Optional[float]], fmt: str, scale: float = 1.0) -> str:
@@ -621,7 +621,7 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
         "Measured on the shaped network at each world size the model is checked at:", "",
         *_network_table(network_by_world), "",
         "## Scaling model against measurement", "",
-        "`gradientflow_repro/perfmodel.py` with the measured per-tensor backward profile of this model "
+        "`gradientflow_repro/scaling/perfmodel.py` with the measured per-tensor backward profile of this model "
         "(one process) and the measured network above. Measured step time: each run's median logged "
         f"interval, then the median [range] over the repeats: {check_runs}. "
         "Local work on the communication path, measured in the same process per "

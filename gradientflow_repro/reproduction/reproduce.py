@@ -1,19 +1,19 @@
 """The paper's comparison on one machine: the ablation ladder, each rung trained to the target
 accuracy over an emulated cluster network once per seed, then results/REPORT.md.
 
-Steps: (1) calibrate: profile the model (``harness.profile``), run the baseline briefly on an
+Steps: (1) calibrate: profile the model (``scaling.profile``), run the baseline briefly on an
 unshaped network to get compute time and bytes per step; (2) choose the link rate that gives the
 paper's dense communication/computation ratio; (3) measure the shaped network's bandwidth and per-
-message latency (``harness.netbench``); (4) train every rung of the ladder (``knobs.LADDER``), and
+message latency (``scaling.netbench``); (4) train every rung of the ladder (``knobs.LADDER``), and
 gradientflow's variants for convergence (``knobs.SPARSE_VARIANTS``), to the target once per seed
 (seed-major, so drift spreads over all of them), then short step-time runs of the sparse rungs,
 sparse from the start (their runs to the target are mostly dense warm-up), with `allreduce`'s beside
 them (their compute-only reference), and the same again with the links unshaped (what is left
 without the link's rate); (5) short step-time runs of every rung at
-the other world sizes, for the scaling model's check; (6) write the report (``harness.report``). Our
+the other world sizes, for the scaling model's check; (6) write the report (``reproduction.report``). Our
 algorithms switch from recursive doubling to the ring where the model prices the network measured at
 that world size (``netbench.small_message_kb``). With root every rank runs in its own network
-namespace behind a rate-limited link (``harness.netemu``); without, on loopback, and the report says
+namespace behind a rate-limited link (``cluster.netemu``); without, on loopback, and the report says
 so. Every job's completion is saved as it happens (``Progress``): an interrupted reproduction,
 launched again with the same plan and code, continues."""
 
@@ -28,14 +28,17 @@ import time
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from gradientflow_repro import perfmodel
+from gradientflow_repro import REPO
+from gradientflow_repro.cluster import netemu
+from gradientflow_repro.cluster.launch import network, run_ranks
 from gradientflow_repro.comm import knobs
-from gradientflow_repro.harness import REPO, code_version, compose, netemu
-from gradientflow_repro.harness.launch import network, run_ranks
-from gradientflow_repro.harness.netbench import measure_network, small_message_kb
-from gradientflow_repro.harness.progress import MACHINE_KEYS, Progress, Timeline
-from gradientflow_repro.harness.report import write_report
-from gradientflow_repro.harness.runs import compute_only_s, load_run, median_step, steady_step
+from gradientflow_repro.config import compose
+from gradientflow_repro.provenance import code_version
+from gradientflow_repro.reproduction.progress import MACHINE_KEYS, Progress, Timeline
+from gradientflow_repro.reproduction.report import write_report
+from gradientflow_repro.reproduction.runs import compute_only_s, load_run, median_step, steady_step
+from gradientflow_repro.scaling import perfmodel
+from gradientflow_repro.scaling.netbench import measure_network, small_message_kb
 from gradientflow_repro.tracking import duration, environment_facts
 
 # Dense fp32 ring traffic time over compute time per step, for AlexNet on the paper's cluster
@@ -306,7 +309,7 @@ def calibrate(world: int, base: list[str], run_dir: Path, net: Optional[netemu.E
                       "logger=jsonl", "logger.log_every=4"], run_dir, "calibration", net, timeout_s, show=False)
     step = steady_step(load_run(run_dir))
     profile_file = run_dir / "profile.json"
-    subprocess.run([sys.executable, "-m", "gradientflow_repro.harness.profile", str(profile_file), "--",
+    subprocess.run([sys.executable, "-m", "gradientflow_repro.scaling.profile", str(profile_file), "--",
                     *[o for o in base if not o.startswith("logger.")]], cwd=REPO, check=True,
                    env={**os.environ, "OMP_NUM_THREADS": "1", "PROFILE_WORLD": str(world)}, timeout=timeout_s)
     return {"compute_s": compute_only_s(step), "bytes_per_step": step["bytes_per_step"],

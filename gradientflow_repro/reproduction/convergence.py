@@ -27,13 +27,14 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from gradientflow_repro import REPO
+from gradientflow_repro.cluster.launch import run_ranks
 from gradientflow_repro.comm import knobs
-from gradientflow_repro.harness import REPO, code_version
-from gradientflow_repro.harness.launch import run_ranks
-from gradientflow_repro.harness.progress import Timeline
-from gradientflow_repro.harness.report import density_label, falls, falls_after_warmup, plot_top1, run_seed, spread
-from gradientflow_repro.harness.reproduce import EXPERIMENT_OVERRIDES, ladder_overrides, machine_overrides
-from gradientflow_repro.harness.runs import evaluations, is_dense, load_run, run_warmup_epochs
+from gradientflow_repro.provenance import code_version
+from gradientflow_repro.reproduction.progress import Timeline
+from gradientflow_repro.reproduction.report import density_label, falls, falls_after_warmup, plot_top1, run_seed, spread
+from gradientflow_repro.reproduction.reproduce import EXPERIMENT_OVERRIDES, ladder_overrides, machine_overrides
+from gradientflow_repro.reproduction.runs import evaluations, is_dense, load_run, run_warmup_epochs
 from gradientflow_repro.tracking import duration, environment_facts
 
 DEFAULT_CONFIGS = tuple(knobs.COMPARED)  # what make reproduce trains: the ladder and CSC's variants

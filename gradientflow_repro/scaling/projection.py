@@ -25,8 +25,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from gradientflow_repro import perfmodel as pm
 from gradientflow_repro.comm import knobs
+from gradientflow_repro.scaling import perfmodel as pm
 
 GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 UNEVEN_GPU_COUNTS = (12, 100, 500)  # not multiples of 8: a partly filled last node
@@ -70,7 +70,7 @@ class Setup:
                 and {"gradientflow", "allreduce", "ring+fp16+lazy"} <= set(self.strategies))
 
     def profile(self) -> pm.ModelProfile:
-        from gradientflow_repro.harness.profile import flop_profile
+        from gradientflow_repro.scaling.profile import flop_profile
 
         profile = flop_profile(self.model, self.image_size, self.images_per_gpu, self.single_gpu_images_s,
                                self.num_classes)
@@ -225,8 +225,8 @@ def paper_check(setup: Setup = Setup()) -> tuple[list[str], dict[str, list[float
         f"{pm.FP16_WIRE_BYTES_PER_ELEMENT} bytes per element). Weak scaling.", "",
         "Sources: " + (pm.paper_dense_ratio()[1] + ". " if setup.is_paper else "") +
         "Backward readiness: FLOPs of the real model counted by `torch.utils.flop_counter` "
-        "(`gradientflow_repro/harness/profile.py`). " + _readiness_note(profile) + " "
-        "Assumed where the paper is silent (`gradientflow_repro/perfmodel.py`): GPUs per node, latency, "
+        "(`gradientflow_repro/scaling/profile.py`). " + _readiness_note(profile) + " "
+        "Assumed where the paper is silent (`gradientflow_repro/scaling/perfmodel.py`): GPUs per node, latency, "
         "intra-node rate, GPU memory rate; their effect is in the sensitivity table below.", ""]
     if setup.is_paper:
         lines += _paper_rows(setup, profile, table)
@@ -247,7 +247,7 @@ def paper_check(setup: Setup = Setup()) -> tuple[list[str], dict[str, list[float
 
 
 def _gflops(setup: Setup) -> str:
-    from gradientflow_repro.harness.profile import flops_per_image
+    from gradientflow_repro.scaling.profile import flops_per_image
 
     counted = flops_per_image(setup.model, setup.image_size, setup.num_classes)
     return (f"{counted.forward_flops / 1e9:.2f} GFLOPs forward and {counted.backward_flops / 1e9:.2f} backward "

@@ -1,4 +1,4 @@
-"""The scaling model against the emulated two-level cluster (``harness.bench_cluster``).
+"""The scaling model against the emulated two-level cluster (``bench.cluster``).
 
 For each layout (nodes x ranks per node) and strategy the benchmark measured one step's
 communication alone: every gradient of a real model ready at once, in backward order, then
@@ -20,8 +20,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Optional
 
-from gradientflow_repro import perfmodel as pm
 from gradientflow_repro.comm import knobs
+from gradientflow_repro.scaling import perfmodel as pm
 
 GOAL_ERROR = 0.15  # the model within 15% of every measured strategy
 GOAL_RATIO = 0.5  # gradientflow (hierarchical) at most half of DDP-style bucketed builtin allreduce
