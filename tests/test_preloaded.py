@@ -71,6 +71,22 @@ def test_a_forked_rank_is_what_python_m_would_be(probe_module: str, tmp_path: Pa
     assert "launcher's unfinished line" in capfd.readouterr().out
 
 
+def test_a_forked_rank_starts_its_own_multiprocessing_resource_tracker(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launcher that has spawned before runs a resource tracker, reached through a descriptor the
+    rank closes; the rank's first semaphore (a DALI or DataLoader worker's lock) must still work."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # as an earlier spawn in the launcher leaves it
+    assert resource_tracker._resource_tracker._fd is not None
+    (tmp_path / "lock_probe.py").write_text(
+        "import multiprocessing\nmultiprocessing.get_context('spawn').Lock()\nprint('LOCKED')\n")
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path)])
+    rank = preloaded.fork_rank("lock_probe", [], {"PATH": os.environ["PATH"]}, subprocess.PIPE, tmp_path)
+    output = rank.stdout.read()
+    assert rank.wait(timeout=60) == 0 and "LOCKED" in output, output
+
+
 def test_errors_and_signals_end_a_forked_rank_as_they_end_an_interpreter(probe_module: str, tmp_path: Path) -> None:
     log = tmp_path / "rank.log"
     with open(log, "w") as out:

@@ -1,9 +1,9 @@
 """Ranks forked from the launching process, which has imported torch once, instead of started as
 fresh interpreters.
 
-A rank's first seconds go to importing torch, Hydra, DALI, wandb and this package: about 3 s of CPU
-per rank at every launch, so four ranks on two cores wait some 6 s before their first step, and a
-reproduction launches its ranks about fifty times. Here the launching process imports those modules
+A rank's first seconds go to importing torch, Hydra, DALI, wandb and this package: CPU time that
+every rank pays again at every launch (ranks sharing few cores one after another) before its first
+step, and a reproduction launches its ranks dozens of times. Here the launching process imports those modules
 once (``preload``) and each rank is a ``fork`` of it that then becomes what ``python -m MODULE
 ARGS`` would have been: a session (process group) of its own, its node's network namespace
 (``setns``, as ``ip netns exec`` does), its output on the file given, exactly the environment
@@ -44,8 +44,8 @@ from gradientflow_repro.cluster.netemu import STOP_SIGNALS
 
 # What a training rank, the network measurement and the cluster benchmark import (the rest they
 # import is small). Importing them starts no Python thread and touches no GPU. torch._dynamo is
-# there for `ddp`: DDP imports it when it wraps the model (some 5 s of CPU per rank on a slow 2-core
-# machine, every `ddp` launch), which the launcher pays once.
+# there for `ddp`: DDP imports it when it wraps the model (a large import, in every rank of every
+# `ddp` launch), which the launcher pays once.
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "hydra", "omegaconf", "nvidia.dali", "wandb",
            "gradientflow_repro.engine", "gradientflow_repro.checkpoint", "gradientflow_repro.distributed",
            "gradientflow_repro.comm.factory")
@@ -81,8 +81,9 @@ def preload() -> None:
         except ImportError:
             pass
     # what the imports made lives as long as the launcher: out of the collector's sight, so the
-    # collection before each fork looks only at what came after (0.37 s for every rank otherwise,
-    # one rank after another, while the ranks started first wait for the last at the rendezvous)
+    # collection before each fork looks only at what came after (otherwise it walks all of it again
+    # for every rank, one rank after another, while the ranks started first wait for the last at the
+    # rendezvous)
     gc.collect()
     gc.freeze()
     _threads_after_preload = _threads()
@@ -289,6 +290,14 @@ def _fresh_interpreter_state(env: dict[str, str]) -> None:
         util._finalizer_registry.clear()
         util._run_after_forkers()
         atexit.register(util._exit_function)
+    if "multiprocessing.resource_tracker" in sys.modules:
+        # the launcher's tracker (started by an earlier spawn there) talks through a descriptor the
+        # rank has closed: the rank's first semaphore (a DALI or DataLoader worker's) would fail with
+        # EBADF. Forgotten, the rank starts its own tracker when it first needs one.
+        from multiprocessing import resource_tracker
+
+        tracker = resource_tracker._resource_tracker
+        tracker._fd, tracker._pid = None, None
     faulthandler.disable()
     try:
         signal.set_wakeup_fd(-1)
