@@ -32,8 +32,8 @@
 #   (one task per GPU; 12 CPUs per task feed DALI; the warning comes 3 min before the limit, as
 #    Slurm may send it up to a minute late; remove one '#' from a '##SBATCH' line to use it)
 # module load cuda/13.0   # usually unnecessary: the pip wheels bring their own CUDA 13 runtime and
-#                          # NCCL; only the node's NVIDIA driver matters (>= 580, see README)
-ENV_CONDA=${ENV_CONDA:-}              # conda env created from environment.yml, e.g. gradientflow
+#                          # NCCL; only the node's NVIDIA driver matters (>= 580, see docs/clusters.md)
+ENV_CONDA=${ENV_CONDA:-}              # conda env created from environment.yml: gradientflow-repro
 ENV_VENV=${ENV_VENV:-.venv}           # otherwise this virtualenv ('make venv')
 export DATA=${DATA:-/datasets/imagenet}   # ImageNet with train/ and val/ class folders
 # export NCCL_SOCKET_IFNAME=ib0       # the interface NCCL bootstraps over

@@ -41,7 +41,7 @@ from gradientflow_repro.distributed import (
     slurm_tasks_per_node,
 )
 
-from conftest import REPO, assert_no_failures, free_port, spawn
+from conftest import REPO, free_port, save_failures, spawn_checked
 
 
 # ---------------------------------------------------------------- ranks per node from Slurm
@@ -91,12 +91,11 @@ def _hierarchical_under_srun(rank: int, world: int, out: str) -> None:
     except ValueError as error:
         if "--distribution=block" not in str(error):
             failures.append(f"unclear error: {error}")
-    torch.save(failures, Path(out) / f"rank{rank}.pt")
+    save_failures(failures, out, rank)
 
 
 def test_hierarchical_is_two_level_under_srun(tmp_path: Path) -> None:
-    spawn(_hierarchical_under_srun, 4, str(tmp_path))
-    assert_no_failures(tmp_path, 4)
+    spawn_checked(_hierarchical_under_srun, 4, tmp_path)
 
 
 # ---------------------------------------------------------------- devices
@@ -263,12 +262,11 @@ def _hot_path(rank: int, world: int, out: str) -> None:
         except (AssertionError, RuntimeError) as error:
             failures.append(f"csc_hook: {str(error).splitlines()[0]}")
         ddp_model.zero_grad(set_to_none=True)
-    torch.save(failures, Path(out) / f"rank{rank}.pt")
+    save_failures(failures, out, rank)
 
 
 def test_the_wire_csc_and_the_csc_hook_never_wait_for_the_device(tmp_path: Path) -> None:
-    spawn(_hot_path, 2, str(tmp_path))
-    assert_no_failures(tmp_path, 2)
+    spawn_checked(_hot_path, 2, tmp_path)
 
 
 # ---------------------------------------------------------------- one CUDA stack
@@ -281,12 +279,13 @@ def test_one_cuda_stack_everywhere() -> None:
         pytest.skip("this torch build has no CUDA: nothing to agree with")
     expected = f"nvidia-dali-cuda{torch.version.cuda.split('.')[0]}0"
     files = ["requirements.txt", "pyproject.toml", "environment.yml", "README.md",
+             *(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md")),
              *(f"slurm/{p.name}" for p in (REPO / "slurm").glob("*.sh"))]
     for name in files:
         text = (REPO / name).read_text()
         for found in re.findall(r"nvidia-dali-cuda\d+", text):
-            if name == "README.md" and found == "nvidia-dali-cuda120":
-                continue  # the README names the CUDA 12 build only as the untested way for V100s
+            if name == "docs/clusters.md" and found == "nvidia-dali-cuda120":
+                continue  # the CUDA 12 build, named only as the untested way for V100s (and old venvs)
             assert found == expected, f"{name} names {found}, torch is CUDA {torch.version.cuda}"
     assert expected in (REPO / "requirements.txt").read_text()
     assert expected in (REPO / "pyproject.toml").read_text()
