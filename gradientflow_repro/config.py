@@ -177,7 +177,8 @@ def validate(cfg: Config | DictConfig, world_size: int) -> None:
               "would rescale the accumulated velocity: use optim.name=lars (CSC then applies its rescaling "
               "before the velocity) or comm.momentum_correction=false")
     if cfg.optim.name == "apex_larc" and importlib.util.find_spec("apex") is None:
-        _fail("optim.name", cfg.optim.name, "needs NVIDIA apex, which is not installed (README: apex)")
+        _fail("optim.name", cfg.optim.name,
+              "needs NVIDIA apex, which is not installed (docs/clusters.md, 'NVIDIA apex')")
     if cfg.optim.warmup_epochs > cfg.epochs:
         _fail("optim.warmup_epochs", cfg.optim.warmup_epochs, f"must not exceed epochs ({cfg.epochs})")
     if cfg.global_batch_size % world_size != 0:
