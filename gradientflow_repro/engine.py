@@ -1,6 +1,6 @@
 """The Trainer: one loop over composable parts (data, model, optimizer, precision, communicator).
 
-The clocks (``state.Progress``): MLPerf's starts once initialisation is over, before any data is
+The clocks (``state.TrainingProgress``): MLPerf's starts once initialisation is over, before any data is
 touched (its run_start), never pauses and includes evaluation; it is split into start-up, training
 steps, evaluation and the rest, and initialisation is timed phase by phase (``tracking.Phases``). All
 continue across resumes. Every decision that could differ between ranks (stop, skip a step) is taken from
@@ -27,7 +27,7 @@ from gradientflow_repro.models import build_model
 from gradientflow_repro.optim import build_optimizer, build_schedule, set_lr
 from gradientflow_repro.precision import Precision
 from gradientflow_repro.preemption import StopRequests
-from gradientflow_repro.state import LocalBuffers, ModelName, ModelWeights, Progress, TrainState, rng_parts
+from gradientflow_repro.state import LocalBuffers, ModelName, ModelWeights, TrainingProgress, TrainState, rng_parts
 from gradientflow_repro.tracking import Phases, Tracker, duration, run_summary
 
 
@@ -60,7 +60,7 @@ class Trainer:
                         "emulates it, so each step takes many times its fp32 time; precision=fp32 is faster here")
         self.criterion = nn.CrossEntropyLoss()
         self.model.train()
-        self.progress = Progress()
+        self.progress = TrainingProgress()
         self.buffers = LocalBuffers(self.model, world.world_size)
         phases.done("communicator")
         self.tracker = Tracker(self.run_dir, cfg.logger, enabled=world.is_main, name=self.run_name,

@@ -8,7 +8,7 @@ MLPerf's training rules with MLCommons' code rather than with our reading of the
 What: only rank 0 writes; on the other ranks every method does nothing. The keys are mllog's
 constants: submission info (division open, status research: a reproduction, not a submission),
 cache_clear (false: the harness cannot clear the OS's caches), init_start/init_stop/run_start (the
-Trainer's ``Progress.start_clock``; init_start is back-dated to when ``train.main`` began timing
+Trainer's ``TrainingProgress.start_clock``; init_start is back-dated to when ``train.main`` began timing
 start-up), the hyper-parameters (LARS's ``lars_opt_*``: the peak LR the run reaches, its warm-up
 and polynomial decay), one block per evaluation interval, 1-based epochs (``epoch_num`` of an
 evaluation = the epochs done), eval_accuracy as a fraction (0-1, as MLPerf's resnet reference
@@ -36,6 +36,8 @@ from typing import Any, Optional
 
 from mlperf_logging.mllog import constants as C
 from mlperf_logging.mllog.mllog import MLLogger
+
+from gradientflow_repro import REPO
 
 FILENAME = "mlperf.log"
 ORG = "gradientflow-repro"  # not an MLCommons member: this reproduction names itself
@@ -81,8 +83,7 @@ class MlperfLog:
         self._handler = logging.FileHandler(self.path, mode="a")
         logger.addHandler(self._handler)
         # stack offset 2: each line names the Trainer's line that called a method here
-        self._mllog = MLLogger(logger=logger, default_stack_offset=2,
-                               root_dir=str(Path(__file__).resolve().parents[1]))
+        self._mllog = MLLogger(logger=logger, default_stack_offset=2, root_dir=str(REPO))
 
     # ---------------------------------------------------------------- start
     def run_start(self, cfg: Any, world_size: int, device: Any, init_s: float) -> None:

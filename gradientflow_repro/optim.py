@@ -29,7 +29,7 @@ _TIMM_OPTIM = "gradientflow_repro._timm_optim"  # the private package timm's opt
 
 def _timm_lars() -> type[torch.optim.Optimizer]:
     """timm's ``Lars`` class, without running timm's package ``__init__``. That imports timm's model
-    zoo and through it torchvision and ``torch._dynamo``: 3-4 s per process on a 2-core CPU, paid by
+    zoo and through it torchvision and ``torch._dynamo``: seconds per process on a small CPU, paid by
     every rank of every launch, none of which uses a timm model. ``timm/optim/lars.py`` needs only
     torch and its sibling ``_helpers.py``, so those files run unchanged as modules of a private
     package whose path is timm's ``optim`` folder. Where timm's own module is loaded already, its

@@ -29,9 +29,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def native_bf16(device: torch.device) -> bool:
     """Whether ``device`` computes bf16 at least as fast as fp32. A CPU does only with AVX-512 BF16
-    or AMX: elsewhere oneDNN emulates it, and bf16 autocast is slower than fp32, not faster (on an
-    AVX2-only EPYC a 48->96-channel 3x3 convolution of 32 16x16 images, forward and backward on one
-    thread, took 647 ms under bf16 autocast against 27 ms in fp32). GPUs are taken to have it."""
+    or AMX: elsewhere oneDNN emulates it, and bf16 autocast is many times slower than fp32, not
+    faster (measured on an AVX2-only CPU, see
+    docs/notes/2026-12-04-measurements-moved-from-docstrings-library.md). GPUs are taken to have it."""
     if device.type != "cpu":
         return True
     try:

@@ -57,7 +57,7 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> None: ...
 
 
-class Progress:
+class TrainingProgress:
     """Where training stands, and its clocks, which continue across resumes. ``mlperf_s`` is MLPerf's
     clock: it starts at ``start_clock`` (MLPerf's run_start: initialisation is over and no data has
     been touched yet), never pauses and includes evaluation. It is split into ``startup_s`` (clock

@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
 import warnings
@@ -22,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gradientflow_repro.config import LoggerConfig
+from gradientflow_repro.provenance import environment_facts
 
 
 class Tracker:
@@ -162,7 +161,7 @@ def run_summary(cfg: Any, progress: Any, *, world: Any, device: Any, steps_per_e
                 skipped_steps: int, stopped_by: str, exit_code: int, run_id: Optional[str]) -> dict[str, Any]:
     """``summary.json``: time to target on both clocks, top-1, images/s, communication per step,
     how the run ended, and what produced the numbers (command, environment, versions, hardware).
-    ``progress``: the train state's Progress (step, clocks, top-1, reached_at, comm_totals)."""
+    ``progress``: the train state's TrainingProgress (step, clocks, top-1, reached_at, comm_totals)."""
     p, steps = progress, max(1, progress.step)
     reached = p.reached_at or {}
     train_s = p.train_s
@@ -252,58 +251,3 @@ def allowed_environment(env: Optional[dict[str, str]] = None) -> dict[str, str]:
     return {name: value for name, value in sorted(env.items())
             if name.startswith(ENV_ALLOWED_PREFIXES) and not any(w in name for w in ENV_SECRET_WORDS)}
 
-
-# key in a run's summary: the distributions that may provide it (DALI's name says its CUDA)
-VERSIONED = {"torchvision": ("torchvision",), "dali": ("nvidia-dali-cuda130", "nvidia-dali-cuda120", "nvidia-dali"),
-             "timm": ("timm",), "hydra": ("hydra-core",), "wandb": ("wandb",)}
-
-
-def _installed_version(distribution: str) -> Optional[str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return None
-
-
-def environment_facts() -> dict[str, Any]:
-    """What produced a number: commit, library versions, hardware."""
-    import torch
-
-    facts: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                             "platform": platform.platform(), "cpu": _cpu_model(),
-                             "cpu_count": os.cpu_count()}
-    for key, distributions in VERSIONED.items():  # read from the installed metadata: importing
-        facts[key] = next((version for name in distributions  # torchvision and timm takes seconds
-                           if (version := _installed_version(name)) is not None), None)
-    facts["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    facts["git_commit"] = _git_commit()
-    return facts
-
-
-def _git_commit(repo: Path = Path(__file__).resolve().parents[1]) -> Optional[str]:
-    """HEAD, marked when the code (not results) differs from it: a number must name the code
-    that produced it."""
-    try:
-        def git(*args: str) -> str:
-            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=5,
-                                  cwd=repo).stdout.strip()
-        commit = git("rev-parse", "HEAD")
-        changed = git("status", "--porcelain", "--untracked-files=no", "--",
-                      "gradientflow_repro", "scripts", "configs", "slurm", "Makefile")
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if not commit:
-        return None
-    return f"{commit} (with uncommitted changes to the code)" if changed else commit
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"

@@ -94,8 +94,8 @@ def main(cfg: DictConfig) -> None:
 def optimizers_without_dynamo() -> None:
     """``torch.optim.Optimizer`` marks ``add_param_group``, ``zero_grad``, ``state_dict`` and
     ``load_state_dict`` as not to be traced by ``torch.compile`` (``torch._disable_dynamo``). That
-    marker imports ``torch._dynamo`` on a method's first call only to build itself: 3 s per rank on
-    a 2-core CPU, at every launch (the optimizer's constructor calls ``add_param_group``). A training
+    marker imports ``torch._dynamo`` on a method's first call only to build itself: seconds per
+    rank on a small CPU, at every launch (the optimizer's constructor calls ``add_param_group``). A training
     process of this package compiles nothing, and outside a compiled region the marked method runs
     just as the plain one, so here the marker torch caches on the plain function is that function.
     Where torch's wrapper is not the one recognised here, nothing changes (dynamo is imported); torch's

@@ -4,7 +4,7 @@
 One line per item, ``PASS|FAIL|SKIP  <item>: <figures or reason>``, each item with its share of an
 8-minute budget; exit status 1 if any item failed, 2 for bad options (refused before anything
 runs). Items whose packages (DALI, hydra-core, ...) or GPUs are missing are SKIP, naming them. What
-each item checks and what a bare machine needs: ``gradientflow_repro/gpu_check/``.
+each item checks and what a bare machine needs: ``gradientflow_repro/gpu_check/items.py``.
 
     make gpu-check                                   # installs nothing: the venv's python, else python3
     python scripts/gpu_check.py [--out FILE] [--only nccl_2gpu nccl_1rank ...] [--strict]

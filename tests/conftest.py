@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -118,8 +119,21 @@ def requires_cuda(reason: str = "needs a CUDA GPU") -> pytest.MarkDecorator:
     return pytest.mark.skipif(not torch.cuda.is_available(), reason=reason)
 
 
+def save_failures(failures: list[str], out: str, rank: int) -> None:
+    """A spawned rank's list of what went wrong on it (empty: nothing), for ``assert_no_failures``."""
+    torch.save(failures, Path(out) / f"rank{rank}.pt")
+
+
 def assert_no_failures(out: Path, world: int) -> None:
     """Each spawned rank saved the list of what went wrong on it as ``out/rank<r>.pt``."""
     for rank in range(world):
         failures = torch.load(out / f"rank{rank}.pt")
         assert failures == [], f"rank {rank}: {failures}"
+
+
+def spawn_checked(fn: Callable[..., None], world: int, out: Path, *args: Any, **options: Any) -> None:
+    """``fn(rank, world, str(out), *args)`` in ``world`` gloo processes (``spawn``; ``options``: its
+    ``backend`` and ``timeout_s``), each saving what went wrong on it (``save_failures``); fails with
+    any rank's failures."""
+    spawn(fn, world, str(out), *args, **options)
+    assert_no_failures(out, world)

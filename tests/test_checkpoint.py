@@ -13,6 +13,7 @@ from torch import nn
 from gradientflow_repro import checkpoint
 
 from conftest import spawn
+from support import make_state
 
 CPU = torch.device("cpu")
 
@@ -136,8 +137,6 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path: Path) -> None:
         checkpoint.load_checkpoint(path, rank=0, world_size=1)
     assert not marker.exists()
     with pytest.raises(checkpoint.CheckpointError, match="rank 0: .*rank_00000.pt holds objects"):
-        from test_state import make_state
-
         make_state()[0].load(path)
     assert not marker.exists()
 
@@ -162,14 +161,14 @@ def _trainer_parts(rank: int, world: int) -> tuple:
     from gradientflow_repro.comm.csc import CSCCommunicator
     from gradientflow_repro.comm.ring import ring_sum
     from gradientflow_repro.optim import Lars, parameter_groups
-    from gradientflow_repro.state import LocalBuffers, ModelWeights, Progress, TrainState, rng_parts
+    from gradientflow_repro.state import LocalBuffers, ModelWeights, TrainingProgress, TrainState, rng_parts
 
     model = _Net()
     optimizer = Lars(parameter_groups(model, 5e-4), lr=0.5, momentum=0.9, trust_coeff=0.06)
     comm = CSCCommunicator(CPU, ring_sum(segment_bytes=1024), bucket_bytes=4096, overlap=False, chunk_size=100,
                            density=0.25, warmup_epochs=0.0, momentum_correction=True)
     comm.attach(model, optimizer)
-    progress = Progress()
+    progress = TrainingProgress()
     state = TrainState(shared={"model": ModelWeights(model, "net"), "optimizer": optimizer, "progress": progress},
                        per_rank={"buffers": LocalBuffers(model, world), "comm": comm, **rng_parts(CPU)},
                        rank=rank, world_size=world, device=CPU)

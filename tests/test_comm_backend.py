@@ -3,7 +3,7 @@
 Under the NCCL-ordering double with the process group claiming to be NCCL (``nccl_order(claim_nccl=
 True)``, on gloo's CPU tensors), every preset of ``configs/comm/`` (and the fp16 wire over the lazy
 pool and per tensor) is built by the factory and trained a few steps: each step must deliver what
-``dist.all_reduce`` of every rank's own gradient gives (``test_comm_every_strategy._strategy``: the
+``dist.all_reduce`` of every rank's own gradient gives (``comm_workers.check_strategy``: the
 mean, or for CSC the mean of what was sent while the residuals hold the rest), and not one
 point-to-point op may be issued (no ``isend``/``irecv``/``batch_isend_irecv``: a Python ring would
 issue 2(N-1) groups per message). ``comm.implementation=ours`` still runs our point-to-point
@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_comm_every_strategy import CPU, Net, _batch, _options, _strategy
 
 from gradientflow_repro.comm import STRATEGIES, build_communicator, knobs
 from gradientflow_repro.comm.factory import prepare_backend
 from gradientflow_repro.distributed import WorldError
 
-from conftest import assert_no_failures, spawn
+from comm_workers import CPU, ThreeLayerNet, check_strategy, rank_batch, strategy_options
+from conftest import save_failures, spawn_checked
 from nccl_order import nccl_order
 
 # every preset, and the fp16 wire's two ways over the backend's allreduce
@@ -41,7 +41,7 @@ def _variant_options(label: str, world: int) -> dict:
     """Tiny messages, so that our algorithms (were they chosen) would send most of them by the ring:
     on NCCL our small side is NCCL's allreduce, which would hide a fallback to our ring."""
     name = label.split("+")[0]
-    return {**_options(name, world), "small_message_kb": 1, **VARIANTS.get(label, {})}
+    return {**strategy_options(name, world), "small_message_kb": 1, **VARIANTS.get(label, {})}
 
 
 def _every_preset_on_nccl(rank: int, world: int, out: str) -> None:
@@ -57,7 +57,7 @@ def _every_preset_on_nccl(rank: int, world: int, out: str) -> None:
                 options["ranks_per_node"] = 2  # gradientflow's auto: the two-level ring
         with nccl_order(timeout_s=20, claim_nccl=True) as counts:
             described = build_communicator(options, CPU).summing
-            _strategy(rank, world, str(folder), options)
+            check_strategy(rank, world, str(folder), options)
         everywhere = torch.tensor([counts.p2p])
         dist.all_reduce(everywhere)  # two-level: the leaders alone send point-to-point
         failures += [f"{label}: {failure}" for failure in torch.load(folder / f"rank{rank}.pt")]
@@ -69,13 +69,12 @@ def _every_preset_on_nccl(rank: int, world: int, out: str) -> None:
             failures.append(f"{label}: described as {described!r}, {counts.collectives} collectives")
         if ours and not described.startswith("our "):
             failures.append(f"{label}: described as {described!r}")
-    torch.save(failures, Path(out) / f"rank{rank}.pt")
+    save_failures(failures, out, rank)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_every_preset_sums_by_nccls_allreduce_on_nccl(world: int, tmp_path: Path) -> None:
-    spawn(_every_preset_on_nccl, world, str(tmp_path))
-    assert_no_failures(tmp_path, world)
+    spawn_checked(_every_preset_on_nccl, world, tmp_path)
 
 
 def test_what_sums_on_each_backend() -> None:
@@ -152,7 +151,7 @@ def _ddp_overlaps(rank: int, world: int, out: str) -> None:
     failures = []
     for options in ({"strategy": "ddp", "wire": "fp16"}, {"strategy": "ddp", "algorithm": "ring", "wire": "fp16",
                                                           "implementation": "backend"}):
-        model = Net()
+        model = ThreeLayerNet()
         reference = copy.deepcopy(model)
         comm = build_communicator({**options, "ddp_bucket_mb": 0.004}, CPU)
         pending: list[bool] = []
@@ -171,7 +170,7 @@ def _ddp_overlaps(rank: int, world: int, out: str) -> None:
         dist.all_reduce = _SlowAllreduce(original, 0.2)
         try:
             for step in range(2):
-                x = _batch(rank, step)
+                x = rank_batch(rank, step)
                 reference.zero_grad(set_to_none=True)
                 reference(x).pow(2).mean().backward()
                 module(x).pow(2).mean().backward()
@@ -189,12 +188,11 @@ def _ddp_overlaps(rank: int, world: int, out: str) -> None:
             failures.append(f"{options}: a hook returned a completed future ({pending}): no overlap")
         if comm.stats.collectives == 0:
             failures.append(f"{options}: nothing counted")
-    torch.save(failures, Path(out) / f"rank{rank}.pt")
+    save_failures(failures, out, rank)
 
 
 def test_ddp_over_the_backends_allreduce_returns_before_the_sum_is_done(tmp_path: Path) -> None:
-    spawn(_ddp_overlaps, 2, str(tmp_path))
-    assert_no_failures(tmp_path, 2)
+    spawn_checked(_ddp_overlaps, 2, tmp_path)
 
 
 def test_ddp_preset_on_nccl_keeps_ddps_own_hook() -> None:

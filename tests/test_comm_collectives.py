@@ -17,16 +17,11 @@ from gradientflow_repro.comm.hierarchical import HierarchicalSum
 from gradientflow_repro.comm.lazy import LazyAllreduce
 from gradientflow_repro.comm.ring import ring_allreduce_, ring_sum
 
-from conftest import assert_no_failures, spawn
+from comm_workers import SIZES, check_ddp_ring_hook, check_lazy_pool, local_tensor
+from conftest import save_failures, spawn, spawn_checked
 
-SIZES = [1, 7, 4099, 1_000_003]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCE = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
-
-
-def _local(size: int, dtype: torch.dtype, rank: int, salt: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1000 * rank + size + salt)
-    return torch.randn(size, generator=generator).to(dtype)
 
 
 def _algorithms(rank: int, world: int, out: str) -> None:
@@ -35,11 +30,11 @@ def _algorithms(rank: int, world: int, out: str) -> None:
     failures = []
     for size in SIZES:
         for dtype in DTYPES:
-            reference = _local(size, dtype, rank)
+            reference = local_tensor(size, dtype, rank)
             dist.all_reduce(reference)
             for name, run in (("ring", lambda t: ring_allreduce_(t, segment_bytes=4096)),
                               ("hierarchical", lambda t: hierarchical(t, CommStats()))):
-                mine = _local(size, dtype, rank)
+                mine = local_tensor(size, dtype, rank)
                 run(mine)
                 rtol, atol = TOLERANCE[dtype]
                 if not torch.allclose(mine.float(), reference.float(), rtol=rtol, atol=atol * world):
@@ -67,7 +62,7 @@ def _algorithms(rank: int, world: int, out: str) -> None:
     # ring's result is bitwise that of the reference expression
     if world == 2:
         for dtype in (torch.float16, torch.bfloat16):
-            mine = _local(4099, dtype, rank, salt=3) * 7
+            mine = local_tensor(4099, dtype, rank, salt=3) * 7
             both = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(both, mine)
             ring_allreduce_(mine, segment_bytes=1024)
@@ -75,9 +70,9 @@ def _algorithms(rank: int, world: int, out: str) -> None:
                 failures.append(f"ring {dtype}: not the fp32 sum rounded once")
     # fp16 wire around the ring stays within half precision of the fp32 sum
     stats = CommStats()
-    reference = _local(4099, torch.float32, rank, salt=1)
+    reference = local_tensor(4099, torch.float32, rank, salt=1)
     dist.all_reduce(reference)
-    mine = _local(4099, torch.float32, rank, salt=1)
+    mine = local_tensor(4099, torch.float32, rank, salt=1)
     # half precision: every rounding (one per hop) errs by at most 2^-11 of |partial sum| <= N * max
     bound = world * world * 2.0 ** -11 * mine.abs().max().item()
     Fp16Wire(ring_sum(), world)(mine, stats)
@@ -86,7 +81,7 @@ def _algorithms(rank: int, world: int, out: str) -> None:
     if stats.bytes > 2 * (world - 1) * 4099 * 2 // world * 1.01 + 64:
         failures.append(f"fp16 wire sent {stats.bytes} bytes: not half of fp32")
     # gradients far below fp16's smallest number survive thanks to the agreed power-of-two scale
-    tiny = _local(4099, torch.float32, rank, salt=2) * 1e-9
+    tiny = local_tensor(4099, torch.float32, rank, salt=2) * 1e-9
     tiny_reference = tiny.clone()
     dist.all_reduce(tiny_reference)
     bound = world * world * 2.0 ** -11 * tiny.abs().max().item()
@@ -100,56 +95,18 @@ def _algorithms(rank: int, world: int, out: str) -> None:
     Fp16Wire(ring_sum(), world)(poisoned, CommStats())
     if torch.isfinite(poisoned).all():
         failures.append("fp16 wire hid an inf")
-    torch.save(failures, Path(out) / f"rank{rank}.pt")
+    save_failures(failures, out, rank)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_hierarchical_fp16_wire_match_builtin_allreduce(world: int, tmp_path: Path) -> None:
-    spawn(_algorithms, world, str(tmp_path))
-    assert_no_failures(tmp_path, world)
-
-
-class Leaves(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tensors = nn.ParameterList([nn.Parameter(torch.zeros(n)) for n in SIZES])
-        self.unused = nn.Parameter(torch.zeros(5))
-
-
-def _lazy_pool(rank: int, world: int, out: str, overlap: bool) -> None:
-    model = Leaves()
-    pool = LazyAllreduce(torch.device("cpu"), ring_sum(segment_bytes=8192), bucket_bytes=16 * 1024,
-                         overlap=overlap)
-    pool.attach(model)
-    failures = []
-    for step in range(3):
-        weights = [_local(p.numel(), torch.float32, rank, salt=step) for p in model.tensors]
-        # hooks fire in a rank-dependent order: the pool must still send parts in one order
-        order = torch.randperm(len(weights), generator=torch.Generator().manual_seed(rank + 10 * step))
-        loss = sum((model.tensors[i] * weights[i]).sum() for i in order.tolist())
-        if rank == 0 and step == 1:  # a parameter used on one rank only, in one step
-            loss = loss + model.unused.sum()
-        loss.backward()
-        pool.synchronize()
-        for param, local in zip(model.tensors, weights):
-            dist.all_reduce(local)
-            if not torch.allclose(param.grad, local / world, rtol=1e-5, atol=1e-6):
-                failures.append(f"step {step}: size {param.numel()} differs")
-        expected_unused = (1.0 / world) if step == 1 else 0.0
-        if model.unused.grad is None or not torch.allclose(model.unused.grad, torch.full((5,), expected_unused)):
-            failures.append(f"step {step}: unused parameter got {model.unused.grad}")
-        model.zero_grad(set_to_none=True)
-    if len(pool.buckets) < 3:
-        failures.append(f"only {len(pool.buckets)} pool parts: the threshold was not applied")
-    pool.close()
-    torch.save(failures, Path(out) / f"rank{rank}.pt")
+    spawn_checked(_algorithms, world, tmp_path)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_lazy_pool_matches_allreduce_average(world: int, overlap: bool, tmp_path: Path) -> None:
-    spawn(_lazy_pool, world, str(tmp_path), overlap)
-    assert_no_failures(tmp_path, world)
+    spawn_checked(check_lazy_pool, world, tmp_path, overlap)
 
 
 def _accumulation(rank: int, world: int, out: str) -> None:
@@ -177,29 +134,8 @@ def test_lazy_pool_gradient_accumulation(tmp_path: Path) -> None:
     assert all(torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
 
 
-def _ddp_ring_hook(rank: int, world: int, out: str) -> None:
-    from torch.nn.parallel import DistributedDataParallel
-
-    from gradientflow_repro.comm.hooks import SumHookState, sum_hook
-
-    torch.manual_seed(0)
-    model = nn.Linear(33, 7)
-    reference = nn.Linear(33, 7)
-    reference.load_state_dict(model.state_dict())
-    ddp = DistributedDataParallel(model)
-    state = SumHookState(ring_sum(segment_bytes=256))
-    ddp.register_comm_hook(state, sum_hook)
-    x = torch.randn(5, 33, generator=torch.Generator().manual_seed(rank))
-    ddp(x).pow(2).sum().backward()
-    reference(x).pow(2).sum().backward()
-    expected = reference.weight.grad.clone()
-    dist.all_reduce(expected)
-    ok = torch.allclose(model.weight.grad, expected / world, rtol=1e-5, atol=1e-6) and state.stats.bytes > 0
-    torch.save(ok, Path(out) / f"rank{rank}.pt")
-
-
 def test_ring_as_a_ddp_communication_hook(tmp_path: Path) -> None:
-    spawn(_ddp_ring_hook, 3, str(tmp_path))
+    spawn(check_ddp_ring_hook, 3, str(tmp_path))
     assert all(torch.load(tmp_path / f"rank{r}.pt") for r in range(3))
 
 

@@ -27,42 +27,15 @@ from gradientflow_repro.comm.ring import ring_sum
 from gradientflow_repro.optim import Lars, parameter_groups
 from gradientflow_repro.scaling import perfmodel as pm
 
-from conftest import assert_no_failures, spawn
-
-CPU = torch.device("cpu")
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(37, 53)  # 1961 + 53
-        self.b = nn.Linear(53, 11)  # 583 + 11
-        self.norm = nn.BatchNorm1d(11)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.b(torch.relu(self.a(x))))
-
-
-def csc(density: float, momentum_correction: bool = False, overlap: bool = True,
-        density_ramp_epochs: int = 0, release_cap: float = 0.0) -> CSCCommunicator:
-    return CSCCommunicator(CPU, ring_sum(segment_bytes=1024), bucket_bytes=4096, overlap=overlap,
-                           chunk_size=100, density=density, warmup_epochs=0.0,
-                           momentum_correction=momentum_correction, density_ramp_epochs=density_ramp_epochs,
-                           release_cap=release_cap)
-
-
-def backward(model: nn.Module, rank: int, step: int) -> None:
-    x = torch.randn(8, 37, generator=torch.Generator().manual_seed(rank * 100 + step))
-    model(x).pow(2).mean().backward()
-
-
-def pool_layout(bucket, tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``tensors`` laid out as in the pool part (zero padding included)."""
-    flat = torch.zeros_like(bucket.flat)
-    for tensor, offset in zip(tensors, bucket.offsets):
-        flat[offset:offset + tensor.numel()] = tensor.reshape(-1)
-    return flat
+from comm_workers import (
+    CPU,
+    TwoLayerNet,
+    backward,
+    check_csc_selection_and_no_loss,
+    check_ddp_csc_hook,
+    csc,
+)
+from conftest import save_failures, spawn, spawn_checked
 
 
 def test_chunk_norms_and_deterministic_selection() -> None:
@@ -121,7 +94,7 @@ def test_a_checkpoint_resumes_only_under_the_dense_warmup_it_was_saved_with() ->
 
     def attached(lr_warmup: float) -> CSCCommunicator:
         comm = build_communicator({"strategy": "gradientflow", "bucket_mb": 0.004}, CPU, lr_warmup_epochs=lr_warmup)
-        model = Net()
+        model = TwoLayerNet()
         comm.attach(model, _optimizer_of("lars", model))
         return comm
 
@@ -132,6 +105,22 @@ def test_a_checkpoint_resumes_only_under_the_dense_warmup_it_was_saved_with() ->
                                               r"is 5 .* resume with comm.csc_warmup_epochs=2 to keep"):
         attached(5.0).load_state_dict(saved)
     attached(5.0).load_state_dict({key: value for key, value in saved.items() if key != "warmup_epochs"})
+
+
+def test_a_csc_built_directly_is_refused_by_the_declared_checks() -> None:
+    """Built without the factory, CSC refuses a bad ``comm.*`` value with the rule and words declared
+    on ``CommConfig``'s field (knobs.py), not a second copy of the rule."""
+    import dataclasses
+    import re
+
+    from gradientflow_repro.comm.knobs import CommConfig
+
+    declared = {spec.name: spec.metadata["check"].says for spec in dataclasses.fields(CommConfig)}
+    for key, value in (("density", 1.5), ("density", 0.0), ("density_ramp_epochs", -1), ("release_cap", -1.0),
+                       ("release_cap", math.inf), ("release_cap", math.nan), ("chunk_size", 0)):
+        options = {"chunk_size": 100, "density": 0.1, key: value}
+        with pytest.raises(ValueError, match=re.escape(f"config key 'comm.{key}' = {value!r}: {declared[key]}")):
+            CSCCommunicator(CPU, builtin_sum(), 4096, overlap=False, warmup_epochs=1.0, **options)
 
 
 def test_release_cap_holds_back_what_exceeds_it() -> None:
@@ -165,63 +154,13 @@ def test_release_cap_holds_back_what_exceeds_it() -> None:
                         warmup_epochs=1.0, release_cap=math.inf)
 
 
-def _same_selection_and_no_loss(rank: int, world: int, out: str, release_cap: float = 0.0) -> None:
-    model = Net()
-    comm = csc(density=0.3, density_ramp_epochs=2, release_cap=release_cap)  # densities 0.67, 0.45, then 0.3
-    comm.attach(model)
-    sent_total = [torch.zeros_like(b.flat) for b in comm.buckets]
-    grad_total = [torch.zeros_like(b.flat) for b in comm.buckets]
-    failures = []
-    for step in range(5):
-        comm.begin_step(epoch=float(step))
-        backward(model, rank, step)
-        # what this rank produced, in pool layout (reduced only after synchronize(): while the
-        # communication thread runs, no other collective may be issued)
-        produced = [pool_layout(bucket, [p.grad for p in bucket.params]) for bucket in comm.buckets]
-        comm.synchronize()
-        for i, local in enumerate(produced):
-            dist.all_reduce(local)
-            grad_total[i] += local
-        comm.end_step(applied=True)
-        for i, bucket in enumerate(comm.buckets):
-            sent_total[i] += pool_layout(bucket, [p.grad for p in bucket.params]) * world
-        selections = [None] * world
-        dist.all_gather_object(selections, {k: v.tolist() for k, v in comm.last_selection.items()})
-        if any(s != selections[0] for s in selections):
-            failures.append(f"step {step}: ranks chose different chunks {selections}")
-        if not comm.last_selection:
-            failures.append("nothing was sparsified")
-        for i, chosen in comm.last_selection.items():
-            chunks = comm.chunks(comm.buckets[i]).shape[0]
-            if len(chosen) != math.ceil(0.3 ** (min(step + 1, 3) / 3) * chunks):
-                failures.append(f"step {step}: part {i} sent {len(chosen)} of {chunks} chunks at "
-                                f"density {comm.density_now:.3f}")
-        model.zero_grad(set_to_none=True)
-    for i, bucket in enumerate(comm.buckets):
-        held_back = torch.zeros_like(bucket.flat)  # the residual covers the part's chunks, not its dense tail
-        if i in comm.residual:
-            held_back[:bucket.sparse_elements] = comm.residual[i].reshape(-1)
-        dist.all_reduce(held_back)
-        if not torch.allclose(sent_total[i] + held_back, grad_total[i], rtol=1e-5, atol=1e-5):
-            failures.append(f"part {i}: sent + residual != gradients "
-                            f"({(sent_total[i] + held_back - grad_total[i]).abs().max():.3g})")
-    if not any(r.abs().sum() > 0 for r in comm.residual.values()):
-        failures.append("residuals are empty: density < 1 held nothing back")
-    capped = any(comm.residual[i][chosen].abs().sum() > 0 for i, chosen in comm.last_selection.items())
-    if capped != (release_cap > 0):  # without a cap the chunks just sent are cleared; with it some are held
-        failures.append(f"release cap {release_cap}: chunks just sent {'kept' if capped else 'cleared'} residual")
-    comm.close()
-    torch.save(failures, Path(out) / f"rank{rank}.pt")
-
-
 @pytest.mark.parametrize("world, release_cap", [(2, 0.0), (3, 0.0), (4, 0.0), (3, 1.0)])
 def test_same_chunks_everywhere_and_nothing_lost(world: int, release_cap: float, tmp_path: Path) -> None:
-    spawn(_same_selection_and_no_loss, world, str(tmp_path), release_cap)
-    assert_no_failures(tmp_path, world)
+    spawn_checked(check_csc_selection_and_no_loss, world, tmp_path, release_cap)
 
 
 def _density_one_is_dense(rank: int, world: int, out: str) -> None:
-    sparse_model, dense_model = Net(), Net()
+    sparse_model, dense_model = TwoLayerNet(), TwoLayerNet()
     sparse, dense = csc(density=1.0, momentum_correction=True), LazyAllreduce(
         CPU, builtin_sum(), bucket_bytes=4096, overlap=False)
     sparse.attach(sparse_model, torch.optim.SGD(sparse_model.parameters(), lr=0.1, momentum=0.9))
@@ -259,7 +198,7 @@ def _momentum_correction_lockstep(rank: int, world: int, out: str, kind: str) ->
     is plain SGD while CSC sends sparsely, and gets its momentum and weight decay back for a dense
     phase."""
     failures, scale = [], 1024.0
-    models = {name: Net() for name in ("sparse", "dense")}
+    models = {name: TwoLayerNet() for name in ("sparse", "dense")}
     optimizers = {name: _optimizer_of(kind, model) for name, model in models.items()}
     comms = {"sparse": CSCCommunicator(CPU, ring_sum(segment_bytes=1024), bucket_bytes=4096, overlap=True,
                                        chunk_size=100, density=0.999, warmup_epochs=1.0,
@@ -301,14 +240,13 @@ def _momentum_correction_lockstep(rank: int, world: int, out: str, kind: str) ->
         failures.append(f"dense phase: the optimizer got back {[(g['momentum'], g['weight_decay']) for g in groups]}")
     for comm in comms.values():
         comm.close()
-    torch.save(failures, Path(out) / f"rank{rank}.pt")
+    save_failures(failures, out, rank)
 
 
 @pytest.mark.parametrize("world,kind", [(2, "lars"), (3, "lars"), (3, "sgd")])
 def test_momentum_correction_is_the_dense_optimizer_when_everything_is_sent(world: int, kind: str,
                                                                            tmp_path: Path) -> None:
-    spawn(_momentum_correction_lockstep, world, str(tmp_path), kind)
-    assert_no_failures(tmp_path, world)
+    spawn_checked(_momentum_correction_lockstep, world, tmp_path, kind)
 
 
 REFUSED = {"adam": lambda params: torch.optim.Adam(params),
@@ -319,7 +257,7 @@ REFUSED = {"adam": lambda params: torch.optim.Adam(params),
 
 @pytest.mark.parametrize("optimizer", REFUSED.values(), ids=REFUSED.keys())
 def test_momentum_correction_refuses_what_it_would_run_wrongly(optimizer) -> None:
-    model = Net()
+    model = TwoLayerNet()
     with pytest.raises(ValueError, match="momentum correction"):
         csc(density=0.25, momentum_correction=True, overlap=False).attach(model, optimizer(model.parameters()))
     csc(density=0.25, momentum_correction=False, overlap=False).attach(model, optimizer(model.parameters()))
@@ -327,7 +265,7 @@ def test_momentum_correction_refuses_what_it_would_run_wrongly(optimizer) -> Non
 
 def _checkpoint_and_skip(rank: int, world: int, out: str) -> None:
     """Under Lars, so the trust ratio's noise estimate is part of the state."""
-    model = Net()
+    model = TwoLayerNet()
     optimizer = _optimizer_of("lars", model)
     comm = csc(density=0.25, momentum_correction=True)
     comm.attach(model, optimizer)
@@ -343,7 +281,7 @@ def _checkpoint_and_skip(rank: int, world: int, out: str) -> None:
     buffer = io.BytesIO()
     torch.save(comm.state_dict(), buffer)
     buffer.seek(0)
-    restored_model = Net()
+    restored_model = TwoLayerNet()
     restored_model.load_state_dict(model.state_dict())
     restored = csc(density=0.25, momentum_correction=True)
     restored.attach(restored_model, _optimizer_of("lars", restored_model))
@@ -402,85 +340,16 @@ def _checkpoint_and_skip(rank: int, world: int, out: str) -> None:
         failures.append("after a skipped step the noise estimate differs from one that never saw it")
     comm.close()
     restored.close()
-    torch.save(failures, Path(out) / f"rank{rank}.pt")
+    save_failures(failures, out, rank)
 
 
 def test_checkpoint_restores_state_and_skipped_step_changes_nothing(tmp_path: Path) -> None:
-    spawn(_checkpoint_and_skip, 2, str(tmp_path))
-    assert_no_failures(tmp_path, 2)
-
-
-def _ddp_csc_hook(rank: int, world: int, out: str) -> None:
-    from torch.nn.parallel import DistributedDataParallel
-
-    from gradientflow_repro.comm.hooks import CSCHookState, csc_hook
-
-    model, reference = Net(), Net()
-    ddp = DistributedDataParallel(model, bucket_cap_mb=0.004)
-    state = CSCHookState(density=0.3, chunk_size=100, dense_steps=1, sum_fn=ring_sum(segment_bytes=1024))
-    layouts: dict[int, list[nn.Parameter]] = {}
-
-    def recording_hook(hook_state, bucket):  # which parameters each bucket holds, for the check
-        layouts[bucket.index()] = bucket.parameters()
-        return csc_hook(hook_state, bucket)
-
-    ddp.register_comm_hook(state, recording_hook)
-    names = {p: name for name, p in model.named_parameters()}
-    sent = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
-    produced = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
-    failures, overflow_step = [], 3
-    for step in range(6):
-        x = torch.randn(8, 37, generator=torch.Generator().manual_seed(rank * 100 + step))
-        scale = float("inf") if (step == overflow_step and rank == 0) else 1.0
-        before = {i: r.clone() for i, r in state.residual.items()}
-        ddp(x).pow(2).mean().mul(scale).backward()
-        reference(x).pow(2).mean().backward()
-        local = {name: p.grad.clone() for name, p in reference.named_parameters()}
-        for tensor in local.values():
-            dist.all_reduce(tensor)
-        if step == overflow_step:  # one rank overflowed: every rank sees it, residuals stay as they were
-            if all(torch.isfinite(p.grad).all() for p in model.parameters()):
-                failures.append("an overflow on rank 0 did not reach every rank")
-            if any(not torch.equal(before[i], state.residual[i]) for i in before):
-                failures.append("the overflowing step changed a residual")
-        else:
-            for name, p in model.named_parameters():
-                sent[name] += p.grad * world
-                produced[name] += local[name]
-                if (step == 0 or p.ndim == 1) and not torch.allclose(p.grad, local[name] / world, atol=1e-6):
-                    failures.append(f"step {step}: {name} was not averaged densely")
-            selections = [None] * world
-            dist.all_gather_object(selections, {k: v.tolist() for k, v in state.last_selection.items()})
-            if any(s != selections[0] for s in selections):
-                failures.append(f"step {step}: ranks chose different chunks")
-        model.zero_grad(set_to_none=True)
-        reference.zero_grad(set_to_none=True)
-    if not state.residual or not any(r.abs().sum() > 0 for r in state.residual.values()):
-        failures.append("nothing was held back")
-    for index, params in layouts.items():  # sent + what all residuals hold = every gradient produced
-        residual = state.residual[index].reshape(-1).clone()
-        dist.all_reduce(residual)
-        offset = 0
-        for p in params:
-            name = names[p]
-            held = residual[offset:offset + p.numel()].view_as(p)
-            if not torch.allclose(sent[name] + held, produced[name], rtol=1e-5, atol=1e-5):
-                failures.append(f"{name}: sent + residual != gradients "
-                                f"({(sent[name] + held - produced[name]).abs().max():.3g})")
-            offset += p.numel()
-    saved = io.BytesIO()
-    torch.save(state.state_dict(), saved)
-    restored = CSCHookState(density=0.3, chunk_size=100)
-    restored.load_state_dict(torch.load(io.BytesIO(saved.getvalue())))
-    if restored.iteration != 6 or any(not torch.equal(restored.residual[i], r) for i, r in state.residual.items()):
-        failures.append("state_dict did not restore the residuals exactly")
-    torch.save(failures, Path(out) / f"rank{rank}.pt")
+    spawn_checked(_checkpoint_and_skip, 2, tmp_path)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_csc_as_a_ddp_communication_hook(world: int, tmp_path: Path) -> None:
-    spawn(_ddp_csc_hook, world, str(tmp_path))
-    assert_no_failures(tmp_path, world)
+    spawn_checked(check_ddp_csc_hook, world, tmp_path)
 
 
 def _two_collectives_per_part(rank: int, world: int, out: str) -> None:
@@ -499,7 +368,7 @@ def _two_collectives_per_part(rank: int, world: int, out: str) -> None:
 
     dist.batch_isend_irecv = counting_batch
     failures = []
-    half_model, full_model = Net(), Net()
+    half_model, full_model = TwoLayerNet(), TwoLayerNet()
     half = CSCCommunicator(CPU, Fp16Wire(SizedSum(ring_sum(segment_bytes=1024)), world), bucket_bytes=4096,
                            overlap=True, chunk_size=100, density=0.3, warmup_epochs=0.0, momentum_correction=True)
     full = CSCCommunicator(CPU, ring_sum(segment_bytes=1024), bucket_bytes=4096, overlap=True, chunk_size=100,
@@ -561,20 +430,19 @@ def _two_collectives_per_part(rank: int, world: int, out: str) -> None:
     dist.batch_isend_irecv = real_batch
     half.close()
     full.close()
-    torch.save(failures, Path(out) / f"rank{rank}.pt")
+    save_failures(failures, out, rank)
 
 
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_csc_sends_two_collectives_per_pool_part(world: int, tmp_path: Path) -> None:
-    spawn(_two_collectives_per_part, world, str(tmp_path))
-    assert_no_failures(tmp_path, world)
+    spawn_checked(_two_collectives_per_part, world, tmp_path)
 
 
 def _trust_noise(rank: int, world: int, out: str) -> None:
     """The trust ratio's noise estimate (``TrustNoise``) against references computed from every
     rank's whole gradient (``dist.all_reduce``, ``dist.all_gather``)."""
     failures = []
-    model = Net()
+    model = TwoLayerNet()
     comm = csc(density=0.5, momentum_correction=True, overlap=False)
     comm.attach(model, _optimizer_of("lars", model))
     noise = comm.local_step.noise
@@ -656,7 +524,7 @@ def _trust_noise(rank: int, world: int, out: str) -> None:
         if not torch.allclose(gradient, expected, rtol=1e-6, atol=1e-9):
             failures.append(f"part {bucket.index}: LocalStep does not rescale each layer by its own factor")
     # 3. ranks that agree: c is 1, as dense LARS
-    fresh = Net()
+    fresh = TwoLayerNet()
     agreeing = csc(density=0.5, momentum_correction=True, overlap=False)
     agreeing.attach(fresh, _optimizer_of("lars", fresh))
     for bucket in buckets:
@@ -672,13 +540,12 @@ def _trust_noise(rank: int, world: int, out: str) -> None:
             failures.append(f"ranks that agree: c^2 = {(own / mean).tolist()}, not 1")
     comm.close()
     agreeing.close()
-    torch.save(failures, Path(out) / f"rank{rank}.pt")
+    save_failures(failures, out, rank)
 
 
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_trust_noise_estimate_against_every_ranks_gradient(world: int, tmp_path: Path) -> None:
-    spawn(_trust_noise, world, str(tmp_path))
-    assert_no_failures(tmp_path, world)
+    spawn_checked(_trust_noise, world, tmp_path)
 
 
 def test_trust_ratio_divides_the_gradient_norm_by_the_noise_factor() -> None:

@@ -229,8 +229,8 @@ def test_bad_options_are_refused_in_one_line_before_any_item_runs(tmp_path: Path
     if case == "bad test fault":
         monkeypatch.setenv(gpu_check.TEST_FAULT_ENV, "wrong_summ")
     ran = []
-    monkeypatch.setattr(gpu_check, "run_here", lambda *a, **k: ran.append(a) or [])
-    monkeypatch.setattr(gpu_check, "run_in_child", lambda *a, **k: ran.append(a) or [])
+    monkeypatch.setattr(gpu_check.runner, "run_here", lambda *a, **k: ran.append(a) or [])  # where main finds them
+    monkeypatch.setattr(gpu_check.runner, "run_in_child", lambda *a, **k: ran.append(a) or [])
     assert gpu_check.main(args) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and not ran

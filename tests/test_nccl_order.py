@@ -18,10 +18,9 @@ from gradientflow_repro.comm.hierarchical import HierarchicalSum
 from gradientflow_repro.comm.recursive_doubling import recursive_doubling_allreduce_
 from gradientflow_repro.comm.ring import ring_allreduce_, ring_sum
 
-from conftest import assert_no_failures, spawn
+from comm_workers import check_csc_selection_and_no_loss, check_ddp_csc_hook, check_ddp_ring_hook, check_lazy_pool
+from conftest import save_failures, spawn, spawn_checked
 from nccl_order import StreamHang, nccl_order
-from test_comm_collectives import _ddp_ring_hook, _lazy_pool
-from test_comm_csc import _ddp_csc_hook, _same_selection_and_no_loss
 
 SIZES = [1, 7, 4099, 65_537]
 
@@ -45,12 +44,12 @@ def _algorithms(rank: int, world: int, out: str) -> None:
                 if not torch.allclose(mine.float(), reference.float(), rtol=tolerance, atol=tolerance):
                     failures.append(f"{name} size {size} {dtype}: max error "
                                     f"{(mine.float() - reference.float()).abs().max():.3g}")
-    torch.save(failures, Path(out) / f"rank{rank}.pt")
+    save_failures(failures, out, rank)
 
 
-WORKERS = {"ring, hierarchical, fp16 wire": _algorithms, "lazy pool": _lazy_pool,
-           "csc": _same_selection_and_no_loss, "ddp sum_hook (ring)": _ddp_ring_hook,
-           "ddp csc_hook (ring)": _ddp_csc_hook}
+WORKERS = {"ring, hierarchical, fp16 wire": _algorithms, "lazy pool": check_lazy_pool,
+           "csc": check_csc_selection_and_no_loss, "ddp sum_hook (ring)": check_ddp_ring_hook,
+           "ddp csc_hook (ring)": check_ddp_csc_hook}
 
 
 def _every_strategy_under_nccl_order(rank: int, world: int, out: str) -> None:
@@ -58,7 +57,7 @@ def _every_strategy_under_nccl_order(rank: int, world: int, out: str) -> None:
         folder = Path(out) / str(index)
         folder.mkdir(exist_ok=True)
         with nccl_order(timeout_s=20):
-            if worker is _lazy_pool:
+            if worker is check_lazy_pool:
                 worker(rank, world, str(folder), True)  # overlap: the communication thread issues
             else:
                 worker(rank, world, str(folder))
@@ -95,13 +94,12 @@ def _recursive_doubling(rank: int, world: int, out: str) -> None:
                 dist.broadcast(first, src=0)
                 if not torch.equal(first, mine):
                     failures.append(f"size {size} {dtype}: differs from rank 0")
-    torch.save(failures, Path(out) / f"rank{rank}.pt")
+    save_failures(failures, out, rank)
 
 
 @pytest.mark.parametrize("world", [3, 4])
 def test_recursive_doubling_completes_under_nccl_ordering(world: int, tmp_path: Path) -> None:
-    spawn(_recursive_doubling, world, str(tmp_path))
-    assert_no_failures(tmp_path, world)
+    spawn_checked(_recursive_doubling, world, tmp_path)
 
 
 def _receive_before_send(rank: int, world: int, out: str) -> None:

@@ -5,7 +5,6 @@ are told their place in the node, and nothing is left behind."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -13,6 +12,8 @@ import pytest
 
 from gradientflow_repro.cluster import netemu, preloaded
 from gradientflow_repro.cluster.launch import network, run_ranks
+
+from support import needs_netemu
 
 # Each rank: its node's namespace, its local rank, the address gloo bound to; then rank 0 times an
 # 8 MiB send (and a one-element reply) to rank 1 (its own node) and to rank 2 (the other node).
@@ -58,11 +59,7 @@ def test_two_nodes_of_two_ranks_share_a_shaped_uplink_and_talk_inside_unshaped(
         module = ("-m", "netemu_probe")
         # this test process may run torch's compute threads (earlier tests); the probe's ranks use one
         monkeypatch.setattr(preloaded, "_threads_after_preload", 10 ** 6)
-    reason = netemu.why_unavailable()
-    if reason:
-        if os.environ.get("REQUIRE_NETEMU_TESTS") == "1":
-            pytest.fail(f"REQUIRE_NETEMU_TESTS=1 but {reason}")
-        pytest.skip(reason)
+    needs_netemu()
     before = set(netemu.namespaces())
     with network(4, 100, None, ranks_per_node=2) as net:
         assert net is not None and net.nodes == 2

@@ -26,7 +26,7 @@ from gradientflow_repro.comm.compression import (
 from gradientflow_repro.comm.recursive_doubling import SizedSum, recursive_doubling_allreduce_, small_sum
 from gradientflow_repro.comm.ring import ring_allreduce_, ring_sum
 
-from conftest import assert_no_failures, spawn
+from conftest import save_failures, spawn_checked
 
 SIZES = [1, 7, 1001]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -252,13 +252,12 @@ def _cases(rank: int, world: int, out: str) -> None:
         failures.append(f"SizedSum: 68 bytes counted {stats}, not by the ring")
     if not (torch.equal(at, torch.full((16,), float(world))) and torch.equal(above, torch.full((17,), float(world)))):
         failures.append("SizedSum: wrong sums")
-    torch.save(failures, Path(out) / f"rank{rank}.pt")
+    save_failures(failures, out, rank)
 
 
 @pytest.mark.parametrize("world", [2, 3, 5, 8])
 def test_recursive_doubling_matches_all_reduce(world: int, tmp_path: Path) -> None:
-    spawn(_cases, world, str(tmp_path), timeout_s=30)
-    assert_no_failures(tmp_path, world)
+    spawn_checked(_cases, world, tmp_path, timeout_s=30)
 
 
 def test_default_threshold_is_a_measured_power_of_four() -> None:

@@ -23,15 +23,7 @@ from gradientflow_repro.scaling import perfmodel as pm
 from gradientflow_repro.scaling.profile import measure_wire_cast_s_per_element
 
 from conftest import REPO
-
-
-def _needs_netemu() -> None:
-    reason = netemu.why_unavailable()
-    if reason:
-        if os.environ.get("REQUIRE_NETEMU_TESTS") == "1":
-            pytest.fail(f"REQUIRE_NETEMU_TESTS=1 but {reason}")
-        pytest.skip(reason)
-
+from support import needs_netemu
 
 # ---------------------------------------------------------------- the scaling model by hand
 PROFILE = pm.ModelProfile(forward_s=0.010, backward_s=0.020, optimizer_s=0.005, tensors=(
@@ -282,7 +274,7 @@ def test_paper_arithmetic_is_stated() -> None:
 
 # ---------------------------------------------------------------- network emulation
 def test_emulated_network_leaves_nothing_behind_when_a_rank_fails(tmp_path: Path) -> None:
-    _needs_netemu()
+    needs_netemu()
     before = set(netemu.namespaces())
     with netemu.EmulatedNetwork(2, rate_mbit=100) as net:
         names = set(netemu.namespaces(net.prefix))

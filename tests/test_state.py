@@ -14,32 +14,14 @@ from gradientflow_repro import checkpoint
 from gradientflow_repro.checkpoint import CheckpointError
 from gradientflow_repro.state import (
     FORMAT,
-    LocalBuffers,
-    ModelName,
-    ModelWeights,
-    Progress,
+    TrainingProgress,
     TrainState,
-    Value,
-    rng_parts,
 )
 
-
-def make_state(width: int = 4, name: str = "tiny") -> tuple[TrainState, nn.Module, Progress, dict]:
-    model = nn.Sequential(nn.Linear(3, width), nn.BatchNorm1d(width))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    progress = Progress()
-    progress.start_clock(init_s=0.0)
-    run = {"wandb_id": None}
-    state = TrainState(
-        shared={"model_name": ModelName(name), "model": ModelWeights(model, f"{name}, width {width}"),
-                "optimizer": optimizer, "wandb_id": Value(lambda: run["wandb_id"], lambda v: run.update(wandb_id=v)),
-                "progress": progress},
-        per_rank={"buffers": LocalBuffers(model, 1), **rng_parts(torch.device("cpu"))},
-        rank=0, world_size=1, device=torch.device("cpu"))
-    return state, model, progress, run
+from support import make_state
 
 
-def train_a_little(model: nn.Module, state: TrainState, progress: Progress) -> None:
+def train_a_little(model: nn.Module, state: TrainState, progress: TrainingProgress) -> None:
     optimizer = state.shared["optimizer"]
     for _ in range(3):
         model(torch.randn(8, 3)).square().mean().backward()
@@ -139,7 +121,7 @@ def test_the_run_summary_keeps_its_keys() -> None:
 
     cfg = SimpleNamespace(experiment="digits_cpu", comm=SimpleNamespace(strategy="ring"),
                           precision=SimpleNamespace(dtype="fp32"), global_batch_size=64, target_top1=90.0)
-    progress = Progress()
+    progress = TrainingProgress()
     progress.start_clock(init_s=0.0)
     progress.stepped(2.0)
     progress.reached_at = {"step": 1, "mlperf_s": 3.0, "train_s": 2.0}

@@ -25,7 +25,7 @@ from gradientflow_repro.cluster.world import spawn
 from gradientflow_repro.comm.base import CommStats
 from gradientflow_repro.comm.hierarchical import HierarchicalSum
 from gradientflow_repro.comm.ring import DEFAULT_SEGMENT_BYTES, ring_allreduce_
-from gradientflow_repro.tracking import environment_facts
+from gradientflow_repro.provenance import environment_facts
 
 BLOCK_CALLS = 3  # timed calls per algorithm and round
 

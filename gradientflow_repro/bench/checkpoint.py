@@ -106,7 +106,7 @@ def bench_checkpoint(out: Path, worlds: Sequence[int] = (1, 2, 4, 8), rank_mb: f
                      shared_mb: float = 32.0, repeats: int = 3,
                      command: str = "python scripts/bench_checkpoint.py") -> str:
     """Measure every world size of ``worlds``, project 512 ranks, write Markdown to ``out``; returns it."""
-    from gradientflow_repro.tracking import environment_facts
+    from gradientflow_repro.provenance import environment_facts
 
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

@@ -15,9 +15,8 @@ per node), and measures in the same launch the network as an analytic model need
 latency and bandwidth between node leaders (the uplink), inside a node, and over the flat ring of
 all ranks, and the backend's own allreduce by message size. Every layout is launched ``launches``
 times, in rounds (each round launches every layout once, so a drift of the shared host touches
-them alike): with 8 ranks on 2 cores a strategy's step moves between launches far more than
-within one (the two-level ``gradientflow`` of 2x4 measured 67-82 ms in six launches, most steps of
-each within 5 ms of its median), so one launch is a draw, and what is reported and set against the
+them alike): with more ranks than cores a strategy's step moves between launches far more than
+within one, so one launch is a draw, and what is reported and set against the
 model is the median over the launches, each launch's figure beside it. Each rank runs this module:
 
     python -m gradientflow_repro.bench.cluster OUT.json SPEC.json    # RANK, WORLD_SIZE, MASTER_* set
@@ -42,6 +41,7 @@ from typing import Any, Callable, Optional, Sequence
 from gradientflow_repro import REPO
 from gradientflow_repro.cluster import netemu
 from gradientflow_repro.cluster.launch import network, run_ranks
+from gradientflow_repro.comm import registry
 from gradientflow_repro.config import compose
 from gradientflow_repro.reproduction.progress import MACHINE_KEYS, Progress, Timeline
 from gradientflow_repro.scaling.cluster_check import launch_of, markdown_lines, network_fields, over_launches
@@ -60,36 +60,26 @@ SEGMENT_BYTES = 1 << 20
 # (world, ranks per node): 8 ranks as 2 nodes x 4 and 4 nodes x 2, 4 ranks as 2 nodes x 2
 LAYOUTS: tuple[tuple[int, int], ...] = ((8, 4), (8, 2), (4, 2))
 # Per node uplink, Mbit/s. The run must be network-bound (the check below) on a slow 2-core machine
-# too: at 100 one such machine's densest strategy of 8 ranks was only 1.66x faster at twice the rate
-# (a faster one: 1.89x); at 50 it takes ~2.8 s a step, 1.92x faster at 100 and 6% of that unshaped
-# (results/cluster_comm.md), and the whole benchmark about 42 minutes there. A check that fails
-# names a rate that would pass (``rate_for_speedup``).
+# too, where the CPU's share of a step is largest: at 50 such a machine's densest strategy of 8
+# ranks nearly halves its step at twice the rate, where at 100 it did not (the measurements:
+# results/cluster_comm.md). A check that fails names a rate that would pass (``rate_for_speedup``).
 RATE_MBIT = 50.0
-STRATEGY_LABELS = ("allreduce", "ring", "ring+fp16", "lazy", "csc", "gradientflow (flat)",
-                   "gradientflow (hierarchical)", "ddp-style bucketed builtin", "ddp")
 # Launches of every layout (see the module's docstring): the median of 3 is the least that outvotes one
-# launch's draw; each round takes about 8 minutes here.
+# launch's draw.
 LAUNCHES = 3
 RUNS_DIR = REPO / "results" / "runs" / "bench_cluster"
 OUT_MD, OUT_JSON = REPO / "results" / "cluster_comm.md", REPO / "results" / "cluster_comm.json"
 
 
+def strategy_labels() -> tuple[str, ...]:
+    """The strategies this benchmark measures unless told: the registry's ``CLUSTER_BENCH`` list."""
+    return registry.labels(registry.CLUSTER_BENCH)
+
+
 def strategy_options(label: str, ranks_per_node: int) -> dict[str, Any]:
-    """The ``comm.*`` options of a strategy label (hierarchical needs the layout's ranks per node)."""
-    options: dict[str, dict[str, Any]] = {
-        "allreduce": {"strategy": "allreduce"},
-        "ring": {"strategy": "ring"},
-        "ring+fp16": {"strategy": "ring", "wire": "fp16"},
-        "lazy": {"strategy": "lazy"},
-        "csc": {"strategy": "csc"},
-        "gradientflow (flat)": {"strategy": "gradientflow", "algorithm": "ring"},
-        "gradientflow (hierarchical)": {"strategy": "gradientflow", "algorithm": "hierarchical",
-                                        "ranks_per_node": ranks_per_node},
-        # DDP's own 25 MB buckets of builtin allreduces, done by our pool: no DDP needed
-        "ddp-style bucketed builtin": {"strategy": "lazy", "algorithm": "builtin", "bucket_mb": 25, "wire": "fp32"},
-        "ddp": {"strategy": "ddp"},
-    }
-    return options[label]
+    """The ``comm.*`` options of a strategy label, from the registry (a label that forces the
+    two-level ring takes the layout's ranks per node)."""
+    return registry.options(label, ranks_per_node)
 
 
 def dense_fp32(options: dict[str, Any]) -> bool:
@@ -260,8 +250,8 @@ def _local_work_in_step(elements: int) -> dict[str, float]:
     """CSC's and the fp16 wire's local work per element as a step does it: every rank at once on
     the shared cores (on the threads each rank trains with), the slowest rank's time, since the
     collective after it waits for that one. One process alone times each rank's share of a core
-    fairly, but the scheduler does not: with 8 ranks on 2 cores the slowest of them took about
-    1.5x four times the one-process figure."""
+    fairly, but the scheduler does not: with more ranks than cores the slowest of them takes well
+    over its fair share."""
     from gradientflow_repro.scaling.profile import sparsify_work, wire_cast_work
 
     figures = {}
@@ -278,8 +268,8 @@ def _replay_in_step(spec: dict[str, Any], gradients: list[Any], steps: int = 7) 
     lazy pool with a summing function that sends nothing (its hooks' copies into the pool and
     ``synchronize()``'s write-back of the mean: the work a pooled strategy, lazy, CSC or DDP's
     buckets, does around its messages; DDP's own reducer is C++ and is priced by our pool's time,
-    an approximation). With 8 ranks on 2 cores this is several ms, which a model whose gradients
-    are all ready at once would miss."""
+    an approximation). With more ranks than cores this is far from negligible, and a model whose
+    gradients are all ready at once would miss it."""
     import torch
 
     from gradientflow_repro.comm.lazy import LazyAllreduce
@@ -432,7 +422,7 @@ def run_layout(world: int, ranks_per_node: int, rate_mbit: Optional[float], labe
 
 
 def bench_cluster(out_md: Path = OUT_MD, out_json: Path = OUT_JSON, rate_mbit: float = RATE_MBIT,
-                  layouts: Sequence[tuple[int, int]] = LAYOUTS, labels: Sequence[str] = STRATEGY_LABELS,
+                  layouts: Sequence[tuple[int, int]] = LAYOUTS, labels: Optional[Sequence[str]] = None,
                   steps: int = 5, warmup: int = 1, emulate: bool = True, check: bool = True,
                   experiment: str = "digits_cpu", runs_dir: Path = RUNS_DIR, measure: Optional[str] = "full",
                   command: str = "python scripts/bench_cluster.py", launches: int = LAUNCHES,
@@ -442,10 +432,11 @@ def bench_cluster(out_md: Path = OUT_MD, out_json: Path = OUT_JSON, rate_mbit: f
     ``out_json`` (raw rows, each with its launch) and ``out_md``; returns the Markdown. Each finished
     launch is saved as it ends (``progress.Progress`` in ``runs_dir``): run again with the same plan
     (these options, the code, the machine), an interrupted benchmark keeps them and goes on; another
-    plan raises ``CannotContinue`` unless ``fresh``."""
-    from gradientflow_repro.provenance import code_version
-    from gradientflow_repro.tracking import environment_facts
+    plan raises ``CannotContinue`` unless ``fresh``. ``labels``: the strategies, registry labels
+    (None: ``strategy_labels()``)."""
+    from gradientflow_repro.provenance import code_version, environment_facts
 
+    labels = list(strategy_labels() if labels is None else labels)
     if launches < 1:
         raise ValueError(f"--launches {launches}: must be at least 1")
     reason = netemu.why_unavailable() if emulate else "disabled by --no-emulation"

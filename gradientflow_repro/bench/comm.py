@@ -19,26 +19,22 @@ import torch
 import torch.distributed as dist
 
 from gradientflow_repro.cluster.world import spawn
-from gradientflow_repro.comm import build_communicator
+from gradientflow_repro.comm import build_communicator, registry
 from gradientflow_repro.models import build_model
-from gradientflow_repro.tracking import environment_facts
+from gradientflow_repro.provenance import environment_facts
 
-CONFIGS: list[tuple[str, dict]] = [
-    ("allreduce (per tensor)", {"strategy": "allreduce"}),
-    *[(f"lazy {mb} MB, overlap {'on' if overlap else 'off'}",
-       {"strategy": "lazy", "algorithm": "builtin", "bucket_mb": mb, "overlap": overlap})
-      for mb in (1, 8, 32, 128) for overlap in (True, False)],
-    ("ddp (25 MB buckets)", {"strategy": "ddp"}),
-    *[(f"csc density {d}", {"strategy": "csc", "algorithm": "builtin", "density": d,
-                            "csc_warmup_epochs": 0.0, "bucket_mb": 32}) for d in (1.0, 0.1, 0.01)],
-]
+
+def configs() -> list[tuple[str, dict]]:
+    """(label, ``comm.*`` options) of every strategy measured: the registry's ``COMM_BENCH`` list
+    (per-tensor allreduce, the pool's part size with and without overlap, DDP, CSC's density)."""
+    return list(registry.options_of(registry.COMM_BENCH).items())
 
 
 def _measure(rank: int, world: int, models: list[str], steps: int, image: int, out: str) -> None:
     """One rank's steps of every model and strategy; rank 0 saves the rows to ``out/comm_rows.pt``."""
     rows = []
     for model_name in models:
-        for label, options in CONFIGS:
+        for label, options in configs():
             torch.manual_seed(0)
             model = build_model(model_name, 1000, image)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
@@ -64,7 +60,7 @@ def _measure(rank: int, world: int, models: list[str], steps: int, image: int, o
                     collectives.append(stats["collectives"])
             comm.close()
             params = sum(p.numel() for p in model.parameters())
-            rows.append({"model": model_name, "params": params, "config": label,
+            rows.append({"model": model_name, "params": params, "config": label, "options": options,
                          "wait_s": statistics.median(waits), "step_s": statistics.median(totals),
                          "bytes": statistics.median(sent), "collectives": statistics.median(collectives)})
             if rank == 0:
@@ -78,7 +74,7 @@ def _measure(rank: int, world: int, models: list[str], steps: int, image: int, o
 
 def bench_comm(out: Path, world: int = 4, steps: int = 3, image: int = 64,
                models: Sequence[str] = ("alexnet", "resnet50"), command: str = "python scripts/bench_comm.py") -> str:
-    """Measure every strategy of ``CONFIGS`` on every model and write ``out``; returns the Markdown."""
+    """Measure every strategy of ``configs()`` on every model and write ``out``; returns the Markdown."""
     models = list(models)
     out.parent.mkdir(parents=True, exist_ok=True)
     spawn(_measure, world, models, steps, image, str(out.parent), timeout_s=900)
@@ -96,7 +92,7 @@ def bench_comm(out: Path, world: int = 4, steps: int = 3, image: int = 64,
     goals = []
     for model in models:
         subset = [r for r in rows if r["model"] == model]
-        dense = next(r for r in subset if r["config"] == "allreduce (per tensor)")
+        dense = next(r for r in subset if r["options"] == {"strategy": "allreduce"})  # per-tensor allreduce
         lines += [f"## {model} ({subset[0]['params'] / 1e6:.1f}M parameters, "
                   f"{subset[0]['params'] * 4 / 2**20:.0f} MiB of fp32 gradients)", "",
                   "| strategy | wait in synchronize (s/step) | step (s) | MiB sent/step | of dense "
@@ -107,13 +103,13 @@ def bench_comm(out: Path, world: int = 4, steps: int = 3, image: int = 64,
                          f"| {100 * r['bytes'] / dense['bytes']:.1f}% | {r['collectives']:.0f} |")
         lines.append("")
         if model == "resnet50":
-            best = min((r for r in subset if r["config"].startswith("lazy") and "overlap on" in r["config"]),
+            best = min((r for r in subset if r["options"]["strategy"] == "lazy" and r["options"].get("overlap")),
                        key=lambda r: r["wait_s"])
             goals.append(f"lazy with overlap waits at most half as long as per-tensor allreduce on ResNet-50: "
                          f"{best['config']} waits {best['wait_s']:.3f}s vs {dense['wait_s']:.3f}s "
                          f"({best['wait_s'] / dense['wait_s']:.2f}x): "
                          f"{'met' if best['wait_s'] <= dense['wait_s'] / 2 else 'NOT met'}")
-        csc = next(r for r in subset if r["config"] == "csc density 0.1")
+        csc = next(r for r in subset if r["options"]["strategy"] == "csc" and r["options"].get("density") == 0.1)
         goals.append(f"csc at density 0.1 puts at most 12% of the dense bytes on the wire ({model}): "
                      f"{100 * csc['bytes'] / dense['bytes']:.1f}%: "
                      f"{'met' if csc['bytes'] <= 0.12 * dense['bytes'] else 'NOT met'}")

@@ -30,7 +30,7 @@ from gradientflow_repro.data.dali import DaliSource, EpochBatches
 from gradientflow_repro.data.digits import build_digits
 from gradientflow_repro.data.folder import TorchvisionSource
 from gradientflow_repro.data.listing import ImageOptions, Listing, list_image_folder
-from gradientflow_repro.tracking import environment_facts
+from gradientflow_repro.provenance import environment_facts
 
 
 def imagenet_sized_copy(digits: Path, dest: Path, per_class: int = 60) -> Path:

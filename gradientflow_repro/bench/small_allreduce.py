@@ -29,8 +29,8 @@ import torch.distributed as dist
 from gradientflow_repro.cluster.world import spawn
 from gradientflow_repro.comm.recursive_doubling import recursive_doubling_allreduce_
 from gradientflow_repro.comm.ring import ring_allreduce_
+from gradientflow_repro.provenance import environment_facts
 from gradientflow_repro.scaling.netbench import trimmed_mean
-from gradientflow_repro.tracking import environment_facts
 
 ALGORITHMS = ("recursive doubling", "ring", "builtin")
 BANDWIDTH_FROM = 64 << 10

@@ -56,8 +56,8 @@ def _spawned(rank: int, world: int, port: int, fn: Callable[..., Any], args: tup
 
 
 # What every process imports, imported once by multiprocessing's fork server that the processes
-# are forked from (a fresh interpreter per process would import them anew: 4-8 s of CPU each on a
-# 2-core machine, most of a small test's time). torch._dynamo is there because any optimizer
+# are forked from (a fresh interpreter per process would import them anew, which would cost most of
+# a small test's time). torch._dynamo is there because any optimizer
 # imports it on first use. Importing starts no thread and touches no GPU, so forking stays safe.
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "gradientflow_repro.distributed",
            "gradientflow_repro.comm.factory"]

@@ -1,6 +1,7 @@
 """Gradient communication: one file per technique, all behind ``Communicator`` (base.py).
 
-    knobs.py         the strategies: five knobs, the presets of configs/comm/, resolution (torch-free)
+    registry.py      the strategies: every one's name, labels, lists, sparsifier and pricing rule (torch-free)
+    knobs.py         five knobs, the presets of configs/comm/, resolution against the registry (torch-free)
     allreduce.py     per-tensor allreduce after backward (the naive baseline)
     ddp.py           PyTorch DistributedDataParallel
     hooks.py         DDP communication hooks: our ring / fp16 wire (sum_hook) and CSC (csc_hook) in any DDP program
@@ -10,11 +11,16 @@
     compression.py   fp16 wire format
     lazy.py          memory pool, fusion threshold, overlap with backward
     pool.py          the pool's packing rule and CSC's part layout (torch-free, shared with the model)
-    csc.py           coarse-grained sparse communication
+    csc/             coarse-grained sparse communication: the algorithm (__init__.py), chunk selection
+                     and release cap (selection.py), momentum correction (momentum.py), LARS's trust
+                     ratio and its noise (trust.py), per-bucket state (state.py), CSCCommunicator
     factory.py       a resolved configuration -> the communicator
 
-The names below load on first use, so ``gradientflow_repro.comm.knobs`` can be imported without
-torch (by the config check and the analytic model).
+A strategy is its preset (configs/comm/NAME.yaml) and its entry in ``registry.py``, which every
+reader of strategy names, labels and lists goes through (docs/extending.md: adding one).
+
+The names below load on first use, so ``gradientflow_repro.comm.knobs`` and ``.registry`` can be
+imported without torch (by the config check and the analytic model).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 
 _EXPORTS = {"CommStats": "base", "Communicator": "base", "build_communicator": "factory",
             "resolve": "knobs", "presets": "knobs", "CommConfig": "knobs", "LADDER": "knobs",
+            "register": "registry",
             "SumHookState": "hooks", "sum_hook": "hooks", "CSCHookState": "hooks", "csc_hook": "hooks"}
 __all__ = [*_EXPORTS, "STRATEGIES"]
 

@@ -18,11 +18,12 @@ Range. fp16 holds magnitudes from about 6e-8 (subnormal) to 65504. What keeps va
   exponent as one more fp16 value; partners decode both messages, add in fp32 (rounded once) and
   encode the sum with its own peak's scale for the next step. So the message never overflows,
   small values are lifted as below, and every rank still ends with the same bits (partners compute
-  the same expression). On the ranks of `make reproduce` (two cores, an emulated 1 Gbit/s link,
-  one sum per gradient of its model back to back) the agreement cost 0.8 ms per message at two
-  ranks and 2.6 ms at four, where a one-value allreduce timed alone took 0.2 and 1.1: ranks that
-  meet twice per message wait for each other twice. Under NCCL small messages go by NCCL's own
-  allreduce, which cannot rescale between its steps: there the scale is agreed first.
+  the same expression). Why not agree on a scale first, as for large messages: that is a
+  collective of its own, and ranks that meet twice per message wait for each other twice; per
+  message the agreement cost several times what a one-value allreduce costs alone (measured on the
+  ranks of `make reproduce`: docs/notes/2026-12-04-measurements-moved-from-docstrings-library.md).
+  Under NCCL small messages go by NCCL's own allreduce, which cannot rescale between its steps:
+  there the scale is agreed first.
 - Underflow: the same scale lifts small gradients up towards fp16's top range, so a message whose
   largest entry is g_max keeps entries down to about g_max * 2^-25 (fp16's 11-bit mantissa plus its
   subnormal range) instead of flushing everything below 6e-8 to zero.
@@ -36,10 +37,10 @@ applied on the device: nothing waits for the GPU (the self-scaled messages are C
 
 Local work, per element sent: the peak, scaling and casting, casting back and unscaling, each one
 pass without a temporary, into and out of a wire buffer kept between calls (self-scaled: at every
-step of the recursive doubling, a decode, an add and an encode). On a CPU a fresh
-fp32 temporary and half-size buffer per message cost page faults that made this work four times as
-long as its arithmetic (2.25M elements on one thread, the same calls as ``scaling/profile.py``
-times: 4.2-4.8 ns per element with fresh allocations, 0.6-0.8 now).
+step of the recursive doubling, a decode, an add and an encode). On a CPU a fresh fp32 temporary
+and half-size buffer per message page-fault on every call, which made this work several times as
+long as its arithmetic: hence the buffers kept between calls (measured with the calls
+``scaling/profile.py`` times: docs/notes/2026-12-04-measurements-moved-from-docstrings-library.md).
 """
 
 from __future__ import annotations

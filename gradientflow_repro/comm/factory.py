@@ -1,10 +1,12 @@
 """Communicators from a resolved configuration: which summing function, which fusion.
 
-The strategies, their knobs and how a configuration resolves to one live in ``knobs.py`` (torch-free,
-read from the presets in ``configs/comm/``), and so does what sums a message (``knobs.summing``: on
-NCCL NCCL's own allreduce by default, ours on gloo); this module turns a resolved ``CommConfig``
-into the objects that do the work, and sets NCCL_ALGO before the process group starts
-(``prepare_backend``).
+The strategies live in the registry (``registry.py``, torch-free), their knobs and how a
+configuration resolves to one in ``knobs.py`` (read from the presets in ``configs/comm/``), and so
+does what sums a message (``knobs.summing``: on NCCL NCCL's own allreduce by default, ours on gloo);
+this module turns a resolved ``CommConfig`` into the objects that do the work: the sum from
+``algorithm`` and ``wire``, the communicator from the registered sparsifier's builder (CSC's:
+``csc_communicator``) or else from ``fusion``. It also sets NCCL_ALGO before the process group
+starts (``prepare_backend``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
+from gradientflow_repro.comm import registry
 from gradientflow_repro.comm.allreduce import PerTensorAllreduce
 from gradientflow_repro.comm.base import BuiltinSum, Communicator, SumFn, builtin_sum
 from gradientflow_repro.comm.compression import Fp16Wire
@@ -149,17 +152,25 @@ def describe_sum(algorithm: str, wire: str, ranks_per_node: int | None,
 
 
 def _communicator(knobs: CommConfig, device: torch.device, sum_fn: SumFn, lr_warmup_epochs: float) -> Communicator:
+    """The registered sparsifier's own communicator where it has one (``registry.Sparsifier.builder``:
+    CSC's), else the fusion's: DDP, the lazy pool, or one allreduce per tensor."""
+    builder = registry.sparsifier(knobs.sparsity).builder
+    if builder is not None:
+        return registry.load(builder)(knobs, device, sum_fn, lr_warmup_epochs)
     if knobs.fusion == "ddp":  # DDP's own hook where it sums as DDP would, ``sum_hook`` otherwise
         custom = isinstance(sum_fn, Fp16Wire) or not isinstance(sum_fn, BuiltinSum)
         return DDPCommunicator(device, knobs.ddp_bucket_mb, sum_fn if custom else None)
-    bucket_bytes = int(knobs.bucket_mb * 2**20)
-    if knobs.sparsity == "csc":
-        return CSCCommunicator(device, sum_fn, bucket_bytes, knobs.overlap, chunk_size=knobs.chunk_size,
-                               density=knobs.density, warmup_epochs=csc_warmup(knobs, lr_warmup_epochs),
-                               momentum_correction=knobs.momentum_correction,
-                               momentum_masking=knobs.momentum_masking,
-                               density_ramp_epochs=knobs.density_ramp_epochs, release_cap=knobs.release_cap,
-                               trust_noise_correction=knobs.trust_noise_correction)
     if knobs.fusion == "lazy":
-        return LazyAllreduce(device, sum_fn, bucket_bytes, knobs.overlap)
+        return LazyAllreduce(device, sum_fn, int(knobs.bucket_mb * 2**20), knobs.overlap)
     return PerTensorAllreduce(device, sum_fn)
+
+
+def csc_communicator(knobs: CommConfig, device: torch.device, sum_fn: SumFn, lr_warmup_epochs: float) -> Communicator:
+    """CSC over the lazy pool (``comm.sparsity=csc``; the registry's builder for it), its dense
+    warm-up following the learning rate's unless ``comm.csc_warmup_epochs`` is set (``knobs.csc_warmup``)."""
+    return CSCCommunicator(device, sum_fn, int(knobs.bucket_mb * 2**20), knobs.overlap, chunk_size=knobs.chunk_size,
+                           density=knobs.density, warmup_epochs=csc_warmup(knobs, lr_warmup_epochs),
+                           momentum_correction=knobs.momentum_correction,
+                           momentum_masking=knobs.momentum_masking,
+                           density_ramp_epochs=knobs.density_ramp_epochs, release_cap=knobs.release_cap,
+                           trust_noise_correction=knobs.trust_noise_correction)

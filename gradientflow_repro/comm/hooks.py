@@ -22,10 +22,10 @@ saved beside each rank's checkpoint)::
 - ``sum_hook`` sums each bucket with any summing function (``SumFn``: ring, hierarchical, fp16 wire,
   the builtin allreduce) and divides by the world size; over the builtin allreduce it returns the
   collective's future (below: overlap).
-- ``csc_hook`` sends each bucket by coarse-grained sparse communication (``comm/csc.py``): the chunk
+- ``csc_hook`` sends each bucket by coarse-grained sparse communication (``comm/csc/``): the chunk
   norms of residual + gradient are summed over ranks, the top ``density`` of the chunks (plus every
   chunk holding part of a 1-D tensor: biases, BatchNorm) are averaged, the rest stay in the bucket's
-  residual (``csc.BucketState``, the same object ``CSCCommunicator`` keeps per pool part). The hook
+  residual (``csc.state.BucketState``, the same object ``CSCCommunicator`` keeps per pool part). The hook
   cannot see whether GradScaler will skip the step, so it decides on the device: a non-finite
   gradient on any rank keeps every rank's residual and arrives as inf, so every rank skips. It never
   reads a value back to the host, so under NCCL it never waits for the GPU.

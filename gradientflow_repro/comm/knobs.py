@@ -10,7 +10,7 @@ line (``comm=ring comm.wire=fp16``) to build the paper's ablation one technique 
 | wire      | fp32, fp16                    | mixed-precision communication (compression.py)     |
 | fusion    | per_tensor, lazy, ddp         | per-tensor messages, memory pool (lazy.py), or DDP |
 | overlap   | true, false                   | pool parts sent during backward (lazy only)        |
-| sparsity  | dense, csc                    | coarse-grained sparse communication (csc.py)       |
+| sparsity  | dense, csc (registry.py)      | coarse-grained sparse communication (csc/)         |
 
 and one more key, ``implementation`` (not part of the presets: every preset takes ``auto``), says
 who carries the algorithm's messages: ``ours`` (ring.py, recursive_doubling.py, hierarchical.py,
@@ -18,11 +18,15 @@ loops of point-to-point ops issued from Python), ``backend`` (the process group'
 NCCL's or gloo's), or ``auto``: the backend on NCCL, ours elsewhere (``summing``).
 
 The presets are the YAML files of ``configs/comm/`` (Hydra's pattern: the preset is the YAML): each
-names its strategy and sets all five knobs and its sizes, and this module reads them, so the
-trainer (through Hydra), the factory, the scaling model and ``make reproduce`` all see one
+names its strategy and sets all five knobs and its sizes. Which strategies exist, their labels
+(``ring+fp16`` is the ring preset with the fp16 wire), the lists they belong to and how the model
+prices them are in the registry, ``registry.py``: this module checks a configuration against it,
+so the trainer (through Hydra), the factory, the scaling model and ``make reproduce`` all see one
 definition. ``resolve`` lays a configuration over its preset and over ``CommConfig``'s defaults and
-returns a ``CommConfig`` with every knob set. ``LADDER`` is the paper's ablation as ``make
-reproduce`` runs it. Torch-free: imported by the config check and the analytic model.
+returns a ``CommConfig`` with every knob set, for registered strategies and sparsifiers only.
+``LADDER`` (the paper's ablation as ``make reproduce`` runs it), ``SPARSE_VARIANTS`` and
+``COMPARED`` are the registry's lists, label -> ``comm.*`` options, read when asked for.
+Torch-free: imported by the config check and the analytic model.
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping, MutableMapping, Optional, Union
 
@@ -46,45 +49,45 @@ from gradientflow_repro.checks import (
     setting,
     text,
 )
+from gradientflow_repro.comm import registry
 
 # Our own algorithms send a message of at most this many bytes by recursive doubling rather than the
-# ring (``comm/recursive_doubling.py``): the smallest switch-over over world sizes 2, 4 and 8 measured
-# by scripts/bench_small_allreduce.py over loopback, see results/small_allreduce.md (4 MiB and more
-# at 2 ranks, 1 MiB at 4 and 8; at 4 MiB the ring was level or ahead). Here, torch-free, because the
-# scaling model prices the same rule.
+# ring (``comm/recursive_doubling.py``): below it log2(N) latencies beat the ring's 2(N-1), above it
+# the ring's bandwidth-optimal volume wins. The value is the smallest switch-over measured over world
+# sizes 2, 4 and 8 on loopback (results/small_allreduce.md); a network of another latency x bandwidth
+# has another (``comm.small_message_kb``). Here, torch-free, because the scaling model prices the same rule.
 SMALL_MESSAGE_BYTES = 1 << 20
-# CSC under momentum correction and LARS: buckets of each layer's noise sketch (comm/csc.py,
+# CSC under momentum correction and LARS: buckets of each layer's noise sketch (comm/csc/trust.py,
 # TrustNoise), which ride with the chunk norms; here, torch-free, because the model counts them.
 TRUST_SKETCH_BUCKETS = 64
-PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "comm"
+PRESET_DIR: Path = registry.PRESET_DIR
+# sparsity: the sparsifiers registered when this module loads (``resolve`` checks the registry's own)
 KNOB_VALUES: dict[str, tuple[Any, ...]] = {
     "algorithm": ("builtin", "ring", "hierarchical", "auto"), "wire": ("fp32", "fp16"),
-    "fusion": ("per_tensor", "lazy", "ddp"), "overlap": (True, False), "sparsity": ("dense", "csc")}
+    "fusion": ("per_tensor", "lazy", "ddp"), "overlap": (True, False), "sparsity": tuple(registry.SPARSIFIERS)}
 # comm.implementation: who carries an algorithm's messages (``summing``)
 IMPLEMENTATIONS = ("auto", "backend", "ours")
 
 
-@lru_cache(maxsize=1)
 def presets() -> dict[str, dict[str, Any]]:
-    """Every preset of ``configs/comm/``: strategy name -> the keys its YAML sets (strategy aside)."""
-    import yaml  # here: the collective helpers (distributed.py, precision.py) import this module, and
-    # a GPU machine with nothing but torch must be able to import them (the GPU check)
-
+    """Every registered strategy: name -> the keys its preset sets (``configs/comm/NAME.yaml``,
+    strategy aside). Raises ValueError for a preset that misses a knob, and for a YAML of
+    ``configs/comm/`` that the registry does not know."""
+    stray = registry.unregistered_presets()
+    if stray:
+        raise ValueError(f"configs/comm/{stray[0]}.yaml: no entry in the strategy registry (comm/registry.py)")
     found = {}
-    for path in sorted(PRESET_DIR.glob("*.yaml")):
-        values = yaml.safe_load(path.read_text()) or {}
-        name = values.pop("strategy", None)
-        if name != path.stem:
-            raise ValueError(f"{path}: 'strategy' must be {path.stem!r}, the file's name")
+    for name in registry.names():
+        values = registry.preset(name)
         missing = [knob for knob in KNOB_VALUES if knob not in values]
         if missing:
-            raise ValueError(f"{path}: a preset sets every knob; missing {', '.join(missing)}")
+            raise ValueError(f"preset {name!r}: a preset sets every knob; missing {', '.join(missing)}")
         found[name] = values
     return found
 
 
 def _strategy_names() -> tuple[str, ...]:
-    return tuple(presets())
+    return registry.names()
 
 
 @dataclass
@@ -97,7 +100,7 @@ class CommConfig:
     wire: Optional[str] = setting(None, optional(one_of(*KNOB_VALUES["wire"])))
     fusion: Optional[str] = setting(None, optional(one_of(*KNOB_VALUES["fusion"])))
     overlap: Optional[bool] = setting(None, optional(boolean))  # lazy: send pool parts during backward
-    sparsity: Optional[str] = setting(None, optional(one_of(*KNOB_VALUES["sparsity"])))
+    sparsity: Optional[str] = setting(None, optional(text))  # checked against the registry in ``resolve``
     # who sums: NCCL's/gloo's own allreduce ("backend") or our point-to-point algorithms ("ours");
     # "auto": the backend on NCCL (one kernel per message, all of a node's NICs), ours elsewhere
     # (measured against gloo). Not a preset's knob: every preset takes auto (``summing``)
@@ -121,7 +124,7 @@ class CommConfig:
     # velocity under momentum correction), the rest staying in the residual; 0: no cap (DGC's rule)
     release_cap: float = setting(0.0, in_range(0, math.inf, high_open=True))
     # csc under momentum correction and LARS: each rank's trust ratio corrected for the noise of its
-    # own gradient, estimated from sketches that ride with the chunk norms (comm/csc.py, TrustNoise)
+    # own gradient, estimated from sketches that ride with the chunk norms (comm/csc/trust.py, TrustNoise)
     trust_noise_correction: bool = setting(True, boolean)
 
 
@@ -132,18 +135,22 @@ def resolve(options: Union[Mapping[str, Any], Any]) -> CommConfig:
     given = dict(options) if isinstance(options, Mapping) else {
         f.name: getattr(options, f.name) for f in dataclasses.fields(CommConfig) if hasattr(options, f.name)}
     strategy = given.get("strategy", "allreduce")
-    if strategy not in presets():
+    if strategy not in registry.STRATEGIES:
         raise ValueError(f"config key 'comm.strategy' = {strategy!r}: allowed values are "
                          f"{', '.join(_strategy_names())}")
     unknown = sorted(set(given) - {f.name for f in dataclasses.fields(CommConfig)})
     if unknown:
         raise ValueError(f"config key 'comm.{unknown[0]}': no such key")
-    merged = {**presets()[strategy], **{k: v for k, v in given.items() if v is not None}}
+    preset = registry.preset(strategy)
+    missing = [knob for knob in KNOB_VALUES if knob not in preset]
+    if missing:
+        raise ValueError(f"preset {strategy!r}: a preset sets every knob; missing {', '.join(missing)}")
+    merged = {**preset, **{k: v for k, v in given.items() if v is not None}}
     knobs = CommConfig(**merged)
     for key, value, allowed in field_problems(CommConfig, knobs, "comm."):
         raise ValueError(f"config key '{key}' = {value!r}: {allowed}")
-    if knobs.sparsity == "csc" and knobs.fusion != "lazy":
-        raise ValueError("config key 'comm.sparsity' = 'csc' works over our memory pool: it needs "
+    if registry.sparsifier(knobs.sparsity).needs_pool and knobs.fusion != "lazy":
+        raise ValueError(f"config key 'comm.sparsity' = {knobs.sparsity!r} works over our memory pool: it needs "
                          "comm.fusion=lazy (not DDP's buckets or per-tensor messages)")
     return knobs
 
@@ -270,15 +277,16 @@ def small_message_bytes(knobs: CommConfig) -> int:
 
 
 def sends_sparse(knobs: CommConfig) -> bool:
-    """Some steps send only part of the gradients (CSC below density 1): not the same SGD as dense."""
-    return knobs.sparsity == "csc" and knobs.density < 1
+    """Some steps send only part of the gradients (a sparsifier, CSC's, below density 1): not the
+    same SGD as dense."""
+    return registry.sparsifier(knobs.sparsity).pricing != "dense" and knobs.density < 1
 
 
 def csc_warmup(knobs: CommConfig, lr_warmup_epochs: float) -> float:
     """Epochs CSC trains densely before it sparsifies: ``comm.csc_warmup_epochs``, or where that is
     null (the presets) the learning rate's warm-up, ``lr_warmup_epochs``. Sparsifying while the
     learning rate still climbs cost the digits recipe an epoch to its target and, over the whole
-    schedule, a fall of 20 points; from the peak on it cost none (README, "The digits recipe")."""
+    schedule, a fall of 20 points; from the peak on it cost none (docs/notes/2026-12-02-csc-dense-warmup.md)."""
     return lr_warmup_epochs if knobs.csc_warmup_epochs is None else knobs.csc_warmup_epochs
 
 
@@ -287,27 +295,19 @@ def dense_warmup_epochs(knobs: CommConfig, lr_warmup_epochs: float) -> float:
     return csc_warmup(knobs, lr_warmup_epochs) if sends_sparse(knobs) else 0.0
 
 
-# The paper's ablation as `make reproduce` runs it: each rung adds one technique. Label -> comm keys.
-LADDER: dict[str, dict[str, Any]] = {
-    "allreduce": {"strategy": "allreduce"},
-    "ddp": {"strategy": "ddp"},
-    "ring": {"strategy": "ring"},
-    "ring+fp16": {"strategy": "ring", "wire": "fp16"},
-    "ring+fp16+lazy": {"strategy": "lazy", "wire": "fp16"},
-    "gradientflow": {"strategy": "gradientflow"},
-}
-
-
-# Trained beside the ladder for CSC's convergence cost (accuracy per epoch against dense training);
-# not rungs of the speed ladder, which the model checks. At a lower density; and without momentum
-# correction (the optimizer's own momentum then applies each sparse step), to show what the
-# correction and its masking cost or bring (README, "What this says about CSC under LARS").
-SPARSE_VARIANTS: dict[str, dict[str, Any]] = {
-    "gradientflow@0.01": {"strategy": "gradientflow", "density": 0.01},
-    "gradientflow-no-mc": {"strategy": "gradientflow", "momentum_correction": False, "momentum_masking": False},
-}
-# Every configuration `make reproduce` trains to the target.
-COMPARED: dict[str, dict[str, Any]] = {**LADDER, **SPARSE_VARIANTS}
+def __getattr__(name: str) -> dict[str, dict[str, Any]]:
+    """The registry's lists as label -> ``comm.*`` options, read when asked for (so a strategy
+    registered later is in them): ``LADDER``, the paper's ablation as ``make reproduce`` runs it,
+    each rung adding one technique; ``SPARSE_VARIANTS``, trained beside it for CSC's convergence
+    cost (not rungs of the speed ladder, which the model checks); ``COMPARED``, both: every
+    configuration ``make reproduce`` trains to the target."""
+    if name == "LADDER":
+        return registry.options_of(registry.LADDER)
+    if name == "SPARSE_VARIANTS":
+        return registry.options_of(registry.SPARSE_VARIANTS)
+    if name == "COMPARED":
+        return {**registry.options_of(registry.LADDER), **registry.options_of(registry.SPARSE_VARIANTS)}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def hydra_overrides(options: Mapping[str, Any]) -> list[str]:

@@ -1,6 +1,6 @@
 """The memory pool's packing rule, in one pure function (torch-free).
 
-Lazy allreduce (``lazy.py``) and coarse-grained sparse communication (``csc.py``) lay their
+Lazy allreduce (``lazy.py``) and coarse-grained sparse communication (``csc/``) lay their
 gradients into pool parts with this rule, and the scaling model (``perfmodel.py``) prices the parts
 it returns, so the two cannot drift apart:
 

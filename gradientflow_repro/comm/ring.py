@@ -11,11 +11,12 @@ Each chunk travels in segments (``segment_bytes``); a segment is forwarded to th
 as it has been reduced, so reduction, receiving and sending overlap across steps (as in NCCL).
 A ring of two ranks is an exchange with one peer: both directions of every step share one
 connection (gloo: one TCP socket per pair of ranks). With segments larger than the connection keeps
-in flight, gloo carried the two directions largely one after the other: on two ranks behind links
-shaped to 1177 Mbit/s an 8 MiB allreduce took 113 ms with 4 MiB segments (53% of the link's rate),
-65 ms with 1 MiB, 61 ms with 512 or 256 KiB, where gloo's own allreduce took 60 ms. So a two-rank
-ring cuts its segments to at most ``EXCHANGE_SEGMENT_BYTES``; with three or more ranks each
-direction has its own peer, and 4 MiB segments ran at the link's rate.
+in flight, gloo carried the two directions largely one after the other, so a two-rank ring with
+4 MiB segments ran at about half the link's rate, where segments of 512 KiB or less matched gloo's
+own allreduce (behind a shaped link; the timings and commands:
+docs/notes/2026-11-30-ring-segment-sizes.md). So a two-rank ring cuts its
+segments to at most ``EXCHANGE_SEGMENT_BYTES``; with three or more ranks each direction has its own
+peer, and 4 MiB segments ran at the link's rate.
 
 Low-precision tensors travel in their own type; each addition is done in fp32 and rounded once, as
 NCCL does (PyTorch's kernels for fp16 and bf16 compute in fp32, on the CPU as on CUDA:

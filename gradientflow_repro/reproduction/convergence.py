@@ -7,13 +7,14 @@ claims it does not. This study trains chosen configurations over the experiment'
 each target, top-1 after every epoch (median over seeds), top-1 at the end against the dense
 reference seed by seed, the largest fall after the learning-rate warm-up, and a figure.
 
-Runs go over loopback: accuracy per epoch does not depend on the network's speed. A configuration
-is a label of ``knobs.COMPARED`` (what ``make reproduce`` trains) or ``LABEL=OVERRIDES`` (any Hydra
-overrides, e.g. ``cap0="comm=gradientflow comm.release_cap=0"``), so the experiments behind the
-README's recipe tables are one command each. A finished run is kept under ``runs_dir`` and reused
-when the study is run again with the same overrides, world size and code (commit and uncommitted
-changes: ``code_version``): an interrupted study continues where it stopped (``fresh`` starts
-over); changed code trains again.
+Runs go over loopback: accuracy per epoch does not depend on the network's speed. A configuration is
+a label of ``knobs.COMPARED`` (what ``make reproduce`` trains: the strategy registry's ladder and
+sparse variants, ``comm/registry.py``) or ``LABEL=OVERRIDES`` (any Hydra overrides, e.g.
+``cap0="comm=gradientflow comm.release_cap=0"``), so the experiments behind the recipe tables
+(docs/notes/2026-12-01-digits-recipe-search.md) are one command each. A finished run is kept under
+``runs_dir`` and reused when the study is run again with the same overrides, world size and code
+(commit and uncommitted changes: ``code_version``): an interrupted study continues where it stopped
+(``fresh`` starts over); changed code trains again.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ from typing import Optional, Sequence
 from gradientflow_repro import REPO
 from gradientflow_repro.cluster.launch import run_ranks
 from gradientflow_repro.comm import knobs
-from gradientflow_repro.provenance import code_version
+from gradientflow_repro.provenance import code_version, environment_facts
 from gradientflow_repro.reproduction.progress import Timeline
 from gradientflow_repro.reproduction.report import density_label, falls, falls_after_warmup, plot_top1, run_seed, spread
 from gradientflow_repro.reproduction.reproduce import EXPERIMENT_OVERRIDES, ladder_overrides, machine_overrides
 from gradientflow_repro.reproduction.runs import evaluations, is_dense, load_run, run_warmup_epochs
-from gradientflow_repro.tracking import duration, environment_facts
+from gradientflow_repro.tracking import duration
 
 DEFAULT_CONFIGS = tuple(knobs.COMPARED)  # what make reproduce trains: the ladder and CSC's variants
 REFERENCE = "ddp"  # the dense configuration the others are set against, when trained (as make reproduce)

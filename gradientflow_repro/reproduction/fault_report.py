@@ -21,7 +21,7 @@ from pathlib import Path
 
 from gradientflow_repro import REPO
 from gradientflow_repro.checkpoint import complete_checkpoints
-from gradientflow_repro.tracking import environment_facts
+from gradientflow_repro.provenance import environment_facts
 
 BASE = ["+experiment=digits_cpu", "model.width=0.125", "logger=jsonl", "threads_per_rank=1",
         "global_batch_size=96", "epochs=3", "optim.warmup_epochs=1", "eval_every_epochs=1",

@@ -4,8 +4,9 @@ accuracy over an emulated cluster network once per seed, then results/REPORT.md.
 Steps: (1) calibrate: profile the model (``scaling.profile``), run the baseline briefly on an
 unshaped network to get compute time and bytes per step; (2) choose the link rate that gives the
 paper's dense communication/computation ratio; (3) measure the shaped network's bandwidth and per-
-message latency (``scaling.netbench``); (4) train every rung of the ladder (``knobs.LADDER``), and
-gradientflow's variants for convergence (``knobs.SPARSE_VARIANTS``), to the target once per seed
+message latency (``scaling.netbench``); (4) train every rung of the ladder (``knobs.LADDER``: the
+strategy registry's ``LADDER`` list, ``comm/registry.py``), and gradientflow's variants for
+convergence (``knobs.SPARSE_VARIANTS``, the registry's ``SPARSE_VARIANTS``), to the target once per seed
 (seed-major, so drift spreads over all of them), then short step-time runs of the sparse rungs,
 sparse from the start (their runs to the target are mostly dense warm-up), with `allreduce`'s beside
 them (their compute-only reference), and the same again with the links unshaped (what is left
@@ -33,18 +34,18 @@ from gradientflow_repro.cluster import netemu
 from gradientflow_repro.cluster.launch import network, run_ranks
 from gradientflow_repro.comm import knobs
 from gradientflow_repro.config import compose
-from gradientflow_repro.provenance import code_version
+from gradientflow_repro.provenance import code_version, environment_facts
 from gradientflow_repro.reproduction.progress import MACHINE_KEYS, Progress, Timeline
 from gradientflow_repro.reproduction.report import write_report
 from gradientflow_repro.reproduction.runs import compute_only_s, load_run, median_step, steady_step
 from gradientflow_repro.scaling import perfmodel
 from gradientflow_repro.scaling.netbench import measure_network, small_message_kb
-from gradientflow_repro.tracking import duration, environment_facts
+from gradientflow_repro.tracking import duration
 
 # Dense fp32 ring traffic time over compute time per step, for AlexNet on the paper's cluster
 PAPER_RATIO, PAPER_RATIO_ARITHMETIC = perfmodel.paper_dense_ratio()
 # Per experiment, overrides for every run of the comparison (none today: digits_cpu's recipe is the
-# comparison's, chosen for it; README, "Where the numbers come from").
+# comparison's, chosen for it; docs/configuration.md).
 EXPERIMENT_OVERRIDES: dict[str, list[str]] = {}
 RUNS_DIR = REPO / "results" / "runs" / "reproduce"
 REPORT = REPO / "results" / "REPORT.md"
@@ -107,8 +108,8 @@ def check_job(label: str, world: int, repeat: int, unshaped: bool = False) -> Jo
 
 DEFAULT_CHECK_WORLDS = (2,)  # the model's check at a second world size (short step-time runs)
 # Repeats of the measurements around the ladder, two each: the model's step-time runs per strategy
-# and world size (their median) and launches of the network measurement (their mean). With three
-# each they took 9.6 of the 26.7 minutes of the 49c474e run on a slow 2-core machine (the budget is 20).
+# and world size (their median) and launches of the network measurement (their mean). Not three:
+# on a slow 2-core machine three each took over a third of a reproduction that overran its time budget.
 CHECK_REPEATS = 2
 NETBENCH_LAUNCHES = 2
 

@@ -104,7 +104,7 @@ def median_step(repeats: list[dict], skip_warmup: bool = True) -> dict:
 
 def sends_trust_sketches(run: dict) -> bool:
     """Whether the run's optimizer is timm's Lars adapting its weight layers, so that CSC under
-    momentum correction sends their trust ratios' noise sketches (``comm/csc.py``, ``TrustNoise``):
+    momentum correction sends their trust ratios' noise sketches (``comm/csc/``, ``TrustNoise``):
     Lars adapts a group only with weight decay (``optim.parameter_groups`` gives BatchNorm and
     biases none). A run of unknown configuration counts as the default: Lars with weight decay."""
     optim = (run.get("config") or {}).get("optim") or {}

@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Optional
 
-from gradientflow_repro.comm import knobs
+from gradientflow_repro.comm import knobs, registry
 from gradientflow_repro.scaling import perfmodel as pm
 
 GOAL_ERROR = 0.15  # the model within 15% of every measured strategy
@@ -46,8 +46,8 @@ def network_fields(measured: dict[str, Any]) -> dict[str, Any]:
     node's own ring inside it, and the uplink's bandwidth as the fastest of the rings that carry
     what the model's B stands for, one flow per uplink and direction: the flat ring of all ranks
     and the leaders' ring (in both segment sizes). Contention on a shared host slows a ring by an
-    amount that changes from launch to launch (the 8-rank flat ring measured 10.3-11.9 MB/s in five
-    launches on uplinks shaped to 12.0); what can make one faster than the link is the shaper's
+    amount that changes from launch to launch, so the fastest is the best estimate of the link;
+    what can make one faster than the link is the shaper's
     burst, which the model spends itself, so ``model_network`` caps the figure at the shaped rate."""
     inter, intra, leaders = measured["flat"], measured.get("intra"), measured.get("leaders")
     crossing = [inter] + ([leaders, leaders.get("segmented") or {}] if leaders else [])
@@ -171,8 +171,8 @@ def markdown_lines(facts: dict[str, Any]) -> list[str]:
                   f"(each prediction against its own launch's step): {sum(e <= GOAL_ERROR for e in singles)} of "
                   f"{len(singles)} within {GOAL_ERROR:.0%}, largest {max(singles) * 100:.0f}%."]
     for layout in sorted({r["layout"] for r in rows if r["world"] == 8}):
-        by_label = {r["strategy"]: r for r in rows if r["layout"] == layout}
-        full, ddp = by_label.get("gradientflow (hierarchical)"), by_label.get("ddp-style bucketed builtin")
+        by_label = {registry.canonical(r["strategy"]): r for r in rows if r["layout"] == layout}
+        full, ddp = by_label.get(registry.HIERARCHICAL), by_label.get(registry.DDP_STYLE)
         if full and ddp:
             ratio = full["comm_s_median"] / ddp["comm_s_median"]
             ddp_by_launch = dict(zip(ddp["launches"], ddp["comm_s_launches"]))

@@ -126,7 +126,7 @@ def _measure(rank: int, world: int, out: Path, tensors_file: Path) -> None:
     scale_max = small_sum(op="max")
     scale_max_s = timed(torch.ones(1), 30, lambda t: scale_max(t, CommStats()))
     size = LARGE_BYTES
-    large = timed(torch.ones(size // 4), 15)  # per call bimodal on a shaped link (e.g. 54 or 80 ms at world 2)
+    large = timed(torch.ones(size // 4), 15)  # per call bimodal on a shaped link: the mean of several calls
     # the backend's own allreduce (the `allreduce` and `ddp` strategies), which need not be a ring:
     # its cost by message size, one element per rank up to past DDP's 25 MiB buckets, back to back
     # as `allreduce` issues one per gradient. Small sizes are dense in the table: with two or more

@@ -16,8 +16,9 @@ send them:
 - two-level (``hierarchical``, and ``auto`` on more than one node of more than one rank): reduce
   inside each node, ring among the node leaders, broadcast inside the node.
 
-Strategies are the knobs of ``comm/knobs.py`` as the model sees them (``Strategy.from_knobs``; the
-ladder of `make reproduce` is derived from ``knobs.LADDER``, not retyped):
+Strategies are the knobs of ``comm/knobs.py`` as the model sees them (``Strategy.from_knobs``; a
+label of the registry, ``comm/registry.py``, by ``strategy_of(label)``; the ladder of `make reproduce`
+is the registry's, not retyped), the sparsifier priced by its registered rule:
 - fusion ``per_tensor``: one allreduce per tensor; ``bucket``: tensors are packed in backward order
   into buckets of ``bucket_bytes`` (DDP, lazy allreduce) by the pool's own rule (``comm/pool.py``),
   one allreduce per bucket;
@@ -68,6 +69,7 @@ from functools import lru_cache
 from typing import Optional
 
 from gradientflow_repro.comm import knobs as comm_knobs
+from gradientflow_repro.comm import registry
 from gradientflow_repro.comm.pool import csc_parts, pack_parts
 
 
@@ -156,20 +158,28 @@ class Strategy:
         ``comm/factory.py`` builds it: DDP and the lazy pool fuse into buckets (DDP of
         ``ddp_bucket_mb``, always overlapped; the pool of ``bucket_mb``, overlapped if ``overlap``).
         ``lars``: the optimizer is LARS (the paper's), so CSC under momentum correction sends the
-        noise sketches of its trust ratios (``comm/csc.py``, ``TrustNoise``)."""
+        noise sketches of its trust ratios (``comm/csc/``, ``TrustNoise``).
+
+        What the sparsifier sends is priced by its rule in the registry (``registry.PRICING_RULES``:
+        ``dense``, ``chunks``, ``csc``); a rule not known here raises ValueError, so a new
+        sparsifier is never priced as dense by mistake."""
+        rule = registry.sparsifier(knobs.sparsity).pricing
+        if rule not in ("dense", "chunks", "csc"):
+            raise ValueError(f"strategy {name!r}: sparsifier {knobs.sparsity!r} has pricing rule {rule!r}, which "
+                             f"the model does not know (it prices {', '.join(registry.PRICING_RULES)})")
+        corrected = rule == "csc" and knobs.momentum_correction  # CSC's momentum correction
         fusion = "bucket" if knobs.fusion in ("lazy", "ddp") else "per_tensor"
         bucket_mb = knobs.ddp_bucket_mb if knobs.fusion == "ddp" else knobs.bucket_mb
         return cls(name, fusion=fusion,
                    bucket_bytes=int(bucket_mb * 2**20) if fusion == "bucket" else cls.bucket_bytes,
                    overlap=knobs.fusion == "ddp" or (knobs.fusion == "lazy" and bool(knobs.overlap)),
                    wire_bytes=2 if knobs.wire == "fp16" else 4,
-                   density=knobs.density if knobs.sparsity == "csc" else 1.0,
+                   density=1.0 if rule == "dense" else knobs.density,
                    chunk_elements=knobs.chunk_size, algorithm=knobs.algorithm,
                    implementation=knobs.implementation,
                    small_message_bytes=comm_knobs.small_message_bytes(knobs),
-                   noise_sketch=(lars and knobs.sparsity == "csc" and knobs.momentum_correction
-                                 and knobs.trust_noise_correction),
-                   takes_optimizer=knobs.sparsity == "csc" and knobs.momentum_correction)
+                   noise_sketch=lars and corrected and knobs.trust_noise_correction,
+                   takes_optimizer=corrected)
 
     @property
     def builtin(self) -> bool:
@@ -185,9 +195,18 @@ class Strategy:
         return ranks > 1 and self.summing(ranks, net).ours
 
 
-# The ablation ladder of `make reproduce` (comm.knobs.LADDER), as the model sees it.
-LADDER: tuple[Strategy, ...] = tuple(Strategy.from_knobs(label, comm_knobs.resolve(options))
-                                     for label, options in comm_knobs.LADDER.items())
+def strategy_of(label: str, lars: bool = True) -> Strategy:
+    """The model's view of a registered label (``registry.options``: a label, an old one, or a
+    strategy's name), as ``from_knobs`` prices it."""
+    return Strategy.from_knobs(registry.canonical(label), comm_knobs.resolve(registry.options(label)), lars=lars)
+
+
+def __getattr__(name: str) -> tuple[Strategy, ...]:
+    """``LADDER``: the ablation ladder of `make reproduce` (the registry's, ``knobs.LADDER``) as the
+    model sees it, read from the registry when asked for."""
+    if name == "LADDER":
+        return tuple(strategy_of(label) for label in registry.labels(registry.LADDER))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -357,7 +376,7 @@ def pool_parts(profile: ModelProfile, strategy: Strategy) -> list[tuple[list[Ten
     """The parts one step sends, in sending order, each as (its tensors, its length in elements,
     the length of its sparse section): one per tensor, or the pool's parts (``comm/pool.py``; with
     CSC each part's multi-dimensional tensors padded to whole chunks, then its one-dimensional ones,
-    as ``comm/csc.py`` lays it out)."""
+    as ``comm/csc/`` lays it out)."""
     tensors = list(profile.tensors)
     if strategy.fusion == "per_tensor":  # (CSC per tensor exists only in the model: a tensor is a part)
         return [([t], padded if (padded := _sparse_section(t, strategy)) else t.elements, padded)
@@ -383,7 +402,7 @@ def _message(tensors: list[TensorProfile], elements: int, sparse_elements: int, 
     fp16 = strategy.wire_bytes < 4
     cast = profile.wire_cast_s_per_element if fp16 else 0.0
     chunks = sparse_elements // strategy.chunk_elements
-    # as csc.py: ceil(density x chunks) chunks of the sparse section, then the dense tail, in one
+    # as comm/csc/ does: ceil(density x chunks) chunks of the sparse section, then the dense tail, in one
     # payload; the norms, any trust-ratio noise sketches (one squared norm and the buckets per
     # layer LARS adapts: the multi-dimensional ones, which optim.parameter_groups gives weight
     # decay; at world size 1 there are none, but nothing is sent then) and the fp16 peak in one
@@ -578,7 +597,7 @@ ASSUMED_BACKWARD_SHARE = 2 / 3  # assumption: backward takes twice the forward's
 # over the GPU's memory bandwidth. Assumed: a V100 (the paper's GPU by our unverified recollection)
 # streams about 800 GB/s in practice (BabelStream, Deakin et al. 2018, of its 900 GB/s peak).
 ASSUMED_GPU_MEMORY_BPS = 800e9
-# Bytes moved per element of a sparsified section, counted from comm/csc.py's operations in one
+# Bytes moved per element of a sparsified section, counted from comm/csc/'s operations in one
 # sparse step: unscale (read+write 8), LARS's rescaling under momentum correction (norms of w and g
 # 8, g + wd w 12, times the ratio 8: 28), momentum u <- m u + g (12), v + u into the spare (12),
 # chunk norms (4), peak (4), re-scale the part (8), zero the section (4), ~density x 20 for

@@ -3,7 +3,7 @@ device, and the local work per gradient element of CSC and of the fp16 wire.
 
 ``measure_profile`` times a training step with a hook on every parameter (when its gradient is
 complete); ``measure_sparsify_s_per_element`` and ``measure_wire_cast_s_per_element`` time the same
-operations as ``comm/csc.py`` and ``comm/compression.py`` (``sparsify_work``, ``wire_cast_work``:
+operations as ``comm/csc/`` and ``comm/compression.py`` (``sparsify_work``, ``wire_cast_work``:
 the emulated cluster's benchmark times them on every rank at once). ``profile_model`` does all three for a
 configured model on the per-rank batch and writes them as JSON; `make reproduce` runs it in a
 process of its own:
@@ -21,7 +21,7 @@ backward FLOPs. Backward reaches the classifier first, so spread by parameters i
 of its time there: the first fully connected layer's gradient (62% of the bytes) is ready at 96% of
 backward instead of 9%, ~22 ms later in the paper's 39 ms step, and overlap has almost nothing left
 to hide communication behind. ``flop_readiness`` runs on the ``meta`` device where it can (shapes
-only: AlexNet-BN at 224 in well under a second, no memory).
+only: fast, and no memory).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def measure_profile(model: Any, images: Any, labels: Any, repeats: int = 5) -> M
     with the time each parameter's gradient is complete (post-accumulate-grad hooks), and an
     SGD-like update (``profile_model`` times the run's own optimizer instead,
     ``measure_optimizer_s``). Medians over ``repeats`` steps after one warm-up. A tensor of at most
-    one dimension is marked ``one_dimensional`` (CSC sends it densely, as ``comm/csc.py`` lays out)."""
+    one dimension is marked ``one_dimensional`` (CSC sends it densely, as ``comm/csc/`` lays out)."""
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]

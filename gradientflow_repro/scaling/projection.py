@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from gradientflow_repro.comm import knobs
+from gradientflow_repro.comm import knobs, registry
 from gradientflow_repro.scaling import perfmodel as pm
 
 GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -34,17 +34,23 @@ SPEEDUP_GOAL = 435.0  # 85% efficiency at 512 GPUs: above the paper's 410.2x
 
 
 def strategy_options() -> dict[str, dict]:
-    """Strategies the projection knows, label -> ``comm`` options: the ablation ladder (where
-    ``gradientflow`` takes the two-level ring on multi-GPU nodes: ``comm.algorithm=auto``), the full
-    stack forced onto the flat ring, and every preset by its name."""
-    options = {label: dict(values) for label, values in knobs.LADDER.items()}
-    options["gradientflow, flat ring"] = {"strategy": "gradientflow", "algorithm": "ring"}
-    for name in knobs.presets():
+    """Strategies the projection knows, label -> ``comm`` options: every label of the registry (the
+    ablation ladder, where ``gradientflow`` takes the two-level ring on multi-GPU nodes:
+    ``comm.algorithm=auto``; the full stack forced onto the flat ring; ...) and every preset by its
+    name. Labels that take their layout from a benchmark (``ranks_per_node``) are left out."""
+    options = {label: registry.options(label) for label, (_, variant) in registry.variants().items()
+               if not variant.layout_keys}
+    for name in registry.names():
         options.setdefault(name, {"strategy": name})
     return options
 
 
-DEFAULT_STRATEGIES = (*knobs.LADDER, "gradientflow, flat ring")
+def default_strategies() -> tuple[str, ...]:
+    """What the projection projects unless told: the registry's ``PROJECTION`` list."""
+    return registry.labels(registry.PROJECTION)
+
+
+DEFAULT_STRATEGIES = default_strategies()  # as registered when this module loads
 
 
 @dataclass(frozen=True)
@@ -61,13 +67,13 @@ class Setup:
     latency_us: float = pm.ASSUMED_LATENCY_S * 1e6
     gpu_memory_GBps: float = pm.ASSUMED_GPU_MEMORY_BPS / 1e9
     num_classes: int = 1000
-    strategies: tuple[str, ...] = field(default=DEFAULT_STRATEGIES)
+    strategies: tuple[str, ...] = field(default_factory=default_strategies)
 
     @property
     def is_paper(self) -> bool:
         """The paper's cluster and model, with the strategies its checks compare."""
-        return (replace(self, strategies=DEFAULT_STRATEGIES) == Setup()
-                and {"gradientflow", "allreduce", "ring+fp16+lazy"} <= set(self.strategies))
+        return (replace(self, strategies=default_strategies()) == Setup()
+                and {"gradientflow", "allreduce", registry.LAZY_FP16} <= set(self.strategies))
 
     def profile(self) -> pm.ModelProfile:
         from gradientflow_repro.scaling.profile import flop_profile
@@ -81,7 +87,7 @@ class Setup:
                           self.intra_node_GBps * 1e9, self.latency_us * 1e-6, nccl=True)
 
     def strategy(self, label: str) -> pm.Strategy:
-        options = strategy_options()
+        options, label = strategy_options(), registry.canonical(label)  # an old label: its current one
         if label not in options:
             raise ValueError(f"unknown strategy {label!r}: allowed are {', '.join(options)}")
         return pm.Strategy.from_knobs(label, knobs.resolve(options[label]))
@@ -258,7 +264,7 @@ def _paper_rows(setup: Setup, profile: pm.ModelProfile, table: dict[str, list[fl
     naive = setup.strategy("allreduce")
     at512 = table["gradientflow"][GPU_COUNTS.index(512)]
     at64 = table["allreduce"][GPU_COUNTS.index(64)]
-    lazy = table.get("ring+fp16+lazy")
+    lazy = table.get(registry.LAZY_FP16)
     above = ([n for n, g, d in zip(GPU_COUNTS, table["gradientflow"], lazy) if n >= 16 and g <= d]
              if lazy else [])
     rate = bandwidth_for(pm.PAPER_BASELINE_SPEEDUP, 64, naive, setup, profile)
@@ -267,14 +273,14 @@ def _paper_rows(setup: Setup, profile: pm.ModelProfile, table: dict[str, list[fl
         "| check | paper | model | model / paper | goal |", "|---|---|---|---|---|",
         f"| full stack (`gradientflow`, two-level ring), 512 GPUs | {pm.PAPER_SPEEDUP}x | {at512:.1f}x "
         f"| {at512 / pm.PAPER_SPEEDUP:.2f} | >= {SPEEDUP_GOAL:.0f}x: {'met' if at512 >= SPEEDUP_GOAL else 'NOT met'} |",
-        f"| `gradientflow` above dense lazy (`ring+fp16+lazy`) from 16 GPUs | - | "
+        f"| `gradientflow` above dense lazy (`{registry.LAZY_FP16}`) from 16 GPUs | - | "
         f"{'yes at every count' if lazy and not above else 'not at ' + ', '.join(map(str, above))} | - | "
         f"{'met' if lazy and not above else 'NOT met'} |",
         f"| naive baseline (`allreduce`), 64 GPUs | {pm.PAPER_BASELINE_SPEEDUP}x | {at64:.1f}x | "
         f"{at64 / pm.PAPER_BASELINE_SPEEDUP:.2f} | reproduced with links of {rate:.1f} Gbit/s effective, or "
         f"{latency * 1e3:.2f} ms per message at 56 Gbit/s: the baseline systems used neither the link's rate "
         "nor its latency (TCP, parameter servers) |",
-        f"| full stack on the flat ring, 512 GPUs | - | {table.get('gradientflow, flat ring', [0])[-1]:.1f}x | - | "
+        f"| full stack on the flat ring, 512 GPUs | - | {table.get(registry.FLAT, [0])[-1]:.1f}x | - | "
         "the flat ring's 2(N-1) = 1022 latencies per pool part are why the two-level ring is the default |"]
 
 
@@ -306,7 +312,7 @@ def write_scaling(out: Path, setup: Setup = Setup(), command: str = "python scri
     lines, table = paper_check(setup)
     out.parent.mkdir(parents=True, exist_ok=True)
     plot(table, out.with_suffix(".png"))
-    from gradientflow_repro.tracking import environment_facts
+    from gradientflow_repro.provenance import environment_facts
 
     commit = environment_facts().get("git_commit", "unknown")
     text = "\n".join(["# Scaling model" + (" against the paper" if setup.is_paper else ""), "",

@@ -1,0 +1,128 @@
+"""Coarse-grained sparse communication (CSC): GradientFlow's sparse allreduce over the memory pool.
+
+Element-wise top-k sparsification (Deep Gradient Compression, DGC) needs an allgather of indices
+and values whose volume grows with the number of workers. GradientFlow sparsifies coarsely instead:
+it sends whole chunks of the pool, the same chunks on every rank, so what is sent is summed densely
+by any allreduce and no index travels. Each step, for each pool part (lazy allreduce's fusion
+buffer, ``comm/lazy.py``; its layout ``pool.csc_parts``):
+
+1. the part's multi-dimensional (weight) gradients are cut into chunks of ``chunk_size`` elements;
+   its one-dimensional tensors (BatchNorm, biases: small and sensitive) follow as the part's dense
+   tail and are always sent;
+2. each rank adds its new gradient to its residual (error feedback) and computes the L1 norm of
+   every chunk (``selection.chunk_l1_norms``);
+3. the vector of chunk norms (one float per chunk: tiny) is summed over ranks, so every rank ranks
+   the chunks by the same global importance and picks the same top ``density`` fraction, ties
+   broken by chunk index so the choice is deterministic (``selection.agree_on_norms``,
+   ``selection.select_chunks``);
+4. the chosen chunks and the dense tail are packed contiguously and summed densely by the chosen
+   algorithm (ring, fp16 wire ...): no indices travel, and the volume is ``density`` times the dense
+   one (``state.BucketState.sparsify``);
+5. the chunks not chosen stay in the per-rank residual and are added in the next step, so no
+   gradient is ever dropped, only delayed.
+
+Two collectives per pool part, no more: each collective is a latency (log2(N) of them for a small
+one, 2(N-1) for a ring), and at hundreds of GPUs latency, not volume, is what CSC leaves. So the
+norms' small message (recursive doubling or NCCL's tree) also carries the fp16 wire's scale (each
+rank's peak magnitude, summed: a bound on every partial sum) and the trust ratio's noise sketches,
+and the dense tail travels in the chosen chunks' payload, not as a part of its own.
+
+Around the algorithm, one module each:
+- ``selection.py``: chunk norms, the ranks' agreement, the top-density choice, the release cap
+  (ours: a chosen chunk sends at most ``release_cap`` times the norm of what this step added to it,
+  the rest stays in its residual, so a chunk that waited long does not land as one burst), and the
+  density schedule (dense for ``warmup_epochs``, then optionally DGC's exponential ramp over
+  ``density_ramp_epochs``; with ``density`` 1 nothing is sparsified and this is exactly lazy
+  allreduce);
+- ``momentum.py``: DGC's momentum correction and momentum factor masking, and LARS's pre-momentum
+  step moved with the momentum (``LocalStep``);
+- ``trust.py``: LARS's trust-ratio rescaling and its correction for the noise of each rank's own
+  gradient (``TrustNoise``, ours);
+- ``state.py``: the per-bucket state (``BucketState``: residual, velocity, noise estimate), staged
+  and committed so a step skipped on every rank changes nothing, saved per rank, averaged over the
+  old ranks on a resume on another number of ranks;
+- ``communicator.py``: ``CSCCommunicator``, all of the above as the trainer's communicator, one
+  ``BucketState`` per pool part. The DDP communication hook ``csc_hook`` (``comm/hooks.py``) keeps
+  one per DDP bucket; it cannot wait for the host to learn whether a step will be applied, so it
+  commits on the device: after an overflow the residual is kept and the bucket arrives as inf
+  everywhere.
+
+Tuning advice (``comm.*`` keys; the presets ``configs/comm/csc.yaml`` and ``gradientflow.yaml`` set
+the values below):
+1. ``density`` (0.1): the fraction of chunks sent per step, so about that fraction of the dense
+   volume. Lower saves bandwidth but delays each chunk about 1/density steps: on the digits recipe
+   0.1 reaches the dense target one to two epochs later, 0.01 in some seeds only
+   (docs/notes/2026-12-01-digits-recipe-search.md). Check convergence before going lower.
+2. ``chunk_size`` (32768 elements): the norms' message carries one float per chunk, so larger
+   chunks keep it small next to the payload; smaller ones choose more finely. On the digits recipe
+   1K to 32K made no difference to convergence. It fixes the state's layout, so a resume keeps it.
+3. ``csc_warmup_epochs`` (null: as long as the learning rate's warm-up): sparsifying while the
+   learning rate still climbs cost accuracy; start sparse once it has peaked
+   (docs/notes/2026-12-02-csc-dense-warmup.md).
+4. ``density_ramp_epochs`` (0): DGC's gradual fall from dense to ``density``. On the digits recipe
+   it did not help; try it where the switch to sparse makes accuracy fall.
+5. ``release_cap`` (3; 0: DGC's rule): lower spreads a long-waiting chunk over more steps (smoother,
+   but the held-back updates drain slowly at very low density; docs/notes/2026-12-01-release-cap.md).
+6. ``momentum_correction``, ``momentum_masking`` (true): DGC's correction keeps the momentum of the
+   chunks held back; turned off only to measure what it costs or brings.
+7. ``trust_noise_correction`` (true; acts under LARS with more than one rank): keeps each rank's
+   trust ratio at dense LARS's size.
+
+Example, the paper's full stack (``configs/comm/gradientflow.yaml``)::
+
+    strategy: gradientflow
+    algorithm: auto
+    wire: fp16
+    fusion: lazy
+    overlap: true
+    sparsity: csc
+    bucket_mb: 32
+    chunk_size: 32768
+    density: 0.1
+    csc_warmup_epochs: null
+    momentum_correction: true
+    momentum_masking: true
+    release_cap: 3
+    trust_noise_correction: true
+
+and from the command line ``python -m gradientflow_repro.train comm=gradientflow comm.density=0.05``;
+in code, ``comm.factory.build_communicator({"strategy": "gradientflow", "density": 0.05}, device)``.
+"""
+
+from gradientflow_repro.comm.csc.communicator import CSCCommunicator, check_settings
+from gradientflow_repro.comm.csc.momentum import (
+    TAKEN,
+    LocalStep,
+    give_back,
+    merged_settings,
+    take_settings,
+    velocity_from_optimizer,
+)
+from gradientflow_repro.comm.csc.selection import (
+    Agreed,
+    agree_on_norms,
+    chunk_l1_norms,
+    density_at,
+    hold_back,
+    select_chunks,
+)
+from gradientflow_repro.comm.csc.state import SAME_ON_EVERY_RANK, BucketState, Sent, rank_rules
+from gradientflow_repro.comm.csc.trust import (
+    NOISE_KEEP,
+    SIGN_SHIFTS,
+    SKETCH_SEED,
+    TrustNoise,
+    adapts,
+    lars_rescale_,
+    sketch_into,
+    sketch_signs,
+)
+
+__all__ = [
+    "CSCCommunicator", "check_settings",
+    "TAKEN", "LocalStep", "give_back", "merged_settings", "take_settings", "velocity_from_optimizer",
+    "Agreed", "agree_on_norms", "chunk_l1_norms", "density_at", "hold_back", "select_chunks",
+    "SAME_ON_EVERY_RANK", "BucketState", "Sent", "rank_rules",
+    "NOISE_KEEP", "SIGN_SHIFTS", "SKETCH_SEED", "TrustNoise", "adapts", "lars_rescale_", "sketch_into",
+    "sketch_signs",
+]

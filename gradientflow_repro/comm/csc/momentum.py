@@ -1,0 +1,133 @@
+"""Momentum correction and momentum factor masking (Deep Gradient Compression, Lin et al. 2018).
+
+Sparsifying the gradient and then applying momentum to what arrives loses the momentum of the
+chunks held back. So while CSC sends sparsely:
+1. each rank accumulates momentum *before* sparsification, in a local velocity u <- m u + g
+   (``BucketState.add_momentum``), and its sum v <- v + u (the residual) is what gets chunked and
+   sent; the dense tail sends its u;
+2. sent chunks of v are cleared and, with momentum factor masking (``comm.momentum_masking``), so
+   are those of u (``BucketState.sparsify``'s ``mask_velocity``), so the stale momentum of a chunk
+   just sent does not push it on (DGC's remedy for the staleness of delayed updates);
+3. the optimizer's own momentum is set to 0 so momentum is not applied twice (``TAKEN``,
+   ``take_settings``); it is given back during dense phases (``give_back``), when its momentum
+   restarts from the mean gradient (the velocities are per rank);
+4. at the switch to sparse each rank's velocity starts from the optimizer's momentum buffer
+   (``velocity_from_optimizer``), so the dense warm-up's momentum carries on instead of restarting
+   from zero.
+
+Under LARS (``LocalStep``). LARS rescales each layer's gradient, with weight decay, to
+``trust * |w| / (|g| + wd |w|)`` *before* it enters the momentum, so a consistent gradient direction
+builds up steps of up to 1/(1 - m) = 10 times that size. DGC's correction moves the momentum before
+the sum over ranks; had LARS stayed in the optimizer it would rescale the accumulated velocity to
+one step's size, and the momentum's gain would be lost: sparse training ran at a fraction of its
+learning rate and took several times the epochs of dense training on the digits recipe
+(docs/notes/2026-12-01-csc-under-lars.md). So what the optimizer does to a gradient before its momentum
+moves with the momentum: each rank adds the weight decay to its own gradient (SGD and Lars, as DGC
+does) and, for the layers Lars adapts, rescales it by the trust ratio (``trust.lars_rescale_``),
+before ``u <- m u + g``; the optimizer's groups run as plain SGD (momentum, weight decay and
+adaptation handed to CSC). When every chunk is sent and the ranks' gradients agree this is dense
+LARS step for step (the lockstep test); with different gradients each rank's ratio comes from its
+own, noisier |g|, which ``trust.TrustNoise`` corrects. Optimizers that adapt in other ways (apex's
+LARC rescales every update, velocity included), Nesterov momentum and dampening are refused rather
+than run wrongly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from gradientflow_repro.comm.csc.state import BucketState
+from gradientflow_repro.comm.csc.trust import TrustNoise, adapts, lars_rescale_
+from gradientflow_repro.comm.lazy import Bucket
+from gradientflow_repro.optim import is_lars
+
+# What CSC takes from each optimizer group for a sparse phase, and the value the group keeps
+TAKEN: tuple[tuple[str, Any], ...] = (("momentum", 0.0), ("weight_decay", 0.0), ("always_adapt", False))
+
+
+def take_settings(groups: list[dict], taken: list[dict]) -> None:
+    """Move momentum, weight decay and Lars's adaptation (``TAKEN``) from each optimizer group into
+    its entry of ``taken``, leaving the group the plain value. Per setting and idempotent, so a
+    state saved by an older version (momentum only) completes itself."""
+    for group, own in zip(groups, taken):
+        for key, plain in TAKEN:
+            if key in group and key not in own:
+                own[key], group[key] = group[key], plain
+
+
+def give_back(groups: list[dict], taken: list[dict]) -> None:
+    """Return the settings ``take_settings`` took to their optimizer groups."""
+    for group, own in zip(groups, taken):
+        group.update(own)
+
+
+def merged_settings(groups: list[dict], taken: Optional[list[dict]]) -> list[dict]:
+    """Each optimizer group's own settings, those CSC has taken over (``taken``) included."""
+    taken = taken or [{} for _ in groups]
+    return [{**group, **own} for group, own in zip(groups, taken)]
+
+
+def velocity_from_optimizer(optimizer: torch.optim.Optimizer, buckets: list[Bucket],
+                            parts: list[BucketState]) -> None:
+    """Start each velocity from the optimizer's momentum buffers (the dense phase's velocity of
+    the mean gradient): the ranks' velocities then sum to the world size times it, which the
+    mean over ranks turns back into it, so the switch to sparse loses no momentum."""
+    for bucket, part in zip(buckets, parts):
+        if part.velocity is None:
+            continue
+        for param, offset in zip(bucket.params, bucket.offsets):
+            buffer = optimizer.state.get(param, {}).get("momentum_buffer")
+            if buffer is not None:
+                part.velocity[offset:offset + param.numel()].copy_(buffer.reshape(-1))
+
+
+class LocalStep:
+    """What the optimizer does to a gradient before its momentum, done instead by momentum
+    correction to each rank's own gradient (this module's docstring): ``g <- g + wd w`` and, in the groups
+    Lars adapts, ``g <- ratio * (g + wd w)`` (``lars_rescale_``), with the ratio corrected for the
+    noise of the rank's own gradient (``TrustNoise``, unless ``noise_correction`` is off). Knows,
+    for every pool part, each parameter's optimizer group and where its gradient lies."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[Bucket], world: int = 1,
+                 noise_correction: bool = True) -> None:
+        if not (is_lars(optimizer) or isinstance(optimizer, torch.optim.SGD)):
+            raise ValueError(f"csc: momentum correction with {type(optimizer).__name__}: only SGD and timm's "
+                             "Lars are supported (an optimizer that rescales every update would rescale CSC's "
+                             "accumulated velocity); use optim.name=lars or comm.momentum_correction=false")
+        for group in optimizer.param_groups:
+            if group.get("nesterov") or group.get("dampening", 0) or group.get("trust_clip"):
+                raise ValueError("csc: momentum correction keeps plain momentum (u <- m u + g): it does not "
+                                 "support Nesterov momentum, dampening or Lars(trust_clip=True)")
+        group_of = {param: index for index, group in enumerate(optimizer.param_groups)
+                    for param in group["params"]}
+        self.entries = [[(param, offset, group_of[param]) for param, offset in zip(bucket.params, bucket.offsets)
+                         if param in group_of] for bucket in buckets]
+        self.noise = (TrustNoise(self.entries, optimizer.param_groups, buckets, world)
+                      if noise_correction and world > 1 else None)
+
+    def noise_layers(self, bucket_index: int) -> int:
+        """How many layers of the bucket have their trust ratio corrected for noise."""
+        return self.noise.layers_in(bucket_index) if self.noise is not None else 0
+
+    def apply_(self, bucket: Bucket, gradient: torch.Tensor, settings: list[dict],
+               state: Optional[BucketState] = None) -> Optional[torch.Tensor]:
+        """Apply, in place, the optimizer's pre-momentum step to ``bucket``'s gradients in ``gradient``
+        (laid out like ``bucket.flat``); ``settings``: each optimizer group's own settings (those
+        CSC has taken over included). With ``state`` (the bucket's, holding a noise estimate), the
+        trust ratios are corrected by its estimate, and the noise sketch of the gradients as they
+        came (``TrustNoise.sketch``) is returned, to ride with the chunk norms; else None."""
+        noise = self.noise if state is not None and state.noise is not None else None
+        sketch = noise.sketch(bucket, gradient, state) if noise is not None else None
+        factors = noise.factors(bucket, state) if noise is not None else {}
+        rescaled = []
+        for index, (param, offset, group) in enumerate(self.entries[bucket.index]):
+            own, view = settings[group], gradient[offset:offset + param.numel()]
+            if adapts(own):
+                rescaled.append((view, param.detach().reshape(-1), own, factors.get(index, 1.0)))
+            elif own.get("weight_decay", 0.0):
+                view.add_(param.detach().reshape(-1), alpha=own["weight_decay"])
+        if rescaled:
+            lars_rescale_(*map(list, zip(*rescaled)))
+        return sketch

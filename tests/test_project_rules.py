@@ -1,0 +1,85 @@
+"""Rules of the project that CI enforces on its own text.
+
+- README.md stays short enough to read at one sitting (the details live in docs/).
+- Docstrings and comments of the code say what and why; they never carry a commit hash. A commit
+  names evidence (a measurement, a result), and evidence belongs in docs/notes/ or results/, where
+  it can be dated and reproduced; in the code it goes stale at the next commit.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+from pathlib import Path
+
+import pytest
+
+from gradientflow_repro import REPO
+
+README_MAX_BYTES = 15_000
+CHECKED_TREES = ("gradientflow_repro", "scripts")
+# A commit hash as people paste it: 7 to 40 lowercase hex digits standing alone (not the tail of a
+# word, so ``0x1f2e3d4c`` or ``sha256_1a2b3c4d`` do not count), with at least one digit and at least
+# one letter a-f (so plain numbers and words like ``decade`` do not count).
+HEX_WORD = re.compile(r"(?<![0-9A-Za-z_])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
+# Words that look like a hash but are not one; each needs its reason.
+NOT_HASHES: frozenset[str] = frozenset()
+
+
+def commit_hashes(text: str) -> list[str]:
+    """The words of ``text`` that look like a commit hash."""
+    return [word for word in HEX_WORD.findall(text)
+            if re.search(r"[0-9]", word) and re.search(r"[a-f]", word) and word not in NOT_HASHES]
+
+
+def docstrings_and_comments(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every docstring (module, class, function) and every comment of ``path``."""
+    source = path.read_text()
+    found = []
+    for node in ast.walk(ast.parse(source, filename=str(path))):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            docstring = ast.get_docstring(node, clean=False)
+            if docstring is not None:
+                found.append((node.body[0].lineno, docstring))
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            found.append((token.start[0], token.string))
+    return found
+
+
+def python_files() -> list[Path]:
+    return sorted(path for tree in CHECKED_TREES for path in (REPO / tree).rglob("*.py"))
+
+
+def test_readme_stays_under_its_size_limit() -> None:
+    size = len((REPO / "README.md").read_bytes())
+    assert size <= README_MAX_BYTES, (f"README.md is {size} bytes, over {README_MAX_BYTES}: move detail to "
+                                      f"docs/ and link it")
+
+
+def test_no_docstring_or_comment_carries_a_commit_hash() -> None:
+    offences = [f"{path.relative_to(REPO)}:{line}: {', '.join(hashes)}"
+                for path in python_files() for line, text in docstrings_and_comments(path)
+                if (hashes := commit_hashes(text))]
+    assert not offences, ("commit hashes in docstrings or comments (evidence belongs in docs/notes/ or "
+                          "results/):\n" + "\n".join(offences))
+
+
+@pytest.mark.parametrize(("text", "hashes"), [
+    ("measured at 97760f4 on a laptop", ["97760f4"]),
+    ("commit 97760f4b43f038f4a02f837713e1a759afd924d1.", ["97760f4b43f038f4a02f837713e1a759afd924d1"]),
+    ("the mask 0x1f2e3d4c, 12345678 steps, a decade, deadbeef, fp16", []),
+    ("abc123", []),  # too short for a commit
+])
+def test_a_commit_hash_is_told_from_other_words(text: str, hashes: list[str]) -> None:
+    assert commit_hashes(text) == hashes
+
+
+def test_docstrings_and_comments_are_both_read(tmp_path: Path) -> None:
+    module = tmp_path / "module.py"
+    module.write_text('"""Module at 97760f4."""\n\n\ndef f() -> str:\n    """At 1234abc."""\n'
+                      '    return "not a docstring 5678def"  # but this comment: 9abc012\n')
+    texts = [commit_hashes(text) for _, text in docstrings_and_comments(module)]
+    assert sorted(word for words in texts for word in words) == ["1234abc", "97760f4", "9abc012"]
