@@ -64,7 +64,8 @@ bench: venv data
 	$(PY) scripts/bench_small_allreduce.py
 	$(PY) scripts/bench_cluster.py
 	$(PY) scripts/bench_checkpoint.py
-	$(PY) scripts/simulate_scaling.py
+	$(PY) scripts/model_check.py
+	$(PY) scripts/simulate_scaling.py --report
 
 reliability: venv data
 	$(PY) scripts/fault_report.py

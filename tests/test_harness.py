@@ -28,6 +28,37 @@ def test_the_analytic_model_imports_no_torch() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+# Runs scripts/simulate_scaling.py with torch (and what imports it) unimportable: a finder first on
+# sys.meta_path refuses them, as on a machine that has only the analytic model's dependencies
+WITHOUT_TORCH = """
+import runpy, sys
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "torchvision", "timm"):
+            raise ImportError(f"{name}: not installed on this machine")
+        return None
+sys.meta_path.insert(0, NoTorch())
+sys.argv = ["scripts/simulate_scaling.py", *sys.argv[1:]]
+try:
+    runpy.run_path("scripts/simulate_scaling.py", run_name="__main__")
+finally:
+    assert not [m for m in sys.modules if m.split(".")[0] == "torch"]
+"""
+
+
+def test_the_projection_runs_without_torch_for_a_shipped_model(tmp_path) -> None:
+    out = tmp_path / "vgg16"
+    done = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, "--model", "vgg16", "--gpus", "8,64,352",
+                           "--gpus-per-node", "4", "--link-efficiency", "0.9", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "model `vgg16` at 224 pixels" in out.with_suffix(".md").read_text()
+    blocked = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, "--model", "resnet18", "--out", str(out)],
+                             cwd=REPO, capture_output=True, text=True, timeout=300)  # not shipped: torch needed
+    assert blocked.returncode == 2 and "unknown model 'resnet18'" in blocked.stderr, blocked.stderr
+    assert len(blocked.stderr.strip().splitlines()) == 1
+
+
 def test_the_models_ladder_is_derived_from_the_knobs_with_the_values_it_always_had() -> None:
     assert pm.LADDER == (
         pm.Strategy("allreduce", algorithm="builtin"),

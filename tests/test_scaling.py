@@ -3,14 +3,34 @@ command line, the paper's checks and goals, and the sensitivity table."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
+from gradientflow_repro.comm import registry
 from gradientflow_repro.scaling import perfmodel as pm
-from gradientflow_repro.scaling.projection import Setup, paper_check
+from gradientflow_repro.scaling.profile import (
+    SHIPPED,
+    SHIPPED_CLASSES,
+    count_flops_per_image,
+    flops_as_json,
+    flops_from_json,
+    flops_per_image,
+    shipped_path,
+)
+from gradientflow_repro.scaling.projection import (
+    UNEVEN_GPU_COUNTS,
+    Setup,
+    curves,
+    paper_check,
+    parse_strategies,
+    uneven_counts,
+)
 
 from conftest import REPO
 
@@ -49,5 +69,129 @@ def test_any_setup_from_the_command_line(tmp_path: Path) -> None:
     assert out.with_suffix(".png").exists()
     bad = subprocess.run([sys.executable, "scripts/simulate_scaling.py", "--model", "no_such_net", "--out",
                           str(tmp_path / "x")], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 1 and "unknown model 'no_such_net'" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "unknown model 'no_such_net'" in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "x.md").exists()
+
+
+# ------------------------------------------------------------------ the command line for any cluster
+def _script() -> ModuleType:
+    """scripts/simulate_scaling.py as a module (its ``main`` takes argv)."""
+    spec = importlib.util.spec_from_file_location("simulate_scaling", REPO / "scripts" / "simulate_scaling.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The script with its run folder and committed report moved under ``tmp_path``."""
+    module = _script()
+    monkeypatch.setattr(module, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(module, "REPORT", tmp_path / "committed" / "scaling")
+    return module
+
+
+def test_the_shipped_flop_counts_are_what_the_count_gives_today() -> None:
+    for name, size in SHIPPED:  # a stale file (a model or torch's counter changed): rerun --shipped
+        shipped = json.loads(shipped_path(name, size).read_text())
+        assert shipped == flops_as_json(count_flops_per_image(name, size, SHIPPED_CLASSES), name, size,
+                                        SHIPPED_CLASSES), f"{shipped_path(name, size).name} is stale"
+        assert flops_per_image(name, size, SHIPPED_CLASSES) == flops_from_json(shipped)
+    assert {name for name, _ in SHIPPED} >= {"alexnet_bn", "alexnet", "resnet50", "resnet101", "inception_v3",
+                                             "vgg16"} and ("inception_v3", 299) in SHIPPED
+
+
+def test_any_gpu_counts_and_node_size_label_their_tables(script: ModuleType, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    script.main(["--gpus", "8,64,352,1024,2048", "--gpus-per-node", "4", "--strategy", "allreduce,gradientflow",
+                 "--name", "four"])
+    text = (tmp_path / "runs" / "four.md").read_text()
+    assert text in capsys.readouterr().out and (tmp_path / "runs" / "four.png").exists()
+    assert "| strategy | 8 | 64 | 352 | 1024 | 2048 |" in text
+    assert "not a multiple of 4" in text and "| strategy | 6 | 50 | 250 | 1002 |" in text
+    assert "multiple of 8" not in text and "at 512 GPUs" not in text and "at 2048 GPUs" in text
+    assert "410.2" not in text and "the paper's" not in text  # the paper's numbers: for the paper's setup only
+    assert all(n % 4 for n in uneven_counts(4, 2048)) and uneven_counts(8, 512) == UNEVEN_GPU_COUNTS
+    assert uneven_counts(1, 512) == ()  # one GPU per node: every world size is a multiple
+
+
+def test_the_paper_setup_keeps_its_checks_at_any_gpu_counts() -> None:
+    lines, table = paper_check(Setup(), (8, 352))
+    text = "\n".join(lines)
+    assert "| >= 435x: met |" in text and "| 8 | 352 |" in text and len(table["gradientflow"]) == 2
+    assert "vs the paper's 410.2x" in text and "at 512 GPUs" in text
+
+
+def test_every_option_reaches_the_model() -> None:
+    paper, gradientflow = Setup(), "gradientflow"
+    assert Setup(link_efficiency=0.5).network().link_efficiency == 0.5
+    assert Setup(overlap_slowdown=0.2).network().overlap_slowdown == 0.2
+    assert Setup(step_overhead_s=0.003).profile().step_overhead_s == 0.003
+    assert paper.network().nccl and not Setup(nccl=False).network().nccl
+    assert Setup(bucket_mb=8).strategy(registry.LAZY_FP16).bucket_bytes == 8 * 2**20
+    assert Setup(bucket_mb=8).strategy("ddp").bucket_bytes == 8 * 2**20  # DDP's own bucket
+    assert Setup(density=0.02).strategy(gradientflow).density == 0.02
+    assert Setup(density=0.02).strategy(registry.LAZY_FP16).density == 1.0  # a dense strategy stays dense
+    profile = paper.profile()
+    at512 = curves(paper, (512,), profile)[gradientflow][0]
+    for changed in (Setup(link_gbps=10), Setup(link_efficiency=0.2), Setup(step_overhead_s=0.005),
+                    Setup(overlap_slowdown=0.5), Setup(density=0.5)):
+        assert not changed.is_paper
+        assert curves(changed, (512,))[gradientflow][0] < at512, changed
+    assert not Setup(bucket_mb=1).is_paper and curves(Setup(bucket_mb=1), (512,))[gradientflow][0] != at512
+
+
+def test_strategies_by_label_comma_separated_and_the_dense_two_level_one() -> None:
+    assert parse_strategies("allreduce,ddp, gradientflow") == ("allreduce", "ddp", "gradientflow")
+    assert parse_strategies("gradientflow, flat ring") == (registry.FLAT,)  # an old label with a comma, whole
+    assert parse_strategies("lazy two-level") == ("lazy two-level",)
+    with pytest.raises(ValueError, match="unknown strategy 'nope'"):
+        parse_strategies("allreduce,nope")
+    assert not [label for label in Setup().strategies if "," in label]  # each can be named in a list
+    two_level = Setup().strategy("lazy two-level")
+    assert (two_level.algorithm, two_level.wire_bytes, two_level.overlap, two_level.density) == (
+        "hierarchical", 2, True, 1.0)
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--gpus", "0,8"], "at least 1"), (["--gpus", "8,x"], "whole numbers"),
+    (["--gpus", "1,4", "--gpus-per-node", "8"], "larger than the largest GPU count"),
+    (["--link-gbps", "-1"], "--link-gbps must be positive"),
+    (["--single-gpu-images-s", "-5"], "--single-gpu-images-s must be positive"),
+    (["--link-efficiency", "1.2"], "--link-efficiency must be in (0, 1]"),
+    (["--link-efficiency", "0"], "--link-efficiency must be in (0, 1]"),
+    (["--density", "0"], "--density must be in (0, 1]"), (["--bucket-mb", "0"], "--bucket-mb must be positive"),
+    (["--overlap-slowdown", "-0.1"], "at least 0"), (["--strategy", "nope"], "unknown strategy 'nope'"),
+    (["--out", str(REPO / "results" / "scaling")], "committed reports"), (["--report", "--name", "x"], "--report"),
+])
+def test_a_bad_option_is_one_line_and_status_2(script: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                args: list[str], says: str) -> None:
+    with pytest.raises(SystemExit) as exited:
+        script.main(args)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "committed").exists()  # nothing was written
+
+
+def test_runs_go_under_runs_and_only_report_rewrites_the_committed_one(script: ModuleType, tmp_path: Path) -> None:
+    script.main(["--gpus", "1,8,64"])
+    written = tmp_path / "runs" / "alexnet_bn-224.md"
+    assert written.exists() and not (tmp_path / "committed").exists()
+    assert "# Scaling model against the paper" in written.read_text()
+    script.main(["--report"])
+    report = (tmp_path / "committed" / "scaling.md").read_text()
+    assert "Command: `python scripts/simulate_scaling.py --report`" in report and "410.2x" in report
+    assert script.REPORT == tmp_path / "committed" / "scaling" and _script().REPORT == REPO / "results" / "scaling"
+    bench = (REPO / "Makefile").read_text().split("\nbench:")[1].split("\n\n")[0]
+    assert "scripts/simulate_scaling.py --report" in bench
+
+
+def test_the_paper_setup_carries_the_calibrated_band(script: ModuleType, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradientflow_repro.scaling import calibration
+
+    monkeypatch.setattr(calibration, "band_section", lambda: ["## The paper's projection, calibrated", "", "| band |"])
+    script.main(["--gpus", "8,512", "--name", "paper"])
+    assert "## The paper's projection, calibrated" in (tmp_path / "runs" / "paper.md").read_text()
+    script.main(["--gpus", "8,512", "--link-gbps", "100", "--name", "other"])  # not the paper's: no band
+    assert "calibrated" not in (tmp_path / "runs" / "other.md").read_text()

@@ -122,6 +122,10 @@ SPARSIFIERS: dict[str, Sparsifier] = {
 _POOL_SWEEP = tuple(Variant(f"lazy {mb} MB, overlap {'on' if overlap else 'off'}",
                             {"algorithm": "builtin", "bucket_mb": mb, "overlap": overlap}, (COMM_BENCH,))
                     for mb in (1, 8, 32, 128) for overlap in (True, False))
+# per-tensor messages overlapped with backward, as systems without fusion send them (TensorFlow's
+# replicated NCCL, Caffe2): the pool of 1 MB parts, overlapped (the scaling model's published rows)
+PER_TENSOR_OVERLAPPED = next(v.label for v in _POOL_SWEEP
+                             if v.options["bucket_mb"] == 1 and v.options["overlap"])
 _CSC_SWEEP = tuple(Variant(f"csc density {density}", {"algorithm": "builtin", "density": density,
                                                        "csc_warmup_epochs": 0.0, "bucket_mb": 32}, (COMM_BENCH,))
                    for density in (1.0, 0.1, 0.01))
@@ -137,6 +141,7 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("lazy", "lazy allreduce: the memory pool's parts summed by the ring, overlapped with backward (lazy.py)",
           (Variant("lazy", {}, (CLUSTER_BENCH, GPU_CHECK)),
            Variant(LAZY_FP16, {"wire": "fp16"}, (LADDER, GPU_CHECK, PROJECTION)),
+           Variant("lazy two-level", {"wire": "fp16", "algorithm": "hierarchical"}, (PROJECTION,)),  # Jia et al.
            # DDP's own 25 MB buckets of builtin allreduces, done by our pool: no DDP needed
            Variant(DDP_STYLE, {"algorithm": "builtin", "bucket_mb": 25, "wire": "fp32"},
                    (CLUSTER_BENCH,)),

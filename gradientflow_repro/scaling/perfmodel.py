@@ -51,6 +51,13 @@ is the registry's, not retyped), the sparsifier priced by its registered rule:
 Step time = forward + max(end of backward, end of the last message) + optimizer. Speedup for N GPUs
 is weak scaling (fixed per-GPU batch): N * step(1) / step(N).
 
+Three costs that real systems pay and the rules above do not, each 0 (or 1) by default so that the
+measured runs are checked without them, and fitted on published results (``scaling/calibration.py``,
+``scripts/model_check.py``): ``Network.link_efficiency`` (the payload rate between nodes over the
+nominal), ``Network.overlap_slowdown`` (backward stretched by the communication it overlaps) and
+``ModelProfile.step_overhead_s`` (a framework's per-step overhead on more than one GPU). A whole
+run's time (dense warm-up epochs, evaluation, start-up) from the step: ``time_to_train``.
+
 An emulated link (``cluster/netemu.py``: Linux's token-bucket shaper) also lets a burst through at
 once after it has been idle: ``Network.burst_bytes`` of credit, refilled at the link's rate while
 nothing crosses it (during local work, between steps) and spent by the next large message, whose
@@ -92,6 +99,11 @@ class ModelProfile:
     # and adaptation (``CSCCommunicator.TAKEN``: plain SGD; their work is in CSC's local work); None:
     # not measured, the whole ``optimizer_s``
     plain_optimizer_s: Optional[float] = None
+    # per-step overhead of a distributed framework beyond the single-GPU step (negotiating which
+    # tensors are ready, launching the collectives from the host, waiting for the slowest rank):
+    # added to the step for more than one rank only, since the single-GPU step is the measured one
+    # and already holds its own overhead. Fitted per framework (``scaling/calibration.py``); 0: none
+    step_overhead_s: float = 0.0
 
     @property
     def elements(self) -> int:
@@ -109,7 +121,8 @@ class ModelProfile:
                             tuple(replace(t, ready_s=t.ready_s * compute_factor) for t in self.tensors),
                             self.sparsify_s_per_element * per_element,
                             self.wire_cast_s_per_element * per_element,
-                            None if self.plain_optimizer_s is None else self.plain_optimizer_s * per_element)
+                            None if self.plain_optimizer_s is None else self.plain_optimizer_s * per_element,
+                            self.step_overhead_s)  # the host's, not the device's: not scaled
 
 
 @dataclass(frozen=True)
@@ -130,6 +143,23 @@ class Network:
     # allreduce spreads its channels over all of them; our rings cross between nodes from one GPU,
     # through one NIC: ``bandwidth_Bps / rails``
     rails: int = 1
+    # payload rate over nominal of the links between nodes: what a ring's bus bandwidth reaches of
+    # ``bandwidth_Bps`` (NCCL's maintainers: ~96-98% of line rate on InfiniBand with GPUDirect RDMA,
+    # nccl-tests#29, nccl#307, nccl-tests#119, nccl#812; less through the host or over TCP). Fitted per
+    # fabric (``scaling/calibration.py``); 1: the nominal rate
+    link_efficiency: float = 1.0
+    # communication slowing the computation it overlaps: NCCL's kernels take SMs and memory bandwidth
+    # from backward, which is stretched by ``overlap_slowdown`` x (communication time that overlaps
+    # it). Fitted (``scaling/calibration.py``); 0: overlap is free
+    overlap_slowdown: float = 0.0
+
+
+def effective_network(net: Network) -> Network:
+    """``net`` with ``link_efficiency`` applied to the rate between nodes (and then 1): what every
+    price between nodes uses. The same object when the efficiency is 1, so defaults change nothing."""
+    if net.link_efficiency == 1.0:
+        return net
+    return replace(net, bandwidth_Bps=net.bandwidth_Bps * net.link_efficiency, link_efficiency=1.0)
 
 
 @dataclass(frozen=True)
@@ -509,13 +539,14 @@ class _Timeline:
     sent_bytes: float
     first_payload_s: float  # when the first message's payload starts crossing the link
     credit_bytes: float  # burst credit left at the end
+    overlapped_s: float = 0.0  # communication time inside backward (before its end)
 
 
 def _timeline(profile: ModelProfile, ranks: int, net: Network, strategy: Strategy, credit: float) -> _Timeline:
     """One step's messages, one at a time in order, each after its data is ready (``overlap``) or
     after backward; ``credit``: the link's burst credit when the first payload starts."""
     clock = 0.0 if strategy.overlap else profile.backward_s  # relative to the start of backward
-    busy = sent = 0.0
+    busy = sent = overlapped = 0.0
     link_free = first_payload = None
     for message in messages(profile, strategy):
         start = max(clock, message.ready_s if strategy.overlap else profile.backward_s)
@@ -531,8 +562,9 @@ def _timeline(profile: ModelProfile, ranks: int, net: Network, strategy: Strateg
             cost -= min(used / net.bandwidth_Bps, payload_s)
         clock = link_free = start + cost
         busy += cost
+        overlapped += max(0.0, min(clock, profile.backward_s) - start)
         sent += _sent_bytes(message, ranks, net, strategy)
-    return _Timeline(clock, busy, sent, clock if first_payload is None else first_payload, credit)
+    return _Timeline(clock, busy, sent, clock if first_payload is None else first_payload, credit, overlapped)
 
 
 def compute_s(profile: ModelProfile, ranks: int, strategy: Strategy) -> float:
@@ -543,10 +575,38 @@ def compute_s(profile: ModelProfile, ranks: int, strategy: Strategy) -> float:
     return profile.forward_s + profile.backward_s + (profile.plain_optimizer_s if plain else profile.optimizer_s)
 
 
+def stretched_backward(profile: ModelProfile, ranks: int, net: Network, strategy: Strategy) -> ModelProfile:
+    """``profile`` with backward (and every gradient's readiness) stretched by the communication
+    that overlaps it: backward' = backward + ``net.overlap_slowdown`` x (communication time before
+    backward' ends). A fixed point, since a longer backward hides more communication:
+    1. lay out the messages against the current backward (``_timeline``);
+    2. backward' = backward x (1 + slowdown x overlapped / backward); readiness scaled alike;
+    3. repeat until backward' moves by less than a nanosecond (slowdown < 1 contracts: a few rounds).
+    Unchanged (the same object) without overlap or without slowdown."""
+    if not (net.overlap_slowdown and strategy.overlap) or profile.backward_s <= 0:
+        return profile
+    base, stretched = profile.backward_s, profile
+    for _ in range(50):
+        overlapped = _timeline(stretched, ranks, net, strategy, net.burst_bytes).overlapped_s
+        backward = base + net.overlap_slowdown * overlapped
+        if abs(backward - stretched.backward_s) < 1e-9:
+            break
+        factor = backward / base
+        stretched = replace(profile, backward_s=backward,
+                            tensors=tuple(replace(t, ready_s=t.ready_s * factor) for t in profile.tensors))
+    return stretched
+
+
 def predict_step(profile: ModelProfile, ranks: int, net: Network, strategy: Strategy) -> StepPrediction:
-    compute = compute_s(profile, ranks, strategy)
+    """One step on ``ranks`` ranks: compute, then the messages' timeline (``_timeline``), with the
+    network's ``link_efficiency`` and ``overlap_slowdown`` and the profile's ``step_overhead_s``
+    (all three only where more than one rank trains)."""
     if ranks == 1:
+        compute = compute_s(profile, ranks, strategy)
         return StepPrediction(compute, 0.0, 0.0, compute, 0.0)
+    net = effective_network(net)
+    profile = stretched_backward(profile, ranks, net, strategy)
+    compute = compute_s(profile, ranks, strategy)
     credit = net.burst_bytes  # a full bucket at the first step; then what the step before left,
     timeline = _timeline(profile, ranks, net, strategy, credit)  # refilled until the first payload
     for _ in range(100 if net.burst_bytes else 0):  # until the steady state (a step's credit repeats)
@@ -557,7 +617,36 @@ def predict_step(profile: ModelProfile, ranks: int, net: Network, strategy: Stra
             break
         timeline = _timeline(profile, ranks, net, strategy, credit)
     exposed = max(0.0, timeline.end_s - profile.backward_s)
-    return StepPrediction(compute, timeline.busy_s, exposed, compute + exposed, timeline.sent_bytes)
+    return StepPrediction(compute, timeline.busy_s, exposed, compute + exposed + profile.step_overhead_s,
+                          timeline.sent_bytes)
+
+
+@dataclass(frozen=True)
+class TimeToTrain:
+    """A whole run's wall-clock time, by part (seconds)."""
+    dense_s: float  # the dense warm-up epochs (CSC sends densely until its warm-up ends)
+    steady_s: float  # the remaining epochs at the steady-state step
+    evaluation_s: float
+    startup_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.dense_s + self.steady_s + self.evaluation_s + self.startup_s
+
+
+def time_to_train(epochs: float, images_per_epoch: int, global_batch: int, step_s: float,
+                  dense_epochs: float = 0.0, dense_step_s: Optional[float] = None,
+                  evaluation_s_per_epoch: float = 0.0, startup_s: float = 0.0) -> TimeToTrain:
+    """Time to train for ``epochs`` from the model's step predictions: a step-time prediction is the
+    steady state, but a run also has (1) its dense warm-up epochs, where a sparse strategy steps at
+    ``dense_step_s`` (its dense counterpart's step; None: ``step_s``), (2) evaluation after each
+    epoch and (3) start-up (launch, data loading, the first steps' compilation and warm-up). Steps
+    per epoch are ceil(images / global batch), as a loader that keeps the last partial batch runs."""
+    if not 0 <= dense_epochs <= epochs:
+        raise ValueError(f"dense_epochs={dense_epochs} must be in [0, epochs={epochs}]")
+    steps = math.ceil(images_per_epoch / global_batch)
+    dense = dense_epochs * steps * (step_s if dense_step_s is None else dense_step_s)
+    return TimeToTrain(dense, (epochs - dense_epochs) * steps * step_s, epochs * evaluation_s_per_epoch, startup_s)
 
 
 def speedup(profile: ModelProfile, ranks: int, net: Network, strategy: Strategy) -> float:

@@ -22,6 +22,14 @@ of its time there: the first fully connected layer's gradient (62% of the bytes)
 backward instead of 9%, ~22 ms later in the paper's 39 ms step, and overlap has almost nothing left
 to hide communication behind. ``flop_readiness`` runs on the ``meta`` device where it can (shapes
 only: fast, and no memory).
+
+The FLOP counts of the models the projection is usually asked about (``SHIPPED``: ours and the
+torchvision models of published large-scale runs) ship with the package as small JSON files in
+``profiles/`` (``NAME-SIZE.json``), so that ``scripts/simulate_scaling.py`` projects them without
+importing torch; ``flops_per_image`` reads them and counts any other model. They are written by
+``write_shipped_profiles`` (``python -m gradientflow_repro.scaling.profile --shipped``), and a test
+checks that each file still equals what the count gives, so a change in a model or in torch's
+counter cannot leave them stale unnoticed.
 """
 
 from __future__ import annotations
@@ -319,20 +327,108 @@ def build_named_model(name: str, num_classes: int, image_size: int) -> nn.Module
         if timm.is_model(name):
             return timm.create_model(name, pretrained=False, num_classes=num_classes)
         timm_says = "not in timm.list_models()"
-    raise ValueError(f"unknown model '{name}': not ours ({', '.join(OUR_MODELS)}), not a torchvision "
-                     f"classification model (torchvision.models.list_models(module=torchvision.models)), "
-                     f"and {timm_says}")
+    raise ValueError(_unknown_model(name, timm_says))
+
+
+def _unknown_model(name: str, timm_says: str) -> str:
+    return (f"unknown model '{name}': not ours ({', '.join(OUR_MODELS)}), not a torchvision "
+            f"classification model (torchvision.models.list_models(module=torchvision.models)), and {timm_says}")
+
+
+def model_name_error(name: str) -> Optional[str]:
+    """Why ``build_named_model`` cannot build ``name`` (one line), or None where it can. Ours and the
+    shipped models are known without importing anything; any other name asks torchvision and timm
+    (importing torch), without building the model."""
+    if ships(name):
+        return None
+    try:
+        import torchvision
+    except ImportError as error:  # a machine without torch: only the shipped models can be projected
+        shipped = ", ".join(sorted({model for model, _ in SHIPPED} | set(OUR_MODELS)))
+        return f"unknown model '{name}': not shipped ({shipped}), and torchvision cannot be imported ({error})"
+    if name in torchvision.models.list_models(module=torchvision.models):
+        return None
+    try:
+        import timm
+    except ImportError:
+        return _unknown_model(name, "timm is not installed")
+    return None if timm.is_model(name) else _unknown_model(name, "not in timm.list_models()")
 
 
 _COUNT_BATCH = 2  # BatchNorm in training mode needs more than one value per channel
 
 
+# (model, image size) whose FLOP counts ship in ``profiles/`` (1000 classes): ours, and the torchvision
+# models of published large-scale runs (ResNet-101, VGG-16, Inception-v3 at its own 299 pixels)
+SHIPPED: tuple[tuple[str, int], ...] = (("alexnet_bn", 224), ("alexnet", 224), ("resnet50", 224),
+                                        ("resnet101", 224), ("inception_v3", 299), ("vgg16", 224))
+SHIPPED_CLASSES = 1000
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+def shipped_path(model_name: str, image_size: int) -> Path:
+    """Where the FLOP counts of ``model_name`` at ``image_size`` pixels ship (whether or not they do)."""
+    return PROFILE_DIR / f"{model_name}-{image_size}.json"
+
+
+def flops_as_json(counted: FlopReadiness, model_name: str, image_size: int, num_classes: int) -> dict[str, Any]:
+    """``counted`` as the shipped files hold it: what was counted, then the counts."""
+    return {"model": model_name, "image_size": image_size, "num_classes": num_classes,
+            "forward_flops": counted.forward_flops, "backward_flops": counted.backward_flops,
+            "tensors": [[t.elements, t.backward_flops_done, t.one_dimensional] for t in counted.tensors]}
+
+
+def flops_from_json(data: dict[str, Any]) -> FlopReadiness:
+    """The ``FlopReadiness`` a shipped file holds (``flops_as_json``)."""
+    return FlopReadiness(int(data["forward_flops"]), int(data["backward_flops"]),
+                         tuple(TensorFlops(int(e), int(done), bool(flat)) for e, done, flat in data["tensors"]))
+
+
+def shipped_flops(model_name: str, image_size: int, num_classes: int = 1000) -> Optional[FlopReadiness]:
+    """The shipped FLOP counts of ``model_name`` at ``image_size`` pixels and ``num_classes`` classes;
+    None where none ship (then ``count_flops_per_image`` counts them). Reads JSON only: no torch."""
+    path = shipped_path(model_name, image_size)
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    if (data.get("model"), data.get("image_size"), data.get("num_classes")) != (model_name, image_size, num_classes):
+        return None
+    return flops_from_json(data)
+
+
+def ships(model_name: str) -> bool:
+    """Whether some image size of ``model_name`` ships, or it is ours: a name known without torch."""
+    return model_name in OUR_MODELS or any(name == model_name for name, _ in SHIPPED)
+
+
+def write_shipped_profiles(directory: Path = PROFILE_DIR) -> list[Path]:
+    """Count every model of ``SHIPPED`` (``count_flops_per_image``) and write its file into
+    ``directory``; returns the paths. Run again when a model or torch's FLOP counter changes (the
+    test that compares the files with a fresh count says when)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for model_name, image_size in SHIPPED:
+        counted = count_flops_per_image(model_name, image_size, SHIPPED_CLASSES)
+        path = directory / shipped_path(model_name, image_size).name
+        path.write_text(json.dumps(flops_as_json(counted, model_name, image_size, SHIPPED_CLASSES)) + "\n")
+        written.append(path)
+    return written
+
+
 @functools.lru_cache(maxsize=None)
 def flops_per_image(model_name: str, image_size: int, num_classes: int = 1000) -> FlopReadiness:
+    """``flop_readiness`` of the named model per image of ``image_size`` pixels: the shipped counts
+    where they exist (``shipped_flops``: no torch), else counted (``count_flops_per_image``). Cached:
+    a scaling sweep asks many times."""
+    shipped = shipped_flops(model_name, image_size, num_classes)
+    return shipped if shipped is not None else count_flops_per_image(model_name, image_size, num_classes)
+
+
+def count_flops_per_image(model_name: str, image_size: int, num_classes: int = 1000) -> FlopReadiness:
     """``flop_readiness`` of the named model (``build_named_model``) per image of ``image_size``
     pixels: counted on a batch of two and halved (the counted ops are linear in the batch). Built and
     run on the ``meta`` device; a model that cannot be (an op without a meta kernel, a value read
-    with ``.item()``) is rebuilt and counted on the CPU. Cached: a scaling sweep asks many times."""
+    with ``.item()``) is rebuilt and counted on the CPU."""
     import torch
 
     counted: Optional[FlopReadiness] = None
@@ -392,8 +488,13 @@ def readiness_table(profile: ModelProfile,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """``OUT.json -- OVERRIDES...``; the world size from ``PROFILE_WORLD`` (default 4)."""
+    """``OUT.json -- OVERRIDES...``; the world size from ``PROFILE_WORLD`` (default 4). ``--shipped``:
+    rewrite the shipped FLOP counts (``write_shipped_profiles``)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args == ["--shipped"]:
+        for path in write_shipped_profiles():
+            print(path.relative_to(PROFILE_DIR.parents[2]))
+        return
     out, overrides = Path(args[0]), args[2:] if args[1:2] == ["--"] else args[1:]
     profile_model(out, overrides, int(os.environ.get("PROFILE_WORLD", "4")))
 

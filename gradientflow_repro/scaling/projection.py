@@ -1,35 +1,41 @@
 """The scaling model at cluster scale: any published setup projected, and the paper's two numbers.
 
 A ``Setup`` names a model (ours, torchvision's or timm's), images per GPU, the single-GPU
-throughput, and the cluster: link Gbit/s, GPUs per node, intra-node GB/s, per-message latency, and
-the GPU's memory bandwidth (which prices CSC's and the fp16 wire's local work). Its defaults are the
-paper's setting, each value with its source in ``perfmodel``. The model's inputs:
+throughput, and the cluster: link Gbit/s, GPUs per node, intra-node GB/s, per-message latency, the
+GPU's memory bandwidth (which prices CSC's and the fp16 wire's local work), the backend (NCCL or
+gloo), and what a fitted model adds (``perfmodel``: the links' efficiency, backward's slowdown under
+overlapped communication, a per-step overhead); optionally one pool part / bucket size and one CSC
+density for every strategy. Its defaults are the paper's setting, each value with its source in
+``perfmodel``. The model's inputs:
 - backward readiness from the FLOPs of the real model at the given resolution
-  (``profile.flop_profile``: torch.utils.flop_counter, scaled to the setup's step time). FLOPs, not
-  a CPU timing: a CPU's per-layer ratios (GEMMs against convolutions) are not a GPU's, and FLOPs
-  are the same on every device;
+  (``profile.flop_profile``: torch.utils.flop_counter, scaled to the setup's step time; shipped as
+  data for the usual models, so that projecting them needs no torch). FLOPs, not a CPU timing: a
+  CPU's per-layer ratios (GEMMs against convolutions) are not a GPU's, and FLOPs are the same on
+  every device;
 - small collectives at log2(N) latency steps, a node's uplink shared by its ranks when they all
   cross the network at once, and world sizes that are not a multiple of the node size
   (``perfmodel``: the same rules that the emulated-cluster benchmark checks);
 - CSC's and the fp16 wire's local work priced as memory traffic over the GPU's bandwidth
   (``perfmodel.gpu_local_work``), with a sensitivity table.
 
-``write_scaling`` writes results/scaling.md and .png: the speedup of every strategy against GPU
-count, the checks against the paper (410.2x at 512 GPUs for the full stack, 2.5x at 64 for the
-baseline) with the goals, and the sensitivity of the full stack at 512 GPUs.
+``write_scaling`` writes a report (.md and .png): the speedup of every strategy for any GPU counts,
+world sizes whose last node is partly filled, the sensitivity of the full stack at the largest count
+and where its step goes; and, only for the paper's own setup, the checks against the paper (410.2x
+at 512 GPUs for the full stack, 2.5x at 64 for the baseline) with the goals.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from gradientflow_repro.comm import knobs, registry
 from gradientflow_repro.scaling import perfmodel as pm
 
 GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-UNEVEN_GPU_COUNTS = (12, 100, 500)  # not multiples of 8: a partly filled last node
+UNEVEN_GPU_COUNTS = (12, 100, 500)  # not multiples of 8: a partly filled last node (``uneven_counts(8, 512)``)
+UNEVEN_FULL_NODES = (1, 12, 62, 250)  # full nodes before the half-filled last one (``uneven_counts``)
 SPEEDUP_GOAL = 435.0  # 85% efficiency at 512 GPUs: above the paper's 410.2x
 
 
@@ -43,6 +49,30 @@ def strategy_options() -> dict[str, dict]:
     for name in registry.names():
         options.setdefault(name, {"strategy": name})
     return options
+
+
+def uneven_counts(gpus_per_node: int, largest: int) -> tuple[int, ...]:
+    """World sizes that are not a multiple of ``gpus_per_node``, up to ``largest``: m full nodes and a
+    last one half filled (m in ``UNEVEN_FULL_NODES``; 12, 100, 500 for 8 GPUs per node up to 512).
+    Empty for one GPU per node, where every size is a multiple."""
+    if gpus_per_node < 2:
+        return ()
+    return tuple(n for n in (m * gpus_per_node + gpus_per_node // 2 for m in UNEVEN_FULL_NODES) if n <= largest)
+
+
+def parse_strategies(value: str) -> tuple[str, ...]:
+    """Strategy labels from one command-line value: the value itself where it is a label (or an old
+    one, ``registry.canonical``), else a comma-separated list of them. Raises ValueError naming the
+    allowed labels."""
+    options = strategy_options()
+    if registry.canonical(value.strip()) in options:
+        return (registry.canonical(value.strip()),)
+    chosen = tuple(registry.canonical(part.strip()) for part in value.split(",") if part.strip())
+    unknown = [label for label in chosen if label not in options]
+    if unknown or not chosen:
+        raise ValueError(f"unknown strategy {', '.join(map(repr, unknown)) or repr(value)}: allowed are "
+                         f"{'; '.join(options)}")
+    return chosen
 
 
 def default_strategies() -> tuple[str, ...]:
@@ -68,6 +98,12 @@ class Setup:
     gpu_memory_GBps: float = pm.ASSUMED_GPU_MEMORY_BPS / 1e9
     num_classes: int = 1000
     strategies: tuple[str, ...] = field(default_factory=default_strategies)
+    nccl: bool = True  # an NCCL network (GPUs); False: gloo, where our algorithms carry every non-builtin sum
+    bucket_mb: Optional[float] = None  # every fused strategy's pool part (DDP's bucket); None: each preset's
+    density: Optional[float] = None  # every sparse strategy's density; None: each preset's
+    link_efficiency: float = 1.0  # ``Network.link_efficiency``
+    overlap_slowdown: float = 0.0  # ``Network.overlap_slowdown``
+    step_overhead_s: float = 0.0  # ``ModelProfile.step_overhead_s``
 
     @property
     def is_paper(self) -> bool:
@@ -80,17 +116,60 @@ class Setup:
 
         profile = flop_profile(self.model, self.image_size, self.images_per_gpu, self.single_gpu_images_s,
                                self.num_classes)
-        return pm.gpu_local_work(profile, self.gpu_memory_GBps * 1e9) if self.gpu_memory_GBps else profile
+        profile = pm.gpu_local_work(profile, self.gpu_memory_GBps * 1e9) if self.gpu_memory_GBps else profile
+        return _with_fields(profile, step_overhead_s=(self.step_overhead_s, 0.0))
 
     def network(self) -> pm.Network:
-        return pm.Network(self.link_gbps * 1e9 / 8, self.latency_us * 1e-6, self.gpus_per_node,
-                          self.intra_node_GBps * 1e9, self.latency_us * 1e-6, nccl=True)
+        net = pm.Network(self.link_gbps * 1e9 / 8, self.latency_us * 1e-6, self.gpus_per_node,
+                         self.intra_node_GBps * 1e9, self.latency_us * 1e-6, nccl=self.nccl)
+        return _with_fields(net, link_efficiency=(self.link_efficiency, 1.0),
+                            overlap_slowdown=(self.overlap_slowdown, 0.0))
 
     def strategy(self, label: str) -> pm.Strategy:
+        """``label``'s strategy as the model prices it, with the setup's pool part size and density
+        (where set) in place of its preset's: the part size on every fused strategy (DDP's bucket
+        for ``ddp``), the density on every sparse one; per-tensor and dense strategies ignore them."""
         options, label = strategy_options(), registry.canonical(label)  # an old label: its current one
         if label not in options:
             raise ValueError(f"unknown strategy {label!r}: allowed are {', '.join(options)}")
-        return pm.Strategy.from_knobs(label, knobs.resolve(options[label]))
+        chosen = dict(options[label])
+        if self.bucket_mb is not None or self.density is not None:
+            preset = knobs.resolve(chosen)
+            if self.bucket_mb is not None:
+                chosen["ddp_bucket_mb" if preset.fusion == "ddp" else "bucket_mb"] = self.bucket_mb
+            if self.density is not None and registry.sparsifier(preset.sparsity).pricing != "dense":
+                chosen["density"] = self.density
+        return pm.Strategy.from_knobs(label, knobs.resolve(chosen))
+
+    def extras(self) -> list[str]:
+        """What the setup sets beyond the cluster's rates, in words (nothing for the defaults)."""
+        said = [] if self.nccl else ["gloo instead of NCCL (our algorithms carry every sum but the builtin's)"]
+        if self.bucket_mb is not None:
+            said.append(f"pool parts (DDP: buckets) of {self.bucket_mb:g} MB for every fused strategy")
+        if self.density is not None:
+            said.append(f"density {self.density:g} for every sparse strategy")
+        if self.link_efficiency != 1.0:
+            said.append(f"links carrying {self.link_efficiency:g} of their rate")
+        if self.overlap_slowdown:
+            said.append(f"backward slowed by {self.overlap_slowdown:g} s per second of communication it overlaps")
+        if self.step_overhead_s:
+            said.append(f"{self.step_overhead_s * 1e3:g} ms of framework overhead per step on more than one GPU")
+        return said
+
+
+def supports(owner: type, name: str) -> bool:
+    """Whether the model's dataclass ``owner`` (``pm.Network``, ``pm.ModelProfile``) has field ``name``."""
+    return name in {f.name for f in fields(owner)}
+
+
+def _with_fields(value: Any, **wanted: tuple[Any, Any]) -> Any:
+    """``value`` with each field of ``wanted`` (name: (value, default)) set, where it differs from
+    its default; ValueError where the model has no such field (a model older than the setup)."""
+    changes = {name: new for name, (new, default) in wanted.items() if new != default}
+    missing = [name for name in changes if not supports(type(value), name)]
+    if missing:
+        raise ValueError(f"the scaling model has no {type(value).__name__}.{', '.join(missing)}")
+    return replace(value, **changes) if changes else value
 
 
 def curves(setup: Setup, counts: Sequence[int] = GPU_COUNTS,
@@ -133,20 +212,23 @@ def local_work_s(profile: pm.ModelProfile, strategy: pm.Strategy) -> float:
     return sum(m.local_work_s for m in pm.messages(profile, strategy))
 
 
-def _local_work_rows(setup: Setup, profile: pm.ModelProfile, strategy: pm.Strategy) -> list[str]:
-    """Speedup at 512 GPUs against the local work per step, 0 to 5 ms (the GPU's memory rate scaled):
-    on the communication path, overlapping backward as the model has it, and, as the worst case,
-    added to the step (the GPU's memory traffic for it slows backward by as much)."""
+def _local_work_rows(setup: Setup, profile: pm.ModelProfile, strategy: pm.Strategy, gpus: int,
+                     versus: bool) -> list[str]:
+    """Speedup at ``gpus`` GPUs against the local work per step, 0 to 5 ms (the GPU's memory rate
+    scaled): on the communication path, overlapping backward as the model has it, and, as the worst
+    case, added to the step (the GPU's memory traffic for it slows backward by as much). ``versus``:
+    a column against the paper's 410.2x."""
     unit = local_work_s(pm.gpu_local_work(profile, 1.0), strategy)  # seconds at 1 byte/s
     net, rows = setup.network(), []
     single = pm.predict_step(profile, 1, net, strategy).step_s
     for target_ms in (0.0, 1.0, 2.0, 3.0, 5.0):
         priced = (replace(profile, sparsify_s_per_element=0.0, wire_cast_s_per_element=0.0) if target_ms == 0
                   else pm.gpu_local_work(profile, unit / (target_ms * 1e-3)))
-        overlapped = pm.speedup(priced, 512, net, strategy)
-        serial = 512 * single / (pm.predict_step(priced, 512, net, strategy).step_s + target_ms * 1e-3)
+        overlapped = pm.speedup(priced, gpus, net, strategy)
+        serial = gpus * single / (pm.predict_step(priced, gpus, net, strategy).step_s + target_ms * 1e-3)
         rows.append(f"| GPU local work {target_ms:.0f} ms per step (overlapping backward; added to the step) "
-                    f"| {overlapped:.1f}x; {serial:.1f}x | {_versus(overlapped)}; {_versus(serial)} |")
+                    f"| {overlapped:.1f}x; {serial:.1f}x |"
+                    + (f" {_versus(overlapped)}; {_versus(serial)} |" if versus else ""))
     return rows
 
 
@@ -154,26 +236,30 @@ def _versus(value: float) -> str:
     return "above" if value > pm.PAPER_SPEEDUP else "BELOW"
 
 
-def sensitivity(setup: Setup, profile: pm.ModelProfile, label: str = "gradientflow") -> list[str]:
-    """The full stack's speedup at 512 GPUs as one assumption at a time moves (the others at the
-    setup's values), then latency and node size together."""
-    strategy = setup.strategy(label)
+def sensitivity(setup: Setup, profile: pm.ModelProfile, label: str = "gradientflow", gpus: int = 512) -> list[str]:
+    """The full stack's speedup at ``gpus`` GPUs as one assumption at a time moves (the others at the
+    setup's values), then latency and node size together; against the paper's 410.2x only for the
+    paper's own setup."""
+    strategy, versus = setup.strategy(label), setup.is_paper and gpus == pm.PAPER_GPUS
 
     def at(**changes: float | int) -> float:
-        return pm.speedup(profile, 512, replace(setup, **changes).network(), strategy)
+        return pm.speedup(profile, gpus, replace(setup, **changes).network(), strategy)
 
-    lines = [f"| assumption (others as above) | `{label}` at 512 GPUs | vs the paper's {pm.PAPER_SPEEDUP}x |",
-             "|---|---|---|"]
+    def row(what: str, value: float) -> str:
+        return f"| {what} | {value:.1f}x |" + (f" {_versus(value)} |" if versus else "")
+
+    lines = ([f"| assumption (others as above) | `{label}` at {gpus} GPUs | vs the paper's {pm.PAPER_SPEEDUP}x |",
+              "|---|---|---|"] if versus else
+             [f"| assumption (others as above) | `{label}` at {gpus} GPUs |", "|---|---|"])
     for latency in (2, 5, 10, 20):
-        value = at(latency_us=latency)
-        lines.append(f"| {latency} us per message | {value:.1f}x | {_versus(value)} |")
-    for per_node in (4, 8):
-        value = at(gpus_per_node=per_node)
-        lines.append(f"| {per_node} GPUs per node | {value:.1f}x | {_versus(value)} |")
-    lines += _local_work_rows(setup, profile, strategy)
-    grid = ["", f"Latency and node size together (`{label}`, speedup at 512 GPUs):", "",
+        lines.append(row(f"{latency} us per message", at(latency_us=latency)))
+    node_sizes = sorted({4, 8, setup.gpus_per_node})
+    for per_node in node_sizes:
+        lines.append(row(f"{per_node} GPUs per node", at(gpus_per_node=per_node)))
+    lines += _local_work_rows(setup, profile, strategy, gpus, versus)
+    grid = ["", f"Latency and node size together (`{label}`, speedup at {gpus} GPUs):", "",
             "| GPUs per node | " + " | ".join(f"{lat} us" for lat in (2, 5, 10, 20)) + " |", "|---|---|---|---|---|"]
-    for per_node in (4, 8):
+    for per_node in node_sizes:
         grid.append(f"| {per_node} | " + " | ".join(f"{at(latency_us=lat, gpus_per_node=per_node):.1f}x"
                                                    for lat in (2, 5, 10, 20)) + " |")
     return lines + grid
@@ -213,11 +299,13 @@ def _readiness_note(profile: pm.ModelProfile) -> str:
             f"count it would be {100 * done / total:.0f}%.")
 
 
-def paper_check(setup: Setup = Setup()) -> tuple[list[str], dict[str, list[float]]]:
-    """The projection as Markdown lines (checks against the paper when the setup is the paper's),
-    and the speedup table it is built on."""
+def paper_check(setup: Setup = Setup(), counts: Sequence[int] = GPU_COUNTS) -> tuple[list[str], dict[str, list[float]]]:
+    """The projection for ``counts`` GPUs as Markdown lines (checks against the paper when the setup
+    is the paper's, at the paper's counts whatever ``counts`` is), and the speedup table over
+    ``counts`` it is built on."""
+    counts = tuple(counts)
     profile = setup.profile()
-    table = curves(setup, GPU_COUNTS, profile)
+    table = curves(setup, counts, profile)
     step = setup.images_per_gpu / setup.single_gpu_images_s
     gflops = _gflops(setup)
     lines = [
@@ -228,28 +316,42 @@ def paper_check(setup: Setup = Setup()) -> tuple[list[str], dict[str, list[float
         f"{setup.gpus_per_node} GPUs per node sharing it, {setup.intra_node_GBps:g} GB/s inside a node, "
         f"{setup.latency_us:g} us per message; CSC's and the fp16 wire's local work at "
         f"{setup.gpu_memory_GBps:g} GB/s of GPU memory traffic ({pm.CSC_BYTES_PER_ELEMENT} and "
-        f"{pm.FP16_WIRE_BYTES_PER_ELEMENT} bytes per element). Weak scaling.", "",
+        f"{pm.FP16_WIRE_BYTES_PER_ELEMENT} bytes per element)"
+        + "".join(f"; {said}" for said in setup.extras()) + ". Weak scaling.", "",
         "Sources: " + (pm.paper_dense_ratio()[1] + ". " if setup.is_paper else "") +
         "Backward readiness: FLOPs of the real model counted by `torch.utils.flop_counter` "
-        "(`gradientflow_repro/scaling/profile.py`). " + _readiness_note(profile) + " "
+        f"(`gradientflow_repro/scaling/profile.py`{_shipped_note(setup)}). " + _readiness_note(profile) + " "
         "Assumed where the paper is silent (`gradientflow_repro/scaling/perfmodel.py`): GPUs per node, latency, "
-        "intra-node rate, GPU memory rate; their effect is in the sensitivity table below.", ""]
+        "intra-node rate, GPU memory rate; their effect is in the sensitivity table below."]
     if setup.is_paper:
-        lines += _paper_rows(setup, profile, table)
-    lines += ["", "Predicted speedup against GPU count:", "",
-              "| strategy | " + " | ".join(str(n) for n in GPU_COUNTS) + " |",
-              "|---|" + "---|" * len(GPU_COUNTS)]
-    for name, values in table.items():
-        lines.append(f"| {name} | " + " | ".join(f"{v:.1f}" for v in values) + " |")
-    uneven = curves(setup, UNEVEN_GPU_COUNTS, profile)
-    lines += ["", f"World sizes that are not a multiple of {setup.gpus_per_node} (the last node partly filled):", "",
-              "| strategy | " + " | ".join(str(n) for n in UNEVEN_GPU_COUNTS) + " |",
-              "|---|" + "---|" * len(UNEVEN_GPU_COUNTS)]
-    lines += [f"| {name} | " + " | ".join(f"{v:.1f}" for v in values) + " |" for name, values in uneven.items()]
-    if "gradientflow" in setup.strategies:
-        lines += ["", "## Sensitivity", "", *sensitivity(setup, profile), "",
-                  "## Where the full stack's step goes at 512 GPUs", "", *breakdown(setup, profile, "gradientflow")]
+        paper_table = table if counts == GPU_COUNTS else curves(setup, GPU_COUNTS, profile)
+        lines += ["", *_paper_rows(setup, profile, paper_table)]
+    lines += ["", "Predicted speedup against GPU count:", "", *_speedup_table(table, counts)]
+    uneven_sizes = uneven_counts(setup.gpus_per_node, max(counts))
+    if uneven_sizes:
+        uneven = curves(setup, uneven_sizes, profile)
+        lines += ["", f"World sizes that are not a multiple of {setup.gpus_per_node} (the last node half filled):",
+                  "", *_speedup_table(uneven, uneven_sizes)]
+    gpus = pm.PAPER_GPUS if setup.is_paper else max(counts)
+    if "gradientflow" in setup.strategies and gpus > 1:
+        lines += ["", "## Sensitivity", "", *sensitivity(setup, profile, gpus=gpus), "",
+                  f"## Where the full stack's step goes at {gpus} GPUs", "",
+                  *breakdown(setup, profile, "gradientflow", gpus)]
     return lines, table
+
+
+def _speedup_table(table: dict[str, list[float]], counts: Sequence[int]) -> list[str]:
+    return (["| strategy | " + " | ".join(str(n) for n in counts) + " |", "|---|" + "---|" * len(counts)]
+            + [f"| {name} | " + " | ".join(f"{v:.1f}" for v in values) + " |" for name, values in table.items()])
+
+
+def _shipped_note(setup: Setup) -> str:
+    from gradientflow_repro.scaling.profile import shipped_flops, shipped_path
+
+    if shipped_flops(setup.model, setup.image_size, setup.num_classes) is None:
+        return ""
+    path = shipped_path(setup.model, setup.image_size)
+    return f"; shipped as `{path.relative_to(path.parents[3]).as_posix()}`"
 
 
 def _gflops(setup: Setup) -> str:
@@ -284,18 +386,21 @@ def _paper_rows(setup: Setup, profile: pm.ModelProfile, table: dict[str, list[fl
         "the flat ring's 2(N-1) = 1022 latencies per pool part are why the two-level ring is the default |"]
 
 
-def plot(table: dict[str, list[float]], path: Path) -> None:
-    """Speedup against GPU count, with the paper's two points."""
+def plot(table: dict[str, list[float]], path: Path, counts: Sequence[int] = GPU_COUNTS, paper: bool = True) -> None:
+    """Speedup against GPU count (``counts``, the table's), with the paper's two points if ``paper``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, values in table.items():
-        ax.plot(GPU_COUNTS, values, marker="o", markersize=3, label=name)
-    ax.plot(GPU_COUNTS, GPU_COUNTS, color="grey", linestyle=":", label="linear")
-    ax.scatter([512], [pm.PAPER_SPEEDUP], color="black", marker="*", s=120, zorder=5, label="paper: 410.2x")
-    ax.scatter([64], [pm.PAPER_BASELINE_SPEEDUP], color="red", marker="x", s=80, zorder=5, label="paper baseline: 2.5x")
+        ax.plot(counts, values, marker="o", markersize=3, label=name)
+    ax.plot(counts, counts, color="grey", linestyle=":", label="linear")
+    if paper:
+        ax.scatter([pm.PAPER_GPUS], [pm.PAPER_SPEEDUP], color="black", marker="*", s=120, zorder=5,
+                   label=f"paper: {pm.PAPER_SPEEDUP}x")
+        ax.scatter([pm.PAPER_BASELINE_GPUS], [pm.PAPER_BASELINE_SPEEDUP], color="red", marker="x", s=80, zorder=5,
+                   label=f"paper baseline: {pm.PAPER_BASELINE_SPEEDUP}x")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("GPUs")
@@ -307,18 +412,21 @@ def plot(table: dict[str, list[float]], path: Path) -> None:
     plt.close(fig)
 
 
-def write_scaling(out: Path, setup: Setup = Setup(), command: str = "python scripts/simulate_scaling.py") -> str:
-    """``out``.md and ``out``.png; returns the Markdown."""
-    lines, table = paper_check(setup)
+def write_scaling(out: Path, setup: Setup = Setup(), command: str = "python scripts/simulate_scaling.py",
+                  counts: Sequence[int] = GPU_COUNTS, sections: Sequence[str] = ()) -> str:
+    """``out``.md and ``out``.png for ``counts`` GPUs, with ``sections`` (Markdown lines) after the
+    projection; returns the Markdown. Torch-free where the model's FLOP counts ship."""
+    lines, table = paper_check(setup, counts)
     out.parent.mkdir(parents=True, exist_ok=True)
-    plot(table, out.with_suffix(".png"))
-    from gradientflow_repro.provenance import environment_facts
+    plot(table, out.with_suffix(".png"), tuple(counts), paper=setup.is_paper)
+    from gradientflow_repro.provenance import git_commit
 
-    commit = environment_facts().get("git_commit", "unknown")
+    commit = git_commit() or "unknown"
     text = "\n".join(["# Scaling model" + (" against the paper" if setup.is_paper else ""), "",
                       f"Command: `{command}`; commit {commit}; a model: no machine's speed enters it. "
                       "The model's rules are checked against measurement on an emulated two-level cluster "
                       "(`results/cluster_comm.md`) and in the training ladder (`results/REPORT.md`).", "",
-                      *lines, "", f"![speedup against GPUs]({out.with_suffix('.png').name})", ""])
+                      *lines, *(["", *sections] if sections else []), "",
+                      f"![speedup against GPUs]({out.with_suffix('.png').name})", ""])
     out.with_suffix(".md").write_text(text)
     return text

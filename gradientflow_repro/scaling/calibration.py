@@ -1,0 +1,293 @@
+"""The scaling model's free parameters fitted on a named subset of published results, tested on the rest.
+
+The model (``perfmodel``) prices communication from nominal link rates and lets overlap hide it
+for free, so on its own it over-predicts every published result. Three costs close the gap, each
+a named term of the model:
+- ``Network.link_efficiency`` per fabric between nodes (what a ring's bus bandwidth reaches of the
+  line rate), and the same factor on the nominal rate inside a node (``intra_efficiency``);
+- ``Network.overlap_slowdown``, one value: backward stretched by that fraction of the
+  communication time it overlaps;
+- ``ModelProfile.step_overhead_s`` per framework: added to every step on more than one GPU.
+
+The algorithm (``fit``), a least-squares fit by coordinate descent on grids:
+1. start from the priors (``Parameters()``: efficiency 1, no slowdown, no overhead);
+2. for each free parameter in turn, try every value of its grid with the others held and keep the
+   one with the least sum of squared efficiency errors over the fitted rows;
+3. repeat step 2 until a whole pass changes nothing (at most ``passes``), then once more on a grid
+   a tenth as coarse around each value.
+Tuning advice: a parameter that no fitted row depends on stays at its prior (the fit says which);
+a fabric seen only by one or two rows trades off against the overhead, so fit fabrics with rows at
+two GPU counts. Grids are coarse on purpose: the published numbers carry a point or two of noise.
+
+Predictions are weak scaling, as the sources measure: per-GPU batch fixed, efficiency
+speedup(N) / N (relative to ``base_gpus`` where a source's base is more than one GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Optional, Sequence
+
+from gradientflow_repro.comm import registry
+from gradientflow_repro.scaling import perfmodel as pm
+from gradientflow_repro.scaling.published import INTRA_NODE, ROWS, Published
+
+# NCCL's maintainers: a ring's bus bandwidth is ~96% of an InfiniBand NIC's line rate with
+# GPUDirect RDMA (nccl-tests#29, #119; nccl#307, #812): the prior for a fabric no fitted row measures
+NCCL_IB_EFFICIENCY = 0.96
+# The prior of a fabric no fitted row measures: a number, or the fabric whose fitted value it takes
+# (50 Gbit/s Ethernet with RDMA-capable NICs, Goyal et al.: as 25 Gbit/s RoCE)
+PRIORS: dict[str, float | str] = {"ib56": NCCL_IB_EFFICIENCY, "eth50": "roce25"}
+# Upper bounds of the fitted values (an efficiency is at most 1)
+BOUNDS = {"link": 1.0, "intra": 1.0, "slowdown": 1.0, "overhead": 0.2}
+
+
+@dataclass
+class Parameters:
+    """The model's free parameters: per fabric (``published.FABRICS``), per intra-node kind
+    (``published.INTRA_NODE``), one slowdown, per framework. Missing keys take the prior."""
+
+    link_efficiency: dict[str, float] = field(default_factory=dict)
+    intra_efficiency: dict[str, float] = field(default_factory=dict)
+    overlap_slowdown: float = 0.0
+    step_overhead_s: dict[str, float] = field(default_factory=dict)
+
+    def link(self, fabric: str) -> float:
+        """A fabric's efficiency: fitted, else its prior (``PRIORS``), else 1."""
+        if fabric in self.link_efficiency:
+            return self.link_efficiency[fabric]
+        prior = PRIORS.get(fabric, 1.0)
+        return self.link(prior) if isinstance(prior, str) else prior
+
+    def copy(self) -> "Parameters":
+        return Parameters(dict(self.link_efficiency), dict(self.intra_efficiency), self.overlap_slowdown,
+                          dict(self.step_overhead_s))
+
+
+# A free parameter: (kind, key), kind one of "link", "intra", "slowdown", "overhead"
+Free = tuple[str, str]
+GRIDS: dict[str, tuple[float, ...]] = {
+    "link": tuple(round(0.1 + 0.05 * i, 4) for i in range(19)),  # 0.1 .. 1.0
+    "intra": tuple(round(0.1 + 0.05 * i, 4) for i in range(19)),
+    "slowdown": tuple(round(0.05 * i, 4) for i in range(21)),  # 0 .. 1
+    "overhead": tuple(round(0.002 * i, 4) for i in range(41)),  # 0 .. 80 ms
+}
+# The fitted subset's free parameters (what ``published.ROWS``' fitted rows measure)
+FREE: tuple[Free, ...] = (("link", "roce25"), ("link", "tcp25"), ("link", "tcp40"), ("slowdown", ""),
+                          ("overhead", "horovod"), ("intra", "nvlink-p100"), ("overhead", "tf-replicated"))
+
+
+def get(params: Parameters, free: Free) -> float:
+    kind, key = free
+    if kind == "link":
+        return params.link(key)
+    if kind == "intra":
+        return params.intra_efficiency.get(key, 1.0)
+    if kind == "slowdown":
+        return params.overlap_slowdown
+    return params.step_overhead_s.get(key, 0.0)
+
+
+def put(params: Parameters, free: Free, value: float) -> Parameters:
+    kind, key = free
+    out = params.copy()
+    if kind == "link":
+        out.link_efficiency[key] = value
+    elif kind == "intra":
+        out.intra_efficiency[key] = value
+    elif kind == "slowdown":
+        out.overlap_slowdown = value
+    else:
+        out.step_overhead_s[key] = value
+    return out
+
+
+def network(row: Published, params: Parameters) -> pm.Network:
+    """The row's cluster with the parameters' efficiency and slowdown (NCCL carries the builtin)."""
+    intra_GBps = INTRA_NODE[row.intra][0] * params.intra_efficiency.get(row.intra, 1.0)
+    link_Bps = row.link_gbps * 1e9 / 8 if row.link_gbps else 1e12  # one node: no link is used
+    return pm.Network(link_Bps, row.latency_us * 1e-6, row.gpus_per_node, intra_GBps * 1e9, row.latency_us * 1e-6,
+                      nccl=True, link_efficiency=params.link(row.fabric), overlap_slowdown=params.overlap_slowdown)
+
+
+def strategy(row: Published) -> pm.Strategy:
+    """The row's registered strategy; on NCCL's ring alone (``comm.algorithm=ring``) where the
+    system predates NCCL's tree (``ring_only``)."""
+    chosen = pm.strategy_of(row.strategy)
+    return replace(chosen, algorithm="ring") if row.ring_only and chosen.builtin else chosen
+
+
+def predicted_efficiency(row: Published, params: Parameters, profile: pm.ModelProfile) -> float:
+    """The model's efficiency for ``row`` (``profile``: the row's model without overhead)."""
+    profile = replace(profile, step_overhead_s=params.step_overhead_s.get(row.framework, 0.0))
+    net, chosen = network(row, params), strategy(row)
+    at_n = pm.speedup(profile, row.gpus, net, chosen)
+    base = pm.speedup(profile, row.base_gpus, net, chosen) if row.base_gpus > 1 else 1.0
+    return at_n / base / (row.gpus / row.base_gpus)
+
+
+def row_profile(row: Published) -> pm.ModelProfile:
+    """A row's profile from FLOPs (``profile.flop_profile``, needs torch), with the GPU's local
+    work for the fp16 wire and CSC priced as the projection prices it."""
+    from gradientflow_repro.scaling.profile import flop_profile
+
+    profile = flop_profile(row.model, row.image_size, row.images_per_gpu, row.single_gpu_images_s)
+    return pm.gpu_local_work(profile) if row.strategy == "gradientflow" else profile
+
+
+def loss(rows: Sequence[Published], params: Parameters, profiles: Mapping[str, pm.ModelProfile]) -> float:
+    """Sum of squared efficiency errors (in points) over ``rows``."""
+    return sum((100 * (predicted_efficiency(r, params, profiles[r.name]) - r.reported)) ** 2 for r in rows)
+
+
+def fit(rows: Sequence[Published], profiles: Mapping[str, pm.ModelProfile], free: Iterable[Free] = FREE,
+        start: Optional[Parameters] = None, passes: int = 4) -> tuple[Parameters, float]:
+    """Least squares by coordinate descent on ``GRIDS`` (the module's algorithm); returns the
+    parameters and the root-mean-square error in points over ``rows``."""
+    params, free = (start or Parameters()).copy(), list(free)
+    best = loss(rows, params, profiles)
+    for fine in (False, True):
+        for _ in range(passes):
+            moved = False
+            for item in free:
+                grid = GRIDS[item[0]]
+                if fine:
+                    step = (grid[1] - grid[0]) / 10
+                    centre = get(params, item)
+                    grid = tuple(value for i in range(-9, 10)
+                                 if grid[0] <= (value := round(centre + step * i, 6)) <= BOUNDS[item[0]])
+                for value in grid:
+                    trial = put(params, item, value)
+                    score = loss(rows, trial, profiles)
+                    if score < best - 1e-9:
+                        params, best, moved = trial, score, True
+            if not moved:
+                break
+    return params, math.sqrt(best / max(1, len(rows)))
+
+
+@dataclass(frozen=True)
+class Checked:
+    row: Published
+    predicted: float  # efficiency
+    error_points: float  # predicted - reported, in points of efficiency
+
+    @property
+    def within_goal(self) -> bool:
+        """Within 5 points of efficiency, or 15% of the speedup where the source gives only that."""
+        if self.row.reported_speedup is not None:
+            return abs(self.predicted / self.row.reported - 1) <= 0.15
+        return abs(self.error_points) <= 5
+
+
+def check(rows: Sequence[Published], params: Parameters, profiles: Mapping[str, pm.ModelProfile]) -> list[Checked]:
+    out = []
+    for row in rows:
+        predicted = predicted_efficiency(row, params, profiles[row.name])
+        out.append(Checked(row, predicted, 100 * (predicted - row.reported)))
+    return out
+
+
+def calibrate(rows: Sequence[Published] = ROWS,
+              profile_of: Callable[[Published], pm.ModelProfile] = row_profile
+              ) -> tuple[Parameters, float, list[Checked], list[Checked], dict[str, pm.ModelProfile]]:
+    """Fit on the rows marked ``fitted``; check every row. Returns the parameters, the fit's RMS
+    error in points, the fitted rows' and the test rows' checks, and the profiles used."""
+    profiles = {row.name: profile_of(row) for row in rows}
+    fitted = [row for row in rows if row.fitted]
+    params, rms = fit(fitted, profiles)
+    return (params, rms, check(fitted, params, profiles), check([r for r in rows if not r.fitted], params, profiles),
+            profiles)
+
+
+def rms_points(checked: Sequence[Checked]) -> float:
+    return math.sqrt(sum(c.error_points ** 2 for c in checked) / max(1, len(checked)))
+
+
+# ------------------------------------------------------------------ the paper's projection with its spread
+PAPER_GPUS_PER_NODE = (4, 8)  # not stated by the paper
+# single-GPU AlexNet throughput (images/s): a P100 (TF benchmarks, DGX-1, batch 512), the paper's own
+# implied figure (``perfmodel.PAPER_SINGLE_GPU_IMAGES_S``), and a V100 taken as twice a P100 (assumed)
+PAPER_SINGLE_GPU = {"P100 (TF benchmarks)": 2987.0, "implied by the paper": pm.PAPER_SINGLE_GPU_IMAGES_S,
+                    "V100 (assumed 2x P100)": 5974.0}
+
+
+def paper_band(params: Parameters, test_rms_points: float,
+               profile_of: Callable[[Published], pm.ModelProfile] = row_profile) -> dict[str, dict]:
+    """The paper's setups projected over its unknowns, with the fitted parameters.
+
+    For each of the full stack (``gradientflow``) and dense lazy allreduce with the fp16 wire
+    (``registry.LAZY_FP16``) at 512 GPUs, and the open-source baseline (``allreduce``) at 64: the
+    speedup for every combination of GPUs per node (``PAPER_GPUS_PER_NODE``), single-GPU throughput
+    (``PAPER_SINGLE_GPU``) and framework overhead (none, or Horovod's fitted one), on 56 Gbit/s at
+    the fitted (or prior) FDR efficiency. The band is the lowest and highest of those, widened by the
+    test rows' RMS error (points of efficiency times the GPUs).
+
+    Returns ``{label: {"gpus", "reported", "low", "high", "central", "grid": [{"gpus_per_node",
+    "gpu", "overhead_s", "speedup"}, ...]}}``; ``central``: 8 GPUs per node, the paper's implied
+    throughput, no overhead."""
+    paper = {row.strategy: row for row in ROWS if row.name.startswith("the paper")}
+    targets = (("gradientflow", 512, paper["gradientflow"].reported_speedup),
+               (registry.LAZY_FP16, 512, None), ("allreduce", 64, paper["allreduce"].reported_speedup))
+    out: dict[str, dict] = {}
+    overheads = sorted({0.0, params.step_overhead_s.get("horovod", 0.0)})
+    for label, gpus, reported in targets:
+        grid = []
+        for per_node in PAPER_GPUS_PER_NODE:
+            for gpu, single in PAPER_SINGLE_GPU.items():
+                for overhead in overheads:
+                    row = replace(paper["gradientflow"], strategy=label, gpus=gpus, gpus_per_node=per_node,
+                                  single_gpu_images_s=single, framework="paper")
+                    trial = put(params, ("overhead", "paper"), overhead)
+                    speedup = gpus * predicted_efficiency(row, trial, profile_of(row))
+                    grid.append({"gpus_per_node": per_node, "gpu": gpu, "overhead_s": overhead, "speedup": speedup})
+        values = [g["speedup"] for g in grid]
+        central = next(g["speedup"] for g in grid if g["gpus_per_node"] == 8 and g["gpu"] == "implied by the paper"
+                       and g["overhead_s"] == 0.0)
+        spread = test_rms_points / 100 * gpus
+        out[label] = {"gpus": gpus, "reported": reported, "central": central, "low": max(0.0, min(values) - spread),
+                      "high": min(float(gpus), max(values) + spread), "grid": grid}
+    return out
+
+
+def paper_decomposition(params: Parameters, overhead_s: float = 0.0,
+                        profile_of: Callable[[Published], pm.ModelProfile] = row_profile) -> list[tuple[str, float]]:
+    """The full stack at 512 GPUs on the paper's central setup as the calibration terms are added one
+    at a time: (what is added, speedup). Shows which term takes how much of the gap to 410.2x."""
+    row = next(r for r in ROWS if r.strategy == "gradientflow" and r.name.startswith("the paper"))
+    row = replace(row, framework="paper")
+    profile = profile_of(row)
+    steps = [("nominal links, free overlap, no overhead", Parameters()),
+             (f"+ link efficiency {params.link('ib56'):.2f} (56 Gbit/s FDR)",
+              Parameters({"ib56": params.link("ib56")})),
+             (f"+ overlap slowdown {params.overlap_slowdown:.2f}",
+              Parameters({"ib56": params.link("ib56")}, {}, params.overlap_slowdown)),
+             (f"+ step overhead {overhead_s * 1e3:.1f} ms",
+              Parameters({"ib56": params.link("ib56")}, {}, params.overlap_slowdown, {"paper": overhead_s}))]
+    return [(what, row.gpus * predicted_efficiency(row, step, profile)) for what, step in steps]
+
+
+def band_section(path: Optional[Path] = None) -> list[str]:
+    """The paper's band as Markdown lines, read from what ``scripts/model_check.py`` wrote
+    (``results/model_check.json``): fast and torch-free, for ``scripts/simulate_scaling.py``; no
+    lines when it has not been written."""
+    from gradientflow_repro import REPO
+
+    path = path or REPO / "results" / "model_check.json"
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    lines = ["## The paper's projection, calibrated on published results", "",
+             f"From `{data['command']}` (commit {data['environment'].get('git_commit', 'unknown')}, "
+             "`results/model_check.md`): the model's free parameters fitted on published results (fit RMS "
+             f"{data['fit_rms_points']:.1f} points, test RMS {data['test_rms_points']:.1f}), the paper's unknowns "
+             "(GPUs per node, GPU) spanned, the band widened by the test RMS.", "",
+             "| strategy | GPUs | paper | central | band |", "|---|---|---|---|---|"]
+    for label, entry in data["paper_band"].items():
+        reported = f"{entry['reported']:g}x" if entry["reported"] else "-"
+        lines.append(f"| `{label}` | {entry['gpus']} | {reported} | {entry['central']:.1f}x "
+                     f"| {entry['low']:.1f}x - {entry['high']:.1f}x |")
+    return lines
