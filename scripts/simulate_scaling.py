@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import NoReturn, Optional
 
 from gradientflow_repro import REPO
-from gradientflow_repro.scaling import perfmodel as pm
 from gradientflow_repro.scaling.profile import SHIPPED, model_name_error, shipped_flops
 from gradientflow_repro.scaling.projection import (
     DEFAULT_STRATEGIES,
@@ -37,7 +36,6 @@ from gradientflow_repro.scaling.projection import (
     Setup,
     parse_strategies,
     strategy_options,
-    supports,
     write_scaling,
 )
 
@@ -148,12 +146,6 @@ def check(args: argparse.Namespace) -> Optional[str]:
     if args.gpus_per_node > max(args.gpus):
         return (f"--gpus-per-node {args.gpus_per_node} is larger than the largest GPU count asked for "
                 f"({max(args.gpus)}): no count would fill one node")
-    for flag, owner, field_name, value, default in (
-            ("--link-efficiency", pm.Network, "link_efficiency", args.link_efficiency, 1.0),
-            ("--overlap-slowdown", pm.Network, "overlap_slowdown", args.overlap_slowdown, 0.0),
-            ("--step-overhead-ms", pm.ModelProfile, "step_overhead_s", args.step_overhead_ms, 0.0)):
-        if value != default and not supports(owner, field_name):
-            return f"{flag}: this scaling model has no {owner.__name__}.{field_name}"
     if args.report and (args.out is not None or args.name is not None):
         return "--report writes results/scaling; it takes neither --out nor --name"
     if args.out is not None and _committed(args.out):

@@ -76,14 +76,16 @@ def presets() -> dict[str, dict[str, Any]]:
     stray = registry.unregistered_presets()
     if stray:
         raise ValueError(f"configs/comm/{stray[0]}.yaml: no entry in the strategy registry (comm/registry.py)")
-    found = {}
-    for name in registry.names():
-        values = registry.preset(name)
-        missing = [knob for knob in KNOB_VALUES if knob not in values]
-        if missing:
-            raise ValueError(f"preset {name!r}: a preset sets every knob; missing {', '.join(missing)}")
-        found[name] = values
-    return found
+    return {name: _preset(name) for name in registry.names()}
+
+
+def _preset(name: str) -> dict[str, Any]:
+    """Strategy ``name``'s preset, which must set every knob (ValueError naming the missing ones)."""
+    values = registry.preset(name)
+    missing = [knob for knob in KNOB_VALUES if knob not in values]
+    if missing:
+        raise ValueError(f"preset {name!r}: a preset sets every knob; missing {', '.join(missing)}")
+    return values
 
 
 def _strategy_names() -> tuple[str, ...]:
@@ -141,11 +143,7 @@ def resolve(options: Union[Mapping[str, Any], Any]) -> CommConfig:
     unknown = sorted(set(given) - {f.name for f in dataclasses.fields(CommConfig)})
     if unknown:
         raise ValueError(f"config key 'comm.{unknown[0]}': no such key")
-    preset = registry.preset(strategy)
-    missing = [knob for knob in KNOB_VALUES if knob not in preset]
-    if missing:
-        raise ValueError(f"preset {strategy!r}: a preset sets every knob; missing {', '.join(missing)}")
-    merged = {**preset, **{k: v for k, v in given.items() if v is not None}}
+    merged = {**_preset(strategy), **{k: v for k, v in given.items() if v is not None}}
     knobs = CommConfig(**merged)
     for key, value, allowed in field_problems(CommConfig, knobs, "comm."):
         raise ValueError(f"config key '{key}' = {value!r}: {allowed}")

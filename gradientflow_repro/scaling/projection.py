@@ -26,9 +26,9 @@ at 512 GPUs for the full stack, 2.5x at 64 for the baseline) with the goals.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from gradientflow_repro.comm import knobs, registry
 from gradientflow_repro.scaling import perfmodel as pm
@@ -117,13 +117,12 @@ class Setup:
         profile = flop_profile(self.model, self.image_size, self.images_per_gpu, self.single_gpu_images_s,
                                self.num_classes)
         profile = pm.gpu_local_work(profile, self.gpu_memory_GBps * 1e9) if self.gpu_memory_GBps else profile
-        return _with_fields(profile, step_overhead_s=(self.step_overhead_s, 0.0))
+        return replace(profile, step_overhead_s=self.step_overhead_s)
 
     def network(self) -> pm.Network:
-        net = pm.Network(self.link_gbps * 1e9 / 8, self.latency_us * 1e-6, self.gpus_per_node,
-                         self.intra_node_GBps * 1e9, self.latency_us * 1e-6, nccl=self.nccl)
-        return _with_fields(net, link_efficiency=(self.link_efficiency, 1.0),
-                            overlap_slowdown=(self.overlap_slowdown, 0.0))
+        return pm.Network(self.link_gbps * 1e9 / 8, self.latency_us * 1e-6, self.gpus_per_node,
+                          self.intra_node_GBps * 1e9, self.latency_us * 1e-6, nccl=self.nccl,
+                          link_efficiency=self.link_efficiency, overlap_slowdown=self.overlap_slowdown)
 
     def strategy(self, label: str) -> pm.Strategy:
         """``label``'s strategy as the model prices it, with the setup's pool part size and density
@@ -155,21 +154,6 @@ class Setup:
         if self.step_overhead_s:
             said.append(f"{self.step_overhead_s * 1e3:g} ms of framework overhead per step on more than one GPU")
         return said
-
-
-def supports(owner: type, name: str) -> bool:
-    """Whether the model's dataclass ``owner`` (``pm.Network``, ``pm.ModelProfile``) has field ``name``."""
-    return name in {f.name for f in fields(owner)}
-
-
-def _with_fields(value: Any, **wanted: tuple[Any, Any]) -> Any:
-    """``value`` with each field of ``wanted`` (name: (value, default)) set, where it differs from
-    its default; ValueError where the model has no such field (a model older than the setup)."""
-    changes = {name: new for name, (new, default) in wanted.items() if new != default}
-    missing = [name for name in changes if not supports(type(value), name)]
-    if missing:
-        raise ValueError(f"the scaling model has no {type(value).__name__}.{', '.join(missing)}")
-    return replace(value, **changes) if changes else value
 
 
 def curves(setup: Setup, counts: Sequence[int] = GPU_COUNTS,
