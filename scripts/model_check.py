@@ -83,6 +83,61 @@ def readiness_rows(model_name: str, batch: int) -> list[tuple[int, float, float]
     return [(e, f, m) for e, f, m in readiness_table(by_flops, against=measured) if m is not None]
 
 
+def why_misses(rows: list[dict]) -> list[str]:
+    """Why each test row outside the goal still misses, from the table's own numbers and the sources:
+    what the model would need, and why no term was added for it (a term is kept only when it is
+    fitted on the fitted subset, improves the test subset and has a source). Markdown lines."""
+    by_name = {r["name"]: r for r in rows}
+
+    def points(name: str, key: str) -> float:
+        return 100 * by_name[name][key] if name in by_name else float("nan")
+
+    def drop(small: str, large: str, key: str) -> float:
+        return points(small, key) - points(large, key)
+
+    alexnet4, alexnet8 = "TF benchmarks DGX-1 alexnet 4 GPUs", "TF benchmarks DGX-1 alexnet 8 GPUs"
+    vgg128, vgg512 = "Horovod 2017 vgg16 128 GPUs roce25", "Horovod 2017 vgg16 512 GPUs roce25"
+    reasons = {
+        "DLE PyTorch": "single node, PyTorch DDP with AMP. The same READMEs' FP32 and TF32 rows are within "
+        "3.5 points, and TensorFlow's AMP rows on DGX-1V and DGX A100 within 2.5, so neither AMP's shorter "
+        "step nor NVLink's rate explains it; the candidates left are each framework's own per-step cost and its input "
+        "pipeline (decoding and augmenting 8 x 1,200-2,500 images/s on one host, where the single-GPU figure "
+        "had the host to itself). No fitted row measures PyTorch DDP (its step overhead stays at the prior, "
+        "0), and the sources give no per-node input capacity, so no term was added",
+        "DLE TensorFlow DGX-2 AMP": "single node of 16 GPUs, Horovod with AMP: 16 x 1,300 images/s from one "
+        "host's input pipeline; the same README's FP32 row on the DGX-2 is within 3.5 points and its AMP "
+        "rows on 8-GPU systems within 2.5. The sources give no input capacity per node: no term was added",
+        vgg512: f"the measured efficiency falls {drop(vgg128, vgg512, 'reported_efficiency'):.0f} points from "
+        f"128 to 512 GPUs, the model's {drop(vgg128, vgg512, 'predicted_efficiency'):.1f}: a ring's bytes per "
+        "link, 2(N-1)/N of the buffer, hardly grow, and the 2(N-1) latencies per fused buffer are priced. "
+        "Inception-v3 and ResNet-101 at 512 GPUs are within 2 points, so the loss is VGG-16's (the most bytes "
+        "per FLOP); the 512-GPU chart gives no single-GPU throughput or batch (Table A's assumed), nothing "
+        "in the sources names a cost that grows this way",
+        alexnet8: f"from 4 to 8 GPUs on one DGX-1 the measured efficiency falls "
+        f"{drop(alexnet4, alexnet8, 'reported_efficiency'):.1f} points, the model's "
+        f"{drop(alexnet4, alexnet8, 'predicted_efficiency'):.1f} (per-GPU ring traffic 2(N-1)/N grows from 1.5 "
+        "to 1.75 bytes per byte). An 8-GPU ring on the DGX-1's hybrid cube-mesh uses links between its two "
+        "quads; whether 2017's NCCL ran it slower than the 2- and 4-GPU rings (over PCIe, or fewer NVLink "
+        "channels) is not documented in these sources, and VGG-16 at 8 GPUs is within 5 points, so no term "
+        "was added",
+        "Goyal 2017 ResNet-50 256 GPUs": "the 50 Gbit/s Ethernet link takes RoCE 25's fitted efficiency (1.0) "
+        "as its prior, Gloo's halving-doubling is priced as NCCL's ring, and the single-GPU throughput is "
+        "TensorFlow's P100 figure (Goyal et al. give none); a lower Ethernet efficiency would close it, but "
+        "no fitted row measures that fabric",
+        "the paper: open-source baseline 64 GPUs": "the system is not named; the model reaches 2.5x only with "
+        "links of a few Gbit/s effective or milliseconds per message (`results/scaling.md`): parameter "
+        "servers or TCP, which the model does not describe",
+    }
+    misses = [r for r in rows if r["subset"] == "test" and not r["within_goal"]]
+    lines = ["## Why the test misses remain", "",
+             "Each is over-predicted; for each, what the table shows and why no term was added (a term is kept "
+             "only if fitted on the fitted subset, it improves the test subset and a source names it):", ""]
+    for r in misses:
+        reason = next((text for key, text in reasons.items() if r["name"].startswith(key)), "not examined")
+        lines.append(f"- {r['name']} ({r['error_points']:+.1f} points): {reason}.")
+    return lines if misses else []
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "results" / "model_check", help="path without suffix")
@@ -126,14 +181,13 @@ def main() -> None:
     lines += ["", "Rows marked ring-only were fitted and checked on NCCL's ring alone (the 2017 systems' flat ring); "
               "the command line prices NCCL's faster of ring and tree, which differs only where latency dominates."]
 
-    full, dense, base = band["gradientflow"], band[registry.LAZY_FP16], band["allreduce"]
     lines += ["", "## The paper's projection with its spread", "",
               f"Function `calibration.paper_band`. Unknowns: GPUs per node {cal.PAPER_GPUS_PER_NODE}, single-GPU "
               f"AlexNet throughput {', '.join(f'{k} {v:,.0f}' for k, v in cal.PAPER_SINGLE_GPU.items())} images/s, "
               f"framework overhead 0 or Horovod's fitted; 56 Gbit/s at efficiency {params.link('ib56'):.2f}; the "
               f"band widened by the test RMS ({cal.rms_points(test):.1f} points).", "",
               "| strategy | GPUs | paper | central | band |", "|---|---|---|---|---|"]
-    for label, entry in (("gradientflow", full), (registry.LAZY_FP16, dense), ("allreduce", base)):
+    for label, entry in band.items():  # the full stack, dense lazy, DDP and PyTorch's hooks, the baseline
         reported = f"{entry['reported']:g}x" if entry["reported"] else "-"
         lines.append(f"| `{label}` | {entry['gpus']} | {reported} | {entry['central']:.1f}x "
                      f"| {entry['low']:.1f}x - {entry['high']:.1f}x |")
@@ -163,6 +217,8 @@ def main() -> None:
               f"{DENSE_WARMUP_EPOCHS} dense warm-up epochs at the dense lazy step ({dense_step * 1e3:.1f} ms against "
               f"{step * 1e3:.1f} ms) {run.total_s / 60:.2f} min; evaluation and start-up not known (0 here), each "
               "adds to it. The paper's 1.5 min is the comparison."]
+
+    lines += ["", *why_misses(rows)]
 
     readiness: dict[str, list] = {}
     if not args.no_measure:

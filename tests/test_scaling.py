@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from gradientflow_repro.comm import registry
+from gradientflow_repro.comm import knobs, registry
 from gradientflow_repro.scaling import perfmodel as pm
 from gradientflow_repro.scaling.profile import (
     SHIPPED,
@@ -38,8 +38,10 @@ from conftest import REPO
 def test_paper_setting_meets_its_goals_and_states_its_inputs() -> None:
     lines, table = paper_check()
     text = "\n".join(lines)
-    assert table["gradientflow"][-1] >= 435  # the goal at 512 GPUs (85% efficiency)
-    assert "| >= 435x: met |" in text and "torch.utils.flop_counter" in text
+    assert table["gradientflow"][-1] >= 435  # the uncalibrated ceiling at 512 GPUs
+    # every goal judged on the calibrated model (results/model_check.json), never on the ceiling
+    assert ">= 435x" not in text and "| band contains 410.2x: met |" in text and "torch.utils.flop_counter" in text
+    assert "uncalibrated ceiling" in text and "## Sensitivity (calibrated)" in text
     lazy, full = table["ring+fp16+lazy"], table["gradientflow"]
     assert all(g > d for n, g, d in zip((1, 2, 4, 8, 16, 32, 64, 128, 256, 512), full, lazy) if n >= 16)
     for row in ("2 us per message", "20 us per message", "4 GPUs per node", "GPU local work 5 ms per step"):
@@ -118,7 +120,7 @@ def test_any_gpu_counts_and_node_size_label_their_tables(script: ModuleType, tmp
 def test_the_paper_setup_keeps_its_checks_at_any_gpu_counts() -> None:
     lines, table = paper_check(Setup(), (8, 352))
     text = "\n".join(lines)
-    assert "| >= 435x: met |" in text and "| 8 | 352 |" in text and len(table["gradientflow"]) == 2
+    assert "| band contains 410.2x: met |" in text and "| 8 | 352 |" in text and len(table["gradientflow"]) == 2
     assert "vs the paper's 410.2x" in text and "at 512 GPUs" in text
 
 
@@ -195,3 +197,66 @@ def test_the_paper_setup_carries_the_calibrated_band(script: ModuleType, tmp_pat
     assert "## The paper's projection, calibrated" in (tmp_path / "runs" / "paper.md").read_text()
     script.main(["--gpus", "8,512", "--link-gbps", "100", "--name", "other"])  # not the paper's: no band
     assert "calibrated" not in (tmp_path / "runs" / "other.md").read_text()
+
+
+def test_without_a_calibration_no_goal_is_judged(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradientflow_repro.scaling import projection
+
+    monkeypatch.setattr(projection, "calibrated", lambda setup, path=None: None)
+    text = "\n".join(paper_check(Setup(), (8, 512))[0])
+    assert "no goal is judged" in text and ": met" not in text and "(calibrated)" not in text
+
+
+def test_the_peers_at_512_gpus_are_in_the_paper_setup() -> None:
+    text = "\n".join(paper_check(Setup(), (8, 512))[0])
+    for label in ("gradientflow", "ddp", "ddp-fp16", "powersgd"):
+        assert f"| `{label}` |" in text.split("At 512 GPUs, the full stack beside DDP")[1]
+    assert {"ddp-fp16", "powersgd"} <= set(Setup().strategies)  # projected by default
+
+
+def _two_linear_layers(bucket_s: float = 0.01) -> pm.ModelProfile:
+    """fc1 64 x 32 and fc2 8 x 16 with their biases, in backward order (fc2 first)."""
+    return pm.ModelProfile(0.01, 0.02, 0.0, (pm.TensorProfile(8, bucket_s, True, 8),
+                                             pm.TensorProfile(128, bucket_s, False, 8),
+                                             pm.TensorProfile(64, bucket_s, True, 64),
+                                             pm.TensorProfile(64 * 32, bucket_s, False, 64)),
+                           low_rank_s_per_element=1e-9)
+
+
+def test_powersgd_sends_rank_r_factors_by_hand_count() -> None:
+    powersgd = pm.strategy_of("powersgd")
+    assert (powersgd.low_rank, powersgd.fusion, powersgd.wire_bytes, powersgd.density) == (4, "bucket", 4, 1.0)
+    profile = _two_linear_layers()
+    # fc1: n 64, m 32, r 4: (64 + 32) 4 x 2 = 768 < 2048, compressed: P 256, Q 128 elements;
+    # fc2: n 8, m 16, r 4: (8 + 16) 4 x 2 = 192 > 128, sent whole (PowerSGDState's default
+    # min_compression_rate 2); the biases whole: 8 + 128 + 64 = 200
+    assert pm.low_rank_split(list(profile.tensors), 4) == (200, 256, 128, 2048)
+    assert pm.low_rank_split([pm.TensorProfile(128, 0.0, False, 8)], 4, 1.0) == (0, 32, 64, 128)  # at rate 1
+    sent = [m.payload_bytes for m in pm.messages(profile, powersgd)]
+    assert sent == [200 * 4, 256 * 4, 128 * 4]  # one bucket: the whole tensors, then P, then Q
+    net = pm.Network(1e8, 1e-4)
+    step = pm.predict_step(profile, 4, net, powersgd)
+    assert step.bytes_per_rank == pytest.approx(2 * 3 / 4 * (200 + 256 + 128) * 4)  # the builtin's 2(N-1)/N
+    dense = pm.predict_step(profile, 4, net, pm.strategy_of("ddp")).bytes_per_rank
+    assert dense == pytest.approx(2 * 3 / 4 * profile.elements * 4)
+    local = sum(m.local_work_s for m in pm.messages(profile, powersgd))
+    assert local == pytest.approx(2048 * 1e-9)  # the compressed elements only
+
+
+def test_pytorchs_fp16_hook_sends_two_bytes_and_agrees_on_no_scale() -> None:
+    profile, net = _two_linear_layers(), pm.Network(1e8, 1e-4)
+    hook = pm.strategy_of("ddp-fp16")
+    ours = pm.Strategy.from_knobs("ddp, our fp16 wire", knobs.resolve({"strategy": "ddp", "wire": "fp16"}))
+    assert (hook.wire_bytes, hook.shared_scale, hook.low_rank) == (2, False, 0) and ours.shared_scale
+    assert [m.small_bytes for m in pm.messages(profile, hook)] == [0.0]
+    assert [m.small_bytes for m in pm.messages(profile, ours)] == [4.0]  # our wire's shared scale
+    assert pm.predict_step(profile, 4, net, hook).bytes_per_rank == pytest.approx(2 * 3 / 4 * profile.elements * 2)
+
+
+def test_an_unknown_pricing_rule_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    monkeypatch.setitem(registry.SPARSIFIERS, "powersgd",
+                        dataclasses.replace(registry.SPARSIFIERS["powersgd"], pricing="magic"))
+    with pytest.raises(ValueError, match="pricing rule 'magic'"):
+        pm.strategy_of("powersgd")

@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from gradientflow_repro.comm import registry
 from gradientflow_repro.scaling import perfmodel as pm
+from gradientflow_repro.scaling.projection import Setup
 from gradientflow_repro.scaling.published import INTRA_NODE, ROWS, Published
 
 # NCCL's maintainers: a ring's bus bandwidth is ~96% of an InfiniBand NIC's line rate with
@@ -105,12 +106,27 @@ def put(params: Parameters, free: Free, value: float) -> Parameters:
     return out
 
 
+ONE_NODE_LINK_GBPS = 8000.0  # a row on one node uses no link between nodes: any rate (1 TB/s) will do
+
+
+def setup(row: Published, params: Parameters) -> Setup:
+    """The row as the projection's ``Setup`` (the one definition of a cluster and a model, which
+    ``scripts/simulate_scaling.py`` takes from the command line): its model and GPU, its cluster
+    with the parameters' efficiencies, slowdown and its framework's overhead, NCCL, and the GPU's
+    local work (CSC, the fp16 wire, PowerSGD) at the projection's memory rate."""
+    return Setup(model=row.model, image_size=row.image_size, images_per_gpu=row.images_per_gpu,
+                 single_gpu_images_s=row.single_gpu_images_s, link_gbps=row.link_gbps or ONE_NODE_LINK_GBPS,
+                 gpus_per_node=row.gpus_per_node,
+                 intra_node_GBps=INTRA_NODE[row.intra][0] * params.intra_efficiency.get(row.intra, 1.0),
+                 latency_us=row.latency_us, strategies=(row.strategy,), nccl=True,
+                 link_efficiency=params.link(row.fabric), overlap_slowdown=params.overlap_slowdown,
+                 step_overhead_s=params.step_overhead_s.get(row.framework, 0.0))
+
+
 def network(row: Published, params: Parameters) -> pm.Network:
-    """The row's cluster with the parameters' efficiency and slowdown (NCCL carries the builtin)."""
-    intra_GBps = INTRA_NODE[row.intra][0] * params.intra_efficiency.get(row.intra, 1.0)
-    link_Bps = row.link_gbps * 1e9 / 8 if row.link_gbps else 1e12  # one node: no link is used
-    return pm.Network(link_Bps, row.latency_us * 1e-6, row.gpus_per_node, intra_GBps * 1e9, row.latency_us * 1e-6,
-                      nccl=True, link_efficiency=params.link(row.fabric), overlap_slowdown=params.overlap_slowdown)
+    """The row's cluster with the parameters' efficiency and slowdown (NCCL carries the builtin):
+    ``setup(row, params).network()``."""
+    return setup(row, params).network()
 
 
 def strategy(row: Published) -> pm.Strategy:
@@ -130,12 +146,9 @@ def predicted_efficiency(row: Published, params: Parameters, profile: pm.ModelPr
 
 
 def row_profile(row: Published) -> pm.ModelProfile:
-    """A row's profile from FLOPs (``profile.flop_profile``, needs torch), with the GPU's local
-    work for the fp16 wire and CSC priced as the projection prices it."""
-    from gradientflow_repro.scaling.profile import flop_profile
-
-    profile = flop_profile(row.model, row.image_size, row.images_per_gpu, row.single_gpu_images_s)
-    return pm.gpu_local_work(profile) if row.strategy == "gradientflow" else profile
+    """A row's profile from FLOPs (shipped, or counted with torch), with the GPU's local work priced
+    as the projection prices it, and no overhead: ``setup(row, Parameters()).profile()``."""
+    return setup(row, Parameters()).profile()
 
 
 def loss(rows: Sequence[Published], params: Parameters, profiles: Mapping[str, pm.ModelProfile]) -> float:
@@ -215,12 +228,19 @@ PAPER_SINGLE_GPU = {"P100 (TF benchmarks)": 2987.0, "implied by the paper": pm.P
                     "V100 (assumed 2x P100)": 5974.0}
 
 
+# What a researcher would run instead at the paper's scale: DDP, and PyTorch's own fp16 and PowerSGD
+# hooks (the registry's peers that the model projects)
+PEER_LABELS = ("ddp", *(label for label in registry.labels(registry.PEERS)
+                         if label in registry.labels(registry.PROJECTION)))
+
+
 def paper_band(params: Parameters, test_rms_points: float,
                profile_of: Callable[[Published], pm.ModelProfile] = row_profile) -> dict[str, dict]:
     """The paper's setups projected over its unknowns, with the fitted parameters.
 
-    For each of the full stack (``gradientflow``) and dense lazy allreduce with the fp16 wire
-    (``registry.LAZY_FP16``) at 512 GPUs, and the open-source baseline (``allreduce``) at 64: the
+    For each of the full stack (``gradientflow``), dense lazy allreduce with the fp16 wire
+    (``registry.LAZY_FP16``), DDP and the peers in PyTorch (``PEER_LABELS``) at 512 GPUs, and the
+    open-source baseline (``allreduce``) at 64: the
     speedup for every combination of GPUs per node (``PAPER_GPUS_PER_NODE``), single-GPU throughput
     (``PAPER_SINGLE_GPU``) and framework overhead (none, or Horovod's fitted one), on 56 Gbit/s at
     the fitted (or prior) FDR efficiency. The band is the lowest and highest of those, widened by the
@@ -230,8 +250,9 @@ def paper_band(params: Parameters, test_rms_points: float,
     "gpu", "overhead_s", "speedup"}, ...]}}``; ``central``: 8 GPUs per node, the paper's implied
     throughput, no overhead."""
     paper = {row.strategy: row for row in ROWS if row.name.startswith("the paper")}
-    targets = (("gradientflow", 512, paper["gradientflow"].reported_speedup),
-               (registry.LAZY_FP16, 512, None), ("allreduce", 64, paper["allreduce"].reported_speedup))
+    targets = (("gradientflow", 512, paper["gradientflow"].reported_speedup), (registry.LAZY_FP16, 512, None),
+               *((label, 512, None) for label in PEER_LABELS),
+               ("allreduce", 64, paper["allreduce"].reported_speedup))
     out: dict[str, dict] = {}
     overheads = sorted({0.0, params.step_overhead_s.get("horovod", 0.0)})
     for label, gpus, reported in targets:

@@ -31,13 +31,17 @@ def comm_only_profile(tensors: list[list[Any]], local_work: dict[str, float],
                       backward_s: float = 0.0) -> pm.ModelProfile:
     """No compute: a "backward" of ``backward_s`` (the replay's own work, measured) over which the
     gradients become ready in proportion to their size; the model's step is then that and the
-    communication not done by its end."""
-    total, done, profiled = sum(int(n) for n, _ in tensors), 0, []
-    for elements, flat in tensors:
+    communication not done by its end. A tensor is ``[elements, one-dimensional]`` or, where the
+    launch recorded it, ``[elements, one-dimensional, first dimension]`` (PowerSGD's matrix view);
+    PowerSGD's local work per element is ``local_work["low_rank_s_per_element"]`` where measured."""
+    total, done, profiled = sum(int(t[0]) for t in tensors), 0, []
+    for elements, flat, *rows in tensors:
         done += int(elements)
-        profiled.append(pm.TensorProfile(int(elements), backward_s * done / max(1, total), bool(flat)))
+        profiled.append(pm.TensorProfile(int(elements), backward_s * done / max(1, total), bool(flat),
+                                         int(rows[0]) if rows and rows[0] else None))
     return pm.ModelProfile(0.0, backward_s, 0.0, tuple(profiled),
-                           local_work["sparsify_s_per_element"], local_work["wire_cast_s_per_element"])
+                           local_work["sparsify_s_per_element"], local_work["wire_cast_s_per_element"],
+                           low_rank_s_per_element=local_work.get("low_rank_s_per_element", 0.0))
 
 
 def network_fields(measured: dict[str, Any]) -> dict[str, Any]:

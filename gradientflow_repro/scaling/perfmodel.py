@@ -33,6 +33,12 @@ is the registry's, not retyped), the sparsifier priced by its registered rule:
   chunks of ``chunk_elements`` of its multi-dimensional tensors plus its one-dimensional tensors
   whole, in one payload, after one small allreduce of the chunk norms (one fp32 value per chunk,
   plus one for the fp16 wire's scale), and after CSC's local work (a cost per element);
+- ``low_rank`` (PowerSGD, PyTorch's ``powerSGD_hook``): per DDP bucket three allreduces in turn, the
+  tensors it sends whole, then P (n x r per compressed n x m matrix), then Q (m x r), after its
+  local work (a cost per compressed element, ``ModelProfile.low_rank_s_per_element``;
+  ``low_rank_split``); dense, as DDP, during its warm-up (``time_to_train``'s dense epochs);
+- PyTorch's ``fp16_compress_hook`` (``PYTORCH_FP16_HOOK``): DDP's buckets at 2 bytes an element,
+  no scale to agree on;
 - who sums: ``knobs.summing``, the one definition the factory builds (``comm.implementation``): the
   backend's own allreduce for ``builtin`` (``allreduce``, ``ddp``) and, on an NCCL network
   (``Network.nccl``, a GPU cluster) by default for every algorithm; our algorithms above by default
@@ -85,6 +91,15 @@ class TensorProfile:
     elements: int
     ready_s: float  # seconds after backward starts when this gradient is complete
     one_dimensional: bool = False
+    # the tensor's first dimension (PowerSGD views a gradient as shape[0] x the rest); None: not
+    # recorded (an older profile), then the elements of a one-dimensional tensor, else the square's side
+    rows: Optional[int] = None
+
+    @property
+    def matrix(self) -> tuple[int, int]:
+        """The gradient as PowerSGD views it (``tensor.view(tensor.shape[0], -1)``): (n, m)."""
+        rows = self.rows or (self.elements if self.one_dimensional else max(1, math.isqrt(self.elements)))
+        return rows, max(1, self.elements // rows)
 
 
 @dataclass(frozen=True)
@@ -99,6 +114,10 @@ class ModelProfile:
     # and adaptation (``CSCCommunicator.TAKEN``: plain SGD; their work is in CSC's local work); None:
     # not measured, the whole ``optimizer_s``
     plain_optimizer_s: Optional[float] = None
+    # PowerSGD's local work (error feedback, the two matrix products and the orthogonalisation that
+    # compress, the one that decompresses) per element of the matrices it compresses, at the rank it
+    # is measured for (``profile.low_rank_work``)
+    low_rank_s_per_element: float = 0.0
     # per-step overhead of a distributed framework beyond the single-GPU step (negotiating which
     # tensors are ready, launching the collectives from the host, waiting for the slowest rank):
     # added to the step for more than one rank only, since the single-GPU step is the measured one
@@ -122,6 +141,7 @@ class ModelProfile:
                             self.sparsify_s_per_element * per_element,
                             self.wire_cast_s_per_element * per_element,
                             None if self.plain_optimizer_s is None else self.plain_optimizer_s * per_element,
+                            self.low_rank_s_per_element * per_element,
                             self.step_overhead_s)  # the host's, not the device's: not scaled
 
 
@@ -162,6 +182,13 @@ def effective_network(net: Network) -> Network:
     return replace(net, bandwidth_Bps=net.bandwidth_Bps * net.link_efficiency, link_efficiency=1.0)
 
 
+# The pricing rules of ``registry.PRICING_RULES`` that ``Strategy.from_knobs`` knows
+PRICED_RULES = ("dense", "chunks", "csc", "low_rank")
+# The strategy whose fp16 wire is PyTorch's ``fp16_compress_hook`` (divide, cast, allreduce, cast
+# back: no scale to agree on), not ours; the same knobs as ``ddp`` with ``wire: fp16`` otherwise
+PYTORCH_FP16_HOOK = "ddp-fp16"
+
+
 @dataclass(frozen=True)
 class Strategy:
     name: str
@@ -181,6 +208,13 @@ class Strategy:
     noise_sketch: bool = False
     # CSC's momentum correction does the optimizer's momentum, weight decay and adaptation
     takes_optimizer: bool = False
+    # PowerSGD (``low_rank`` pricing): its matrix approximation rank (``comm.powersgd_rank``); 0: not low-rank
+    low_rank: int = 0
+    # PowerSGD compresses a matrix only where it shrinks by more than this (PowerSGDState's default, 2)
+    min_compression_rate: float = 2.0
+    # the fp16 wire agrees on one power-of-two scale per message (a small allreduce, ours); PyTorch's
+    # fp16_compress_hook divides by the world size before the cast and agrees on none
+    shared_scale: bool = True
 
     @classmethod
     def from_knobs(cls, name: str, knobs: comm_knobs.CommConfig, lars: bool = True) -> "Strategy":
@@ -191,10 +225,11 @@ class Strategy:
         noise sketches of its trust ratios (``comm/csc/``, ``TrustNoise``).
 
         What the sparsifier sends is priced by its rule in the registry (``registry.PRICING_RULES``:
-        ``dense``, ``chunks``, ``csc``); a rule not known here raises ValueError, so a new
-        sparsifier is never priced as dense by mistake."""
+        ``dense``, ``chunks``, ``csc``, ``low_rank``); a rule not known here raises ValueError, so a
+        new sparsifier is never priced as dense by mistake. ``PYTORCH_FP16_HOOK``'s fp16 wire is
+        PyTorch's hook (no shared scale)."""
         rule = registry.sparsifier(knobs.sparsity).pricing
-        if rule not in ("dense", "chunks", "csc"):
+        if rule not in PRICED_RULES:
             raise ValueError(f"strategy {name!r}: sparsifier {knobs.sparsity!r} has pricing rule {rule!r}, which "
                              f"the model does not know (it prices {', '.join(registry.PRICING_RULES)})")
         corrected = rule == "csc" and knobs.momentum_correction  # CSC's momentum correction
@@ -204,12 +239,13 @@ class Strategy:
                    bucket_bytes=int(bucket_mb * 2**20) if fusion == "bucket" else cls.bucket_bytes,
                    overlap=knobs.fusion == "ddp" or (knobs.fusion == "lazy" and bool(knobs.overlap)),
                    wire_bytes=2 if knobs.wire == "fp16" else 4,
-                   density=1.0 if rule == "dense" else knobs.density,
+                   density=knobs.density if rule in ("chunks", "csc") else 1.0,
                    chunk_elements=knobs.chunk_size, algorithm=knobs.algorithm,
                    implementation=knobs.implementation,
                    small_message_bytes=comm_knobs.small_message_bytes(knobs),
                    noise_sketch=lars and corrected and knobs.trust_noise_correction,
-                   takes_optimizer=corrected)
+                   takes_optimizer=corrected, low_rank=knobs.powersgd_rank if rule == "low_rank" else 0,
+                   shared_scale=knobs.strategy != PYTORCH_FP16_HOOK)
 
     @property
     def builtin(self) -> bool:
@@ -440,14 +476,50 @@ def _message(tensors: list[TensorProfile], elements: int, sparse_elements: int, 
     sent = (elements - sparse_elements) + math.ceil(strategy.density * chunks) * strategy.chunk_elements
     sketches = (sum(1 + min(comm_knobs.TRUST_SKETCH_BUCKETS, t.elements) for t in tensors if not t.one_dimensional)
                 if strategy.noise_sketch and strategy.density < 1 else 0)
-    small = 4.0 * (chunks + sketches + (1 if fp16 else 0)) if chunks else (4.0 if fp16 else 0.0)
+    scale = 1 if fp16 and strategy.shared_scale else 0  # PyTorch's fp16 hook agrees on no scale
+    small = 4.0 * (chunks + sketches + scale) if chunks else 4.0 * scale
     return Message(ready_s=max(t.ready_s for t in tensors), payload_bytes=sent * strategy.wire_bytes,
                    small_bytes=small,
                    local_work_s=sparse_elements * profile.sparsify_s_per_element + sent * cast)
 
 
+def low_rank_split(tensors: list[TensorProfile], rank: int,
+                   min_compression_rate: float = 2.0) -> tuple[int, int, int, int]:
+    """PowerSGD's view of one DDP bucket (``powerSGD_hook``, step I): each gradient as an n x m
+    matrix (n its first dimension, ``TensorProfile.matrix``) at rank r = min(n, m, ``rank``) is
+    compressed where (n + m) r x ``min_compression_rate`` < n m (torch's ``_should_compress``), else
+    sent whole (vectors never shrink). Returns (elements sent whole, elements of P: the sum of n r,
+    of Q: the sum of m r, elements of the compressed matrices)."""
+    whole = p_elements = q_elements = compressed = 0
+    for tensor in tensors:
+        n, m = tensor.matrix
+        r = min(n, m, rank)
+        if (n + m) * r * min_compression_rate < n * m:
+            p_elements, q_elements, compressed = p_elements + n * r, q_elements + m * r, compressed + tensor.elements
+        else:
+            whole += tensor.elements
+    return whole, p_elements, q_elements, compressed
+
+
+def _low_rank_messages(tensors: list[TensorProfile], profile: ModelProfile, strategy: Strategy) -> list[Message]:
+    """One DDP bucket under PowerSGD (``powerSGD_hook``), as its three collectives go, one after the
+    other: the tensors sent whole (fp32; an empty one still a call), then P (n x r per compressed
+    matrix), then Q (m x r). The local work (``ModelProfile.low_rank_s_per_element`` per compressed
+    element: error feedback, P = M Q, orthogonalising P, Q = M^T P, M = P Q^T) is on the path of the
+    bucket's messages; it is laid before P's allreduce, where the bucket's sends wait for it."""
+    whole, p_elements, q_elements, compressed = low_rank_split(tensors, strategy.low_rank,
+                                                               strategy.min_compression_rate)
+    ready = max(t.ready_s for t in tensors)
+    return [Message(ready, whole * strategy.wire_bytes, 0.0, 0.0),
+            Message(ready, p_elements * strategy.wire_bytes, 0.0, compressed * profile.low_rank_s_per_element),
+            Message(ready, q_elements * strategy.wire_bytes, 0.0, 0.0)]
+
+
 def messages(profile: ModelProfile, strategy: Strategy) -> list[Message]:
-    """The messages of one step, in sending order (``pool_parts``)."""
+    """The messages of one step, in sending order (``pool_parts``; three per bucket under PowerSGD)."""
+    if strategy.low_rank:
+        return [message for tensors, _, _ in pool_parts(profile, strategy)
+                for message in _low_rank_messages(tensors, profile, strategy)]
     return [_message(tensors, elements, sparse, profile, strategy)
             for tensors, elements, sparse in pool_parts(profile, strategy)]
 
@@ -698,6 +770,11 @@ CSC_BYTES_PER_ELEMENT = 100
 # Per element the fp16 wire sends: scale and cast (read 4, write 2), cast back and unscale (read 2,
 # write 4).
 FP16_WIRE_BYTES_PER_ELEMENT = 12
+# Per element of a matrix PowerSGD compresses at rank 4 (``powerSGD_hook``): error feedback (add the
+# error 12, keep a copy 8, the new error from the copy 12), P = M Q and Q = M^T P (read M twice: 8),
+# M = P Q^T (write 4); the products' 2 x 4 multiply-adds per element and the orthogonalisation of the
+# n x 4 P are far below a GPU's compute per byte moved.
+LOW_RANK_BYTES_PER_ELEMENT = 44
 # torchvision AlexNet parameter tensors (weights and biases), in forward order
 ALEXNET_LAYERS: tuple[tuple[int, bool], ...] = (
     (64 * 3 * 11 * 11, False), (64, True), (192 * 64 * 5 * 5, False), (192, True),
@@ -715,9 +792,10 @@ def paper_profile() -> ModelProfile:
 
 
 def gpu_local_work(profile: ModelProfile, memory_Bps: float = ASSUMED_GPU_MEMORY_BPS) -> ModelProfile:
-    """``profile`` with CSC's and the fp16 wire's local work priced for a GPU of ``memory_Bps``."""
+    """``profile`` with CSC's, the fp16 wire's and PowerSGD's local work priced for a GPU of ``memory_Bps``."""
     return replace(profile, sparsify_s_per_element=CSC_BYTES_PER_ELEMENT / memory_Bps,
-                   wire_cast_s_per_element=FP16_WIRE_BYTES_PER_ELEMENT / memory_Bps)
+                   wire_cast_s_per_element=FP16_WIRE_BYTES_PER_ELEMENT / memory_Bps,
+                   low_rank_s_per_element=LOW_RANK_BYTES_PER_ELEMENT / memory_Bps)
 
 
 def paper_network() -> Network:

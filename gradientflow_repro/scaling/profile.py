@@ -1,5 +1,7 @@
 """Measurements that feed the scaling model (``perfmodel``): a model's backward profile on this
-device, and the local work per gradient element of CSC and of the fp16 wire.
+device, and the local work per gradient element of CSC, of the fp16 wire and of PowerSGD
+(``low_rank_work``: torch's own orthogonalisation and the hook's matrix products on the model's
+shapes; the model takes the figure as an input and stays torch-free).
 
 ``measure_profile`` times a training step with a hook on every parameter (when its gradient is
 complete); ``measure_sparsify_s_per_element`` and ``measure_wire_cast_s_per_element`` time the same
@@ -134,6 +136,54 @@ def wire_cast_work(elements: int) -> tuple[Callable[[], None], int]:
     return local_work, gradient.numel()
 
 
+def low_rank_work(shapes: Sequence[tuple[int, ...]], rank: int = 4,
+                  min_compression_rate: float = 2.0) -> tuple[Callable[[], None], int]:
+    """PowerSGD's local work on this device for gradients of ``shapes`` as a call, and the elements
+    of the matrices it compresses (those ``perfmodel.low_rank_split`` compresses), as
+    ``powerSGD_hook`` does it per bucket with error feedback and warm start:
+    1. add the error of the last step to the gradient and keep a copy;
+    2. P = M Q for each n x m matrix M (Q: m x r, kept from the last step);
+    3. orthogonalise P (torch's own ``_orthogonalize``: QR above rank 2), Q = M^T P;
+    4. M = P Q^T, and the new error: the copy less M.
+    The allreduces between the steps send nothing here; the vectors sent whole do no work."""
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
+
+    from gradientflow_repro.scaling.perfmodel import TensorProfile, low_rank_split
+
+    matrices = []
+    for shape in shapes:
+        elements = 1
+        for size in shape:
+            elements *= size
+        rows = shape[0] if shape else 1
+        if low_rank_split([TensorProfile(elements, 0.0, len(shape) <= 1, rows)], rank, min_compression_rate)[3]:
+            matrices.append((rows, elements // rows))
+    generator = torch.Generator().manual_seed(0)
+    work = [(torch.randn(n, m, generator=generator), torch.zeros(n, m),
+             torch.randn(1, m, min(n, m, rank), generator=generator)) for n, m in matrices]
+
+    def local_work() -> None:
+        for gradient, error, q in work:
+            gradient.add_(error)
+            copy = gradient.clone()
+            matrix = gradient.unsqueeze(0)
+            p = torch.bmm(matrix, q)
+            _orthogonalize(p)
+            torch.bmm(matrix.transpose(1, 2), p, out=q)
+            torch.bmm(p, q.transpose(1, 2), out=matrix)
+            torch.sub(copy, gradient, out=error)
+
+    return local_work, sum(n * m for n, m in matrices)
+
+
+def measure_low_rank_s_per_element(shapes: Sequence[tuple[int, ...]], rank: int = 4, repeats: int = 5) -> float:
+    """Seconds per compressed element of PowerSGD's local work (``low_rank_work``), one process
+    alone; 0 where nothing would be compressed."""
+    work, covered = low_rank_work(shapes, rank)
+    return _median_seconds(work, repeats) / covered if covered else 0.0
+
+
 def measure_sparsify_s_per_element(elements: int, chunk: int = 32768, density: float = 0.1,
                                    repeats: int = 5) -> float:
     """Seconds per gradient element of CSC's local work (``sparsify_work``), one process alone."""
@@ -182,7 +232,7 @@ def measure_profile(model: Any, images: Any, labels: Any, repeats: int = 5) -> M
     samples = samples[1:]
     order = sorted(range(len(params)), key=lambda i: statistics.median(s[3][i] for s in samples))
     tensors = tuple(TensorProfile(params[i].numel(), statistics.median(s[3][i] for s in samples),
-                                  params[i].dim() <= 1) for i in order)
+                                  params[i].dim() <= 1, _rows(params[i])) for i in order)
     return ModelProfile(statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples),
                         statistics.median(s[2] for s in samples), tensors)
 
@@ -225,26 +275,31 @@ def profile_model(out: Path, overrides: Sequence[str], world: int = 4) -> None:
     optimizer_s, plain_optimizer_s = measure_optimizer_s(build_optimizer(model, cfg.optim, cfg.global_batch_size))
     sparsify = measure_sparsify_s_per_element(profile.elements, cfg.comm.chunk_size or 32768)
     cast = measure_wire_cast_s_per_element(profile.elements)
+    low_rank = measure_low_rank_s_per_element([tuple(p.shape) for p in model.parameters() if p.requires_grad],
+                                              cfg.comm.powersgd_rank)
     out.write_text(json.dumps({"forward_s": profile.forward_s, "backward_s": profile.backward_s,
                                "optimizer_s": optimizer_s, "plain_optimizer_s": plain_optimizer_s,
                                "sparsify_s_per_element": sparsify, "wire_cast_s_per_element": cast,
-                               "batch": batch,
-                               "tensors": [[t.elements, t.ready_s, t.one_dimensional] for t in profile.tensors]}))
+                               "low_rank_s_per_element": low_rank, "batch": batch,
+                               "tensors": [[t.elements, t.ready_s, t.one_dimensional, t.rows]
+                                           for t in profile.tensors]}))
 
 
 def profile_from_json(data: dict) -> ModelProfile:
     """The ``ModelProfile`` that ``profile_model`` wrote."""
     return ModelProfile(data["forward_s"], data["backward_s"], data["optimizer_s"],
-                        tuple(TensorProfile(e, r, flat) for e, r, flat in data["tensors"]),
+                        tuple(TensorProfile(*t[:3], t[3] if len(t) > 3 else None) for t in data["tensors"]),
                         data.get("sparsify_s_per_element", 0.0), data.get("wire_cast_s_per_element", 0.0),
-                        data.get("plain_optimizer_s"))
+                        data.get("plain_optimizer_s"), data.get("low_rank_s_per_element", 0.0))
 
 
 class TensorFlops(NamedTuple):
-    """One gradient tensor in a FLOP count: its size, the backward FLOPs done when it is complete."""
+    """One gradient tensor in a FLOP count: its size, the backward FLOPs done when it is complete, and
+    its first dimension (the rows of PowerSGD's matrix view; None in files counted before it was kept)."""
     elements: int
     backward_flops_done: int
     one_dimensional: bool
+    rows: Optional[int] = None
 
 
 class FlopReadiness(NamedTuple):
@@ -299,8 +354,14 @@ def flop_readiness(model: nn.Module, images: Tensor, labels: Tensor) -> FlopRead
         for handle in handles:
             handle.remove()
     order = list(done) + [i for i in range(len(params)) if i not in done]
-    tensors = tuple(TensorFlops(params[i].numel(), done.get(i, backward), params[i].dim() <= 1) for i in order)
+    tensors = tuple(TensorFlops(params[i].numel(), done.get(i, backward), params[i].dim() <= 1, _rows(params[i]))
+                    for i in order)
     return FlopReadiness(forward["flops"], backward, tensors)
+
+
+def _rows(parameter: Any) -> int:
+    """A parameter's first dimension (its elements for a scalar): the rows PowerSGD views it with."""
+    return int(parameter.shape[0]) if parameter.dim() else 1
 
 
 OUR_MODELS = ("alexnet_bn", "alexnet", "resnet50")  # gradientflow_repro.models.build_model
@@ -375,13 +436,14 @@ def flops_as_json(counted: FlopReadiness, model_name: str, image_size: int, num_
     """``counted`` as the shipped files hold it: what was counted, then the counts."""
     return {"model": model_name, "image_size": image_size, "num_classes": num_classes,
             "forward_flops": counted.forward_flops, "backward_flops": counted.backward_flops,
-            "tensors": [[t.elements, t.backward_flops_done, t.one_dimensional] for t in counted.tensors]}
+            "tensors": [[t.elements, t.backward_flops_done, t.one_dimensional, t.rows] for t in counted.tensors]}
 
 
 def flops_from_json(data: dict[str, Any]) -> FlopReadiness:
     """The ``FlopReadiness`` a shipped file holds (``flops_as_json``)."""
     return FlopReadiness(int(data["forward_flops"]), int(data["backward_flops"]),
-                         tuple(TensorFlops(int(e), int(done), bool(flat)) for e, done, flat in data["tensors"]))
+                         tuple(TensorFlops(int(t[0]), int(t[1]), bool(t[2]), t[3] if len(t) > 3 else None)
+                               for t in data["tensors"]))
 
 
 def shipped_flops(model_name: str, image_size: int, num_classes: int = 1000) -> Optional[FlopReadiness]:
@@ -467,7 +529,7 @@ def flop_profile(model_name: str, image_size: int, images_per_gpu: int, single_g
     backward_s = compute - forward_s
     return ModelProfile(forward_s, backward_s, optimizer_s,
                         tuple(TensorProfile(t.elements, backward_s * t.backward_flops_done / counted.backward_flops,
-                                            t.one_dimensional) for t in counted.tensors))
+                                            t.one_dimensional, t.rows) for t in counted.tensors))
 
 
 def readiness_table(profile: ModelProfile,
