@@ -21,7 +21,7 @@ from gradientflow_repro.comm.allreduce import PerTensorAllreduce
 from gradientflow_repro.comm.base import BuiltinSum, Communicator, SumFn, builtin_sum
 from gradientflow_repro.comm.compression import Fp16Wire
 from gradientflow_repro.comm.csc import CSCCommunicator
-from gradientflow_repro.comm.ddp import DDPCommunicator
+from gradientflow_repro.comm.ddp import DDPCommunicator, PowerSGDCommunicator
 from gradientflow_repro.comm.hierarchical import HierarchicalSum
 from gradientflow_repro.comm.knobs import (
     SMALL_MESSAGE_BYTES,
@@ -116,13 +116,16 @@ def build_communicator(options: Union[Mapping[str, Any], CommConfig], device: to
 
 
 def describe_schedule(knobs: CommConfig, lr_warmup_epochs: float) -> str:
-    """CSC's schedule in words, its dense warm-up resolved (``comm.csc_warmup_epochs`` null shows as
-    null in the run's saved config); empty for dense strategies."""
+    """A sparsifier's schedule in words (CSC's, PowerSGD's), its dense warm-up resolved
+    (``comm.csc_warmup_epochs`` null shows as null in the run's saved config); empty for dense strategies."""
     if not sends_sparse(knobs):
         return ""
     warmup = csc_warmup(knobs, lr_warmup_epochs)
     why = "the learning rate's warm-up" if knobs.csc_warmup_epochs is None else "comm.csc_warmup_epochs"
     ramp = (f", falling to it over {knobs.density_ramp_epochs} epoch(s)" if knobs.density_ramp_epochs else "")
+    if registry.sparsifier(knobs.sparsity).pricing == "low_rank":  # PowerSGD: never before torch's iteration 2
+        start = f"dense for the first {warmup:g} epoch(s) ({why}), then" if warmup else "dense for 2 steps, then"
+        return f"{start} PowerSGD rank {knobs.powersgd_rank}"
     start = f"dense for the first {warmup:g} epoch(s) ({why}), then" if warmup else "sparse from the first step:"
     return f"{start} density {knobs.density:g}{ramp}"
 
@@ -157,12 +160,26 @@ def _communicator(knobs: CommConfig, device: torch.device, sum_fn: SumFn, lr_war
     builder = registry.sparsifier(knobs.sparsity).builder
     if builder is not None:
         return registry.load(builder)(knobs, device, sum_fn, lr_warmup_epochs)
-    if knobs.fusion == "ddp":  # DDP's own hook where it sums as DDP would, ``sum_hook`` otherwise
-        custom = isinstance(sum_fn, Fp16Wire) or not isinstance(sum_fn, BuiltinSum)
-        return DDPCommunicator(device, knobs.ddp_bucket_mb, sum_fn if custom else None)
+    if knobs.fusion == "ddp":  # PyTorch's own hooks where DDP sums by the backend, ``sum_hook`` over ours
+        over_backend = isinstance(sum_fn, BuiltinSum) or (isinstance(sum_fn, Fp16Wire)
+                                                         and isinstance(sum_fn.inner, BuiltinSum))
+        if over_backend:  # fp16 wire: PyTorch's fp16_compress_hook (comm=ddp-fp16, or comm=ddp comm.wire=fp16)
+            return DDPCommunicator(device, knobs.ddp_bucket_mb, None, wire=knobs.wire)
+        return DDPCommunicator(device, knobs.ddp_bucket_mb, sum_fn)
     if knobs.fusion == "lazy":
         return LazyAllreduce(device, sum_fn, int(knobs.bucket_mb * 2**20), knobs.overlap)
     return PerTensorAllreduce(device, sum_fn)
+
+
+def powersgd_communicator(knobs: CommConfig, device: torch.device, sum_fn: SumFn,
+                          lr_warmup_epochs: float) -> Communicator:
+    """DDP with PyTorch's own PowerSGD hook (``comm.sparsity=powersgd``; the registry's builder for
+    it): rank ``comm.powersgd_rank`` factors, error feedback and warm start, dense for CSC's warm-up
+    (``knobs.csc_warmup``: the learning rate's unless ``comm.csc_warmup_epochs`` is set). Torch's hook
+    does its own allreduces (the backend's): ``sum_fn`` is not used; ``knobs.resolve`` has checked
+    that ``comm.fusion`` is ddp."""
+    return PowerSGDCommunicator(device, knobs.ddp_bucket_mb, rank=knobs.powersgd_rank,
+                                warmup_epochs=csc_warmup(knobs, lr_warmup_epochs))
 
 
 def csc_communicator(knobs: CommConfig, device: torch.device, sum_fn: SumFn, lr_warmup_epochs: float) -> Communicator:

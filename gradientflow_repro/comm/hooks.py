@@ -30,7 +30,9 @@ saved beside each rank's checkpoint)::
   gradient on any rank keeps every rank's residual and arrives as inf, so every rank skips. It never
   reads a value back to the host, so under NCCL it never waits for the GPU.
 - ``counting_allreduce_hook`` is DDP's own allreduce with bytes and collectives counted
-  (``DDPCommunicator``'s default).
+  (``DDPCommunicator``'s default); ``counting_fp16_compress_hook`` and ``counting_powersgd_hook``
+  are PyTorch's own ``fp16_compress_hook`` and ``powerSGD_hook``, unchanged, with what they put on
+  the wire counted (``comm=ddp-fp16``, ``comm=powersgd``: the hooks researchers would pick instead).
 
 Overlap. DDP calls a hook as soon as backward fills its bucket and waits for the future it returns
 only at the end of backward. ``sum_hook`` over the backend's allreduce (``base.BuiltinSum``, alone
@@ -49,7 +51,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from gradientflow_repro.comm.base import CommStats, SumFn, builtin_sum, ring_bytes
 from gradientflow_repro.comm.csc import BucketState
@@ -68,6 +70,105 @@ def counting_allreduce_hook(stats: CommStats, bucket: dist.GradBucket) -> torch.
     stats.bytes += ring_bytes(buffer.numel() * buffer.element_size(), dist.get_world_size())
     stats.collectives += 1
     return default_hooks.allreduce_hook(None, bucket)
+
+
+def counting_fp16_compress_hook(stats: CommStats,
+                                bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """PyTorch's ``default_hooks.fp16_compress_hook`` (the bucket divided by the world size, cast to
+    fp16, allreduced by the backend, cast back), counting the ring-equivalent bytes of the fp16
+    payload and one collective into ``stats``. Returns torch's own future: the bucket's sum overlaps
+    with backward as it does without the count."""
+    buffer = bucket.buffer()
+    stats.bytes += ring_bytes(buffer.numel() * 2, dist.get_world_size())
+    stats.collectives += 1
+    return default_hooks.fp16_compress_hook(None, bucket)
+
+
+def powersgd_allreduce_sizes(shapes: list[torch.Size], rank: int, compressing: bool,
+                             min_compression_rate: float = 2) -> list[int]:
+    """The elements of each allreduce that ``powerSGD_hook`` issues for one bucket holding gradients
+    of ``shapes``, in order: the rule of torch's ``powerSGD_hook`` (not batching same-shaped tensors),
+    kept here so the count cannot drift from it (``tests/test_peers.py`` checks it against the
+    allreduces torch really issues).
+
+    1. Before ``start_powerSGD_iter`` (``compressing`` False): one allreduce of the whole bucket.
+    2. Otherwise each gradient is viewed as a matrix n x m (n = shape[0], m = numel / n) of rank
+       r = min(n, m, ``rank``); it is compressed when (n + m) r ``min_compression_rate`` < n m
+       (torch's ``_should_compress``), else sent whole (vectors: biases, BatchNorm; small matrices).
+       Three allreduces follow: (a) the uncompressed gradients, concatenated (issued even when
+       empty); (b) P, n x r per compressed matrix; (c) Q, m x r per compressed matrix."""
+    if not compressing:
+        return [sum(shape.numel() for shape in shapes)]
+    uncompressed = low_rank_p = low_rank_q = 0
+    for shape in shapes:
+        n = shape[0] if len(shape) else 1
+        m = shape.numel() // n if n else 0
+        r = min(n, m, rank)
+        if (n + m) * r * min_compression_rate < n * m:
+            low_rank_p, low_rank_q = low_rank_p + n * r, low_rank_q + m * r
+        else:
+            uncompressed += shape.numel()
+    return [uncompressed, low_rank_p, low_rank_q]
+
+
+class PowerSGDHookState:
+    """State of ``counting_powersgd_hook``: PyTorch's own ``PowerSGDState`` (``torch_state``),
+    untouched but for ``start_powerSGD_iter`` (which ``PowerSGDCommunicator`` moves while its dense
+    warm-up lasts), the counts, and which parameters each DDP bucket held when it last compressed
+    (``layouts``: bucket index -> positions in ``parameters``), which a checkpoint saves so that a
+    resumed run can check that its buckets hold the same gradients as the saved error and factors."""
+
+    def __init__(self, torch_state: powerSGD_hook.PowerSGDState, parameters: list[torch.nn.Parameter]) -> None:
+        self.torch_state, self.stats = torch_state, CommStats()
+        self.positions = {id(param): i for i, param in enumerate(parameters)}
+        self.layouts: dict[int, list[int]] = {}
+        self.expected_layouts: dict[int, list[int]] = {}  # restored from a checkpoint, not yet seen again
+        self.in_flight: Optional[torch.futures.Future[torch.Tensor]] = None  # the last bucket's, off NCCL
+
+
+def powersgd_in_order(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Torch's ``powerSGD_hook``, called only once the previous bucket's is done where the backend
+    completes futures on its own threads (gloo). Torch's hook issues a bucket's second and third
+    allreduces (P, Q) from callbacks on the first one's future; on gloo those run on the backend's
+    threads while backward calls the hook of the next bucket, so two ranks could issue one bucket's
+    P and the next bucket's first allreduce in opposite orders (gloo then fails on mismatched
+    sizes); the last bucket is waited for too, before DDP's own allreduce of which parameters were
+    used. On NCCL the future completes as its kernel is queued, the callbacks run at once in
+    order, and nothing waits."""
+    in_order = bucket.buffer().device.type != "cuda"  # NCCL carries CUDA tensors only
+    if state.in_flight is not None and in_order:
+        state.in_flight.wait()
+    state.in_flight = powerSGD_hook.powerSGD_hook(state.torch_state, bucket)
+    if in_order and bucket.is_last():  # DDP's own allreduces follow (unused parameters' map)
+        state.in_flight.wait()
+    return state.in_flight
+
+
+def counting_powersgd_hook(state: PowerSGDHookState,
+                           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """PyTorch's ``powerSGD_hook`` on ``state.torch_state``, unchanged, counting into
+    ``state.stats`` the ring-equivalent bytes of each allreduce it issues for this bucket
+    (``powersgd_allreduce_sizes``) and the collectives. Returns torch's own future. Raises
+    RuntimeError where a bucket restored from a checkpoint now holds other parameters (its saved
+    error and factors would be applied to the wrong gradients)."""
+    torch_state = state.torch_state
+    compressing = torch_state.iter >= torch_state.start_powerSGD_iter
+    gradients = bucket.gradients()
+    world = dist.get_world_size()
+    for size in powersgd_allreduce_sizes([g.shape for g in gradients], torch_state.matrix_approximation_rank,
+                                         compressing, torch_state.min_compression_rate):
+        state.stats.bytes += ring_bytes(size * bucket.buffer().element_size(), world)
+        state.stats.collectives += 1
+    if compressing:
+        index = bucket.index()
+        layout = [state.positions[id(param)] for param in bucket.parameters()]
+        expected = state.expected_layouts.pop(index, None)
+        if expected is not None and expected != layout:
+            raise RuntimeError(f"powersgd: DDP bucket {index} holds parameters {layout} but its saved error and "
+                               f"factors were for {expected} (another model, comm.ddp_bucket_mb, or a layout "
+                               f"DDP had not rebuilt yet)")
+        state.layouts[index] = layout
+    return powersgd_in_order(state, bucket)
 
 
 class SumHookState:

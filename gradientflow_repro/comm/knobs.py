@@ -128,6 +128,9 @@ class CommConfig:
     # csc under momentum correction and LARS: each rank's trust ratio corrected for the noise of its
     # own gradient, estimated from sketches that ride with the chunk norms (comm/csc/trust.py, TrustNoise)
     trust_noise_correction: bool = setting(True, boolean)
+    # powersgd: rank of the low-rank factors (PyTorch's matrix_approximation_rank); its dense warm-up
+    # is csc_warmup_epochs, as CSC's
+    powersgd_rank: int = setting(4, positive)
 
 
 def resolve(options: Union[Mapping[str, Any], Any]) -> CommConfig:
@@ -147,9 +150,13 @@ def resolve(options: Union[Mapping[str, Any], Any]) -> CommConfig:
     knobs = CommConfig(**merged)
     for key, value, allowed in field_problems(CommConfig, knobs, "comm."):
         raise ValueError(f"config key '{key}' = {value!r}: {allowed}")
-    if registry.sparsifier(knobs.sparsity).needs_pool and knobs.fusion != "lazy":
+    needed = registry.sparsifier(knobs.sparsity).required_fusion
+    if needed == "lazy" and knobs.fusion != "lazy":
         raise ValueError(f"config key 'comm.sparsity' = {knobs.sparsity!r} works over our memory pool: it needs "
                          "comm.fusion=lazy (not DDP's buckets or per-tensor messages)")
+    if needed is not None and knobs.fusion != needed:
+        raise ValueError(f"config key 'comm.fusion' = {knobs.fusion!r}: comm.sparsity={knobs.sparsity} needs "
+                         f"comm.fusion={needed}")
     return knobs
 
 
@@ -275,9 +282,10 @@ def small_message_bytes(knobs: CommConfig) -> int:
 
 
 def sends_sparse(knobs: CommConfig) -> bool:
-    """Some steps send only part of the gradients (a sparsifier, CSC's, below density 1): not the
-    same SGD as dense."""
-    return registry.sparsifier(knobs.sparsity).pricing != "dense" and knobs.density < 1
+    """Some steps send only part of the gradients, or an approximation of them: a sparsifier (CSC's
+    below density 1; PowerSGD's low-rank factors, which have no density): not the same SGD as dense."""
+    pricing = registry.sparsifier(knobs.sparsity).pricing
+    return pricing == "low_rank" or (pricing != "dense" and knobs.density < 1)
 
 
 def csc_warmup(knobs: CommConfig, lr_warmup_epochs: float) -> float:
@@ -289,7 +297,8 @@ def csc_warmup(knobs: CommConfig, lr_warmup_epochs: float) -> float:
 
 
 def dense_warmup_epochs(knobs: CommConfig, lr_warmup_epochs: float) -> float:
-    """Epochs a strategy trains densely before its steps show its steady state (CSC's warm-up)."""
+    """Epochs a strategy trains densely before its steps show its steady state (CSC's warm-up, which
+    PowerSGD's follows)."""
     return csc_warmup(knobs, lr_warmup_epochs) if sends_sparse(knobs) else 0.0
 
 
@@ -297,14 +306,18 @@ def __getattr__(name: str) -> dict[str, dict[str, Any]]:
     """The registry's lists as label -> ``comm.*`` options, read when asked for (so a strategy
     registered later is in them): ``LADDER``, the paper's ablation as ``make reproduce`` runs it,
     each rung adding one technique; ``SPARSE_VARIANTS``, trained beside it for CSC's convergence
-    cost (not rungs of the speed ladder, which the model checks); ``COMPARED``, both: every
-    configuration ``make reproduce`` trains to the target."""
+    cost (not rungs of the speed ladder, which the model checks); ``PEERS``, what researchers would
+    use instead (PyTorch's fp16 and PowerSGD hooks) and the paper's stack as published; ``COMPARED``,
+    all three: every configuration ``make reproduce`` trains to the target."""
     if name == "LADDER":
         return registry.options_of(registry.LADDER)
     if name == "SPARSE_VARIANTS":
         return registry.options_of(registry.SPARSE_VARIANTS)
+    if name == "PEERS":
+        return registry.options_of(registry.PEERS)
     if name == "COMPARED":
-        return {**registry.options_of(registry.LADDER), **registry.options_of(registry.SPARSE_VARIANTS)}
+        return {**registry.options_of(registry.LADDER), **registry.options_of(registry.SPARSE_VARIANTS),
+                **registry.options_of(registry.PEERS)}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

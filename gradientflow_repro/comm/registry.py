@@ -51,7 +51,10 @@ CLUSTER_BENCH = "cluster_bench"  # bench/cluster.py: communication alone on the 
 COMM_BENCH = "comm_bench"  # bench/comm.py: real gradient shapes on loopback (results/comm.md)
 GPU_CHECK = "gpu_check"  # gpu_check: communicators on CUDA tensors
 PROJECTION = "projection"  # scaling/projection.py: the strategies results/scaling.md projects by default
-LISTS = (LADDER, SPARSE_VARIANTS, CLUSTER_BENCH, COMM_BENCH, GPU_CHECK, PROJECTION)
+# what researchers would pick instead (PyTorch's own DDP hooks), and the paper's stack as published:
+# trained beside the ladder by `make reproduce` and `make convergence` (not rungs of the paper's ablation)
+PEERS = "peers"
+LISTS = (LADDER, SPARSE_VARIANTS, PEERS, CLUSTER_BENCH, COMM_BENCH, GPU_CHECK, PROJECTION)
 
 # How the scaling model (``perfmodel.Strategy.from_knobs``) prices what a sparsifier sends:
 # - ``dense``: every gradient element, every step;
@@ -59,8 +62,10 @@ LISTS = (LADDER, SPARSE_VARIANTS, CLUSTER_BENCH, COMM_BENCH, GPU_CHECK, PROJECTI
 #   multi-dimensional tensors, its one-dimensional tensors whole, after one small allreduce of one
 #   norm per chunk (coarse-grained selection, with no work on the optimizer's side);
 # - ``csc``: ``chunks``, and CSC's momentum correction: it takes over the optimizer's momentum,
-#   weight decay and adaptation, and under LARS sends its trust ratios' noise sketches with the norms.
-PRICING_RULES = ("dense", "chunks", "csc")
+#   weight decay and adaptation, and under LARS sends its trust ratios' noise sketches with the norms;
+# - ``low_rank``: PowerSGD (Vogels et al. 2019): each matrix-shaped gradient (n x m) as two factors of
+#   rank r, P (n x r) and Q (m x r), in two allreduces per bucket; vectors (biases, BatchNorm) whole.
+PRICING_RULES = ("dense", "chunks", "csc", "low_rank")
 
 # Labels that code refers to by name (a check, a goal, a report's row): written here once, read as
 # these constants everywhere else (a strategy's own name, ``gradientflow``, is its label too)
@@ -78,12 +83,20 @@ class Sparsifier:
     ``builder``: the communicator's builder, ``fn(knobs, device, sum_fn, lr_warmup_epochs) ->
     Communicator``, as ``"module:function"`` (imported when first built: this module stays
     torch-free) or the function itself; None: the factory's choice by ``comm.fusion``.
-    ``needs_pool``: works over the lazy pool only (``comm.fusion=lazy``)."""
+    ``needs_pool``: works over the lazy pool only (``comm.fusion=lazy``); ``fusion``: the one value of
+    ``comm.fusion`` it works over, in general (PowerSGD: ``ddp``, as a DDP hook); ``knobs.resolve``
+    refuses any other."""
 
     name: str
     pricing: str
     builder: Union[str, Callable[..., Any], None] = None
     needs_pool: bool = False
+    fusion: Optional[str] = None
+
+    @property
+    def required_fusion(self) -> Optional[str]:
+        """The ``comm.fusion`` this sparsifier needs (None: any)."""
+        return "lazy" if self.needs_pool else self.fusion
 
 
 @dataclass(frozen=True)
@@ -115,6 +128,9 @@ SPARSIFIERS: dict[str, Sparsifier] = {
     # coarse-grained sparse communication (comm/csc/), built over the pool
     "csc": Sparsifier("csc", pricing="csc", builder="gradientflow_repro.comm.factory:csc_communicator",
                       needs_pool=True),
+    # PyTorch's PowerSGD DDP hook (torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook)
+    "powersgd": Sparsifier("powersgd", pricing="low_rank",
+                           builder="gradientflow_repro.comm.factory:powersgd_communicator", fusion="ddp"),
 }
 
 # The comm bench's sweeps: the pool's part size with and without overlap, and CSC's density, all
@@ -159,6 +175,17 @@ ENTRIES: tuple[Entry, ...] = (
            Variant("gradientflow-no-mc", {"momentum_correction": False, "momentum_masking": False},
                    (SPARSE_VARIANTS,)))),
     Entry("hierarchical", "intra-node reduce, ring among node leaders, intra-node broadcast (hierarchical.py)"),
+    # the paper's stack as published: gradientflow without our two additions (release cap, trust-ratio
+    # noise correction), so the report shows what they buy
+    Entry("gradientflow-paper", "the paper's stack as published: gradientflow without our release cap and "
+          "trust-ratio noise correction",
+          (Variant("gradientflow-paper", {}, (PEERS,)),)),
+    # what researchers would use instead: PyTorch's own communication hooks, not ours
+    Entry("ddp-fp16", "PyTorch DDP with its own fp16_compress_hook (as Horovod's fp16 compression)",
+          (Variant("ddp-fp16", {}, (PEERS, CLUSTER_BENCH, PROJECTION)),)),
+    Entry("powersgd", "PyTorch DDP with its own PowerSGD hook (Vogels et al. 2019): rank-4 factors, error "
+          "feedback, warm start, after the same dense warm-up as CSC",
+          (Variant("powersgd", {}, (PEERS, CLUSTER_BENCH, PROJECTION)),)),
 )
 
 STRATEGIES: dict[str, Entry] = {entry.name: entry for entry in ENTRIES}
