@@ -4,7 +4,9 @@ Only rank 0 writes. Each record is flushed as it is written, so a killed run kee
 its last log line. wandb runs offline by default (no login, no network) in ``<run_dir>/wandb``; any
 wandb failure turns it off with one warning and training goes on. The wandb run id is kept in the
 checkpoint so a resumed run continues the same wandb run: the Tracker is the train state's Stateful
-for it, so it starts (``start``) after a resume has set the id. ``run_summary`` builds the run's
+for it, so it starts (``start``) after a resume has set the id. Offline, each launch leaves one more
+``offline-run-*`` piece of that id (wandb records no resume offline); docs/outputs.md gives the
+upload that appends the pieces in order. ``run_summary`` builds the run's
 ``summary.json`` from its progress and the facts of the run.
 """
 
@@ -21,6 +23,11 @@ from typing import Any, Optional
 
 from gradientflow_repro.config import LoggerConfig
 from gradientflow_repro.provenance import environment_facts
+
+# The wandb config key naming the compared configuration a run belongs to (its run name: the ladder's
+# label under `make reproduce`, e.g. `ring+fp16` or `gradientflow@0.01`, else the strategy). The
+# dashboards group seeds by it: `comm.strategy` alone cannot, several labels share one strategy.
+WANDB_LABEL_KEY = "strategy_label"
 
 
 class Tracker:
@@ -60,7 +67,8 @@ class Tracker:
 
             os.environ.setdefault("WANDB_SILENT", "true")
             self.wandb_run = wandb.init(
-                project=cfg.project, entity=cfg.entity, group=group, name=name, config=config,
+                project=cfg.project, entity=cfg.entity, group=group, name=name,
+                config={**config, WANDB_LABEL_KEY: name},
                 dir=str(self.run_dir), mode=cfg.mode, id=run_id, resume="allow" if run_id else None,
                 settings=wandb.Settings(init_timeout=60, console="off", x_disable_stats=True))
             self.run_id = self.wandb_run.id

@@ -37,7 +37,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="seeds per configuration: repeat r runs with seed=r (initial weights, data order)")
     parser.add_argument("--rungs", nargs="+", default=list(COMPARED), choices=list(COMPARED),
-                        help="configurations to train: the ladder and gradientflow's variants for convergence")
+                        help="configurations to train: the ladder, gradientflow's variants for convergence and "
+                             "the peers (PyTorch's fp16 and PowerSGD hooks, the paper's stack as published)")
     parser.add_argument("--rate-mbit", type=float, default=None,
                         help="link rate; default: chosen to match the paper's comm/compute ratio")
     parser.add_argument("--no-emulation", action="store_true", help="loopback even as root")
@@ -46,7 +47,8 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=600, help="per training run")
     parser.add_argument("--check-steps", type=int, default=24, help="steps of each step-time run")
     parser.add_argument("--check-repeats", type=int, default=reproduce.CHECK_REPEATS,
-                        help="step-time runs per strategy and world size")
+                        help="step-time runs per strategy and world size (trimmed to fit the time budget; "
+                             "more give a median over repeats)")
     parser.add_argument("--netbench-launches", type=int, default=reproduce.NETBENCH_LAUNCHES,
                         help="launches of the network measurement per world size (figures are averaged)")
     parser.add_argument("--fresh", action="store_true",

@@ -81,7 +81,10 @@ def test_reproduce_runs_the_knobs_ladder_and_skips_csc_warmup_only() -> None:
     assert ladder_overrides("gradientflow@0.01") == ["comm=gradientflow", "comm.density=0.01"]
     assert ladder_overrides("gradientflow-no-mc") == ["comm=gradientflow", "comm.momentum_correction=false",
                                                       "comm.momentum_masking=false"]
-    assert set(knobs.COMPARED) - set(knobs.LADDER) == {"gradientflow@0.01", "gradientflow-no-mc"}
+    # ... and the peers, what researchers would use instead and the paper's stack as published
+    assert set(knobs.COMPARED) - set(knobs.LADDER) == {"gradientflow@0.01", "gradientflow-no-mc",
+                                                       "gradientflow-paper", "ddp-fp16", "powersgd"}
+    assert ladder_overrides("powersgd") == ["comm=powersgd"]
     # CSC's dense warm-up: the learning rate's (the presets), or comm.csc_warmup_epochs where set
     config = {"optim": {"warmup_epochs": 2.5}}
     warmups = {label: dense_warmup_epochs({"summary": {}, "comm": options, "config": config})

@@ -5,11 +5,13 @@ whether sparse communication still costs accuracy when training ends, which is w
 claims it does not. This study trains chosen configurations over the experiment's whole schedule
 (never stopping at the target), once per seed, and writes ``results/convergence.md``: epochs to
 each target, top-1 after every epoch (median over seeds), top-1 at the end against the dense
-reference seed by seed, the largest fall after the learning-rate warm-up, and a figure.
+reference seed by seed, the largest fall after the learning-rate warm-up, what our additions to the
+paper's stack buy (``gradientflow`` against ``gradientflow-paper``), and a figure; and its rows of
+``results/runs.csv`` (``runs.RUNS_CSV_COLUMNS``, study ``convergence``; ``make reproduce``'s rows kept).
 
 Runs go over loopback: accuracy per epoch does not depend on the network's speed. A configuration is
-a label of ``knobs.COMPARED`` (what ``make reproduce`` trains: the strategy registry's ladder and
-sparse variants, ``comm/registry.py``) or ``LABEL=OVERRIDES`` (any Hydra overrides, e.g.
+a label of ``knobs.COMPARED`` (what ``make reproduce`` trains: the strategy registry's ladder,
+sparse variants and peers, ``comm/registry.py``) or ``LABEL=OVERRIDES`` (any Hydra overrides, e.g.
 ``cap0="comm=gradientflow comm.release_cap=0"``), so the experiments behind the recipe tables
 (docs/notes/2026-12-01-digits-recipe-search.md) are one command each. A finished run is kept under
 ``runs_dir`` and reused when the study is run again with the same overrides, world size and code
@@ -33,12 +35,27 @@ from gradientflow_repro.cluster.launch import run_ranks
 from gradientflow_repro.comm import knobs
 from gradientflow_repro.provenance import code_version, environment_facts
 from gradientflow_repro.reproduction.progress import Timeline
-from gradientflow_repro.reproduction.report import density_label, falls, falls_after_warmup, plot_top1, run_seed, spread
+from gradientflow_repro.reproduction.report import (
+    PAPER_STACK,
+    density_label,
+    falls_after_warmup,
+    plot_top1,
+    run_seed,
+    spread,
+)
 from gradientflow_repro.reproduction.reproduce import EXPERIMENT_OVERRIDES, ladder_overrides, machine_overrides
-from gradientflow_repro.reproduction.runs import evaluations, is_dense, load_run, run_warmup_epochs
+from gradientflow_repro.reproduction.runs import (
+    evaluations,
+    is_dense,
+    largest_fall,
+    load_run,
+    run_row,
+    run_warmup_epochs,
+    update_runs_csv,
+)
 from gradientflow_repro.tracking import duration
 
-DEFAULT_CONFIGS = tuple(knobs.COMPARED)  # what make reproduce trains: the ladder and CSC's variants
+DEFAULT_CONFIGS = tuple(knobs.COMPARED)  # what make reproduce trains: the ladder, CSC's variants and the peers
 REFERENCE = "ddp"  # the dense configuration the others are set against, when trained (as make reproduce)
 RUNS_DIR = REPO / "results" / "runs" / "convergence"
 OUT = REPO / "results" / "convergence.md"
@@ -107,14 +124,6 @@ def first_epoch_at(run: dict, top1: float) -> Optional[float]:
     return next((epoch for epoch, accuracy in evaluations(run) if accuracy >= top1), None)
 
 
-def largest_fall(run: dict) -> Optional[float]:
-    """The largest drop in points from one evaluation to the next after the run's learning-rate
-    warm-up (0: none; None: fewer than two evaluations)."""
-    if len(evaluations(run)) < 2:
-        return None
-    return max([0.0, *(a0 - a1 for _, a0, _, a1 in falls(run))])
-
-
 def study(*, configs: dict[str, list[str]], experiment: str = "digits_cpu", world: int = 4,
           seeds: Sequence[int] = (0, 1, 2), targets: Sequence[float] = (), runs_dir: Path = RUNS_DIR,
           out: Path = OUT, overrides: Sequence[str] = (), timeout_s: float = 900, fresh: bool = False,
@@ -152,18 +161,21 @@ def study(*, configs: dict[str, list[str]], experiment: str = "digits_cpu", worl
         (run_dir / RECORD_FILE).write_text(json.dumps(record[label, seed]))
         runs[label].append(load_run(run_dir))
     timeline.end()
+    own = experiment_target(experiment)
     write_study(out, runs, configs=configs, targets=targets, world=world, experiment=experiment, command=command,
                 elapsed_s=time.time() - started, kept=len(kept), overrides=list(overrides),
-                machine=environment_facts())
+                machine=environment_facts(), target=own if own is not None else targets[0])
     print(f"convergence: wrote {out} in {duration(time.time() - started)}", flush=True)
     return runs
 
 
 def write_study(out: Path, runs: dict[str, list[dict]], *, configs: dict[str, list[str]], targets: Sequence[float],
                 world: int, experiment: str, command: str, elapsed_s: float, kept: int, overrides: list[str],
-                machine: dict) -> None:
+                machine: dict, target: Optional[float] = None) -> None:
     """``out`` and its figure beside it (``<stem>_top1.png``) from ``runs`` (label -> one run per seed,
-    trained with ``configs[label]``; ``kept`` of them from an earlier launch)."""
+    trained with ``configs[label]``; ``kept`` of them from an earlier launch), and the runs' rows of
+    ``runs.csv`` beside it, their time and epochs to ``target`` (the experiment's, which ``make
+    reproduce`` stops at; None: the lowest of ``targets``)."""
     first = next(iter(runs.values()))[0]
     config = first.get("config") or {}
     epochs, warmup = config.get("epochs"), run_warmup_epochs(first)
@@ -202,11 +214,15 @@ def write_study(out: Path, runs: dict[str, list[dict]], *, configs: dict[str, li
     dropped = falls_after_warmup(runs)
     lines += ["", f"Falls of more than 5 points from one evaluation to the next after the warm-up: {len(dropped)} in "
               f"{sum(map(len, runs.values()))} runs" + (": " + "; ".join(dropped) if dropped else "") + ".",
-              "", *_verdicts(runs, reference, targets[0]), "",
+              "", *_verdicts(runs, reference, targets[0]), *_additions(runs, targets[0]), "",
               f"![validation top-1 against epochs]({out.stem}_top1.png)", ""]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
     plot_top1(runs, out.parent / f"{out.stem}_top1.png", x="epoch", targets=targets)
+    csv_target = targets[0] if target is None else target
+    update_runs_csv(out.parent / "runs.csv", "convergence",
+                    [run_row(run, study="convergence", label=label, target=csv_target)
+                     for label, items in runs.items() for run in items])
 
 
 def _final(run: dict) -> Optional[float]:
@@ -249,3 +265,27 @@ def _verdicts(runs: dict[str, list[dict]], reference: Optional[str], target: flo
                 f"spread over the seeds: {_range(runs[reference]):.2f})" if final else "no pair of seeds to compare")
         lines.append(f"- `{label}`: {to_target}; {ends}.")
     return lines
+
+
+def _additions(runs: dict[str, list[dict]], target: float) -> list[str]:
+    """What our additions to the paper's stack (the release cap, the trust-ratio noise correction)
+    buy over the whole schedule: ``gradientflow`` against ``gradientflow-paper`` (the paper's stack as
+    published), seed by seed where both ran: epochs to ``target``, top-1 at the end, and falls of more
+    than 5 points after the warm-up. Nothing unless both were trained."""
+    ours, paper = runs.get("gradientflow"), runs.get(PAPER_STACK)
+    if not ours or not paper:
+        return []
+    theirs = {run_seed(r): r for r in paper if run_seed(r) != "?"}
+    pairs = [(r, theirs[run_seed(r)]) for r in ours if run_seed(r) in theirs]
+    gaps = [_final(a) - _final(b) for a, b in pairs if _final(a) is not None and _final(b) is not None]
+    epochs = [[first_epoch_at(r, target) for r in items] for items in (ours, paper)]
+    known = [[e for e in each if e is not None] for each in epochs]
+    mine, paper_epochs = (f"{statistics.median(k):g}" + (f" ({len(k)} of {len(e)} seeds)" if len(k) < len(e) else "")
+                          if k else "not reached" for k, e in zip(known, epochs))
+    large = [sum((largest_fall(r) or 0.0) > 5 for r in items) for items in (ours, paper)]
+    ends = (f"top-1 at the end {statistics.median(gaps):+.2f} points against the same seed's (from "
+            f"{min(gaps):+.2f} to {max(gaps):+.2f} over {len(gaps)} seeds)" if gaps else "no pair of seeds to compare")
+    return ["", f"Our additions (release cap, trust-ratio noise correction): `gradientflow` against `{PAPER_STACK}` "
+            f"(the paper's stack as published): epochs to {target:g}% {mine} against {paper_epochs} "
+            f"(medians); {ends}; falls of more than 5 points after the warm-up in {large[0]} of {len(ours)} runs "
+            f"against {large[1]} of {len(paper)}."]

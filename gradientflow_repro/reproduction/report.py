@@ -1,5 +1,6 @@
 """results/REPORT.md from the runs of a reproduction (``reproduction.reproduce``): the comparison table,
-figures, the scaling model against measurement and against the paper.
+figures, CSC against PyTorch's PowerSGD and fp16 hooks and against the paper's stack as published
+(``peers_section``), the scaling model against measurement and against the paper.
 """
 
 from __future__ import annotations
@@ -7,15 +8,18 @@ from __future__ import annotations
 import statistics
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from gradientflow_repro.comm import knobs, registry
 from gradientflow_repro.reproduction.runs import (
+    compression_label,
     compute_only_s,
     dense_warmup_epochs,
     epochs_to_target,
     evaluations,
+    falls,
     is_dense,
+    median_step,
     run_knobs,
     run_warmup_epochs,
     sends_trust_sketches,
@@ -23,7 +27,7 @@ from gradientflow_repro.reproduction.runs import (
 from gradientflow_repro.scaling import perfmodel as pm
 from gradientflow_repro.scaling.netbench import priced_network
 from gradientflow_repro.scaling.profile import profile_from_json
-from gradientflow_repro.scaling.projection import paper_check, plot
+from gradientflow_repro.scaling.projection import GPU_COUNTS, paper_check, plot
 
 
 def spread(values: list[Optional[float]], fmt: str, scale: float = 1.0) -> str:
@@ -125,14 +129,6 @@ def decomposition_table(runs: dict[str, list[dict]], reference: str) -> list[str
     return lines
 
 
-def falls(run: dict, warmup_epochs: Optional[float] = None) -> list[tuple[float, float, float, float]]:
-    """(epoch, top-1, next epoch, its top-1) of each pair of consecutive evaluations whose second
-    comes after the learning-rate warm-up (``warmup_epochs``, else the run's own)."""
-    after = run_warmup_epochs(run) if warmup_epochs is None else warmup_epochs
-    curve = evaluations(run)
-    return [(e0, a0, e1, a1) for (e0, a0), (e1, a1) in zip(curve, curve[1:]) if e1 > after]
-
-
 def falls_after_warmup(runs: dict[str, list[dict]], warmup_epochs: Optional[float] = None,
                        drop_points: float = 5.0) -> list[str]:
     """Evaluations after the learning-rate warm-up (``warmup_epochs``, else each run's own) that fall
@@ -148,8 +144,8 @@ def run_seed(run: dict) -> Union[int, str]:
 
 
 def density_label(run: dict) -> str:
-    """"1 (dense)", or the density a sparse run sends at."""
-    return "1 (dense)" if is_dense(run) else f"{run_knobs(run).density:g}"
+    """"1 (dense)", the density a sparse run sends at, or a low-rank run's rank (``runs.compression_label``)."""
+    return compression_label(run)
 
 
 def dense_agreement(runs: dict[str, list[dict]]) -> dict[Union[int, str], list[Optional[float]]]:
@@ -197,8 +193,10 @@ def plot_top1(runs: dict[str, list[dict]], path: Path, x: str = "mlperf_s",
     for index, (label, items) in enumerate(runs.items()):
         for repeat, run in enumerate(items):
             evals = [r for r in run["records"] if r["kind"] == "eval"]
-            ax.plot([r[x] for r in evals], [r["top1"] for r in evals], color=f"C{index}",
-                    alpha=1.0 if repeat == 0 else 0.35, marker="o" if repeat == 0 else None, markersize=3,
+            # the colour cycle has ten colours: past them, the line's style tells configurations apart
+            ax.plot([r[x] for r in evals], [r["top1"] for r in evals], color=f"C{index % 10}",
+                    linestyle=("-", "--", ":")[index // 10 % 3], alpha=1.0 if repeat == 0 else 0.35,
+                    marker="o" if repeat == 0 else None, markersize=3,
                     label=label if repeat == 0 else None)
     if targets is None:
         target = next(iter(runs.values()))[0]["summary"].get("target_top1")
@@ -287,7 +285,7 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
                 unshaped: Optional[dict[int, dict[str, dict]]] = None, cores: Optional[int] = None,
                 allreduce_beside: Optional[dict[int, dict]] = None,
                 short_runs: Optional[dict[int, Sequence[str]]] = None,
-                global_batch: Optional[int] = None) -> list[str]:
+                global_batch: Optional[int] = None, peers: Optional[dict[int, dict[str, dict]]] = None) -> list[str]:
     """Predicted vs measured step times. The measured single-process profile is scaled, per world
     size, to the slowest rank's compute in the ``allreduce`` runs that are the strategy's reference
     (``compute_only_s``: their step less their wait, plus how much longer their slowest rank's
@@ -299,8 +297,11 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
     reference is ``allreduce``'s runs beside the strategy's own (``_compute_reference``:
     ``allreduce_beside``, ``short_runs``). ``lars``: the runs' Lars adapted their weight layers
     (``runs.sends_trust_sketches``); ``unshaped``: step times with the links unshaped, by world
-    size (``_hidden_communication``); ``cores``: the machine's."""
-    allreduce_beside, short_runs = allreduce_beside or {}, short_runs or {}
+    size (``_hidden_communication``); ``cores``: the machine's. ``peers``: by world size, the measured
+    steps of configurations outside the ladder (``knobs.PEERS``, from their runs to the target after
+    their dense warm-up), shown below the ladder's where the model prices them and left out of the
+    goal, which is the ladder's."""
+    allreduce_beside, short_runs, peers = allreduce_beside or {}, short_runs or {}, peers or {}
     profile = profile_from_json(calibration["profile"])
     profiled_batch = calibration["profile"].get("batch")  # (not in profiles from before it was written)
     lines = ["| world | strategy | measured step (ms) | predicted step (ms) | predicted comm exposed (ms) | error |",
@@ -318,16 +319,28 @@ def model_check(checks: dict[int, dict[str, dict]], calibration: dict,
                 for label, step in by_label.items()]
         if world in allreduce_beside:  # allreduce's short runs beside the sparse rungs' check it too
             rows.append(("allreduce", "allreduce (short runs)", allreduce_beside[world], allreduce_beside[world]))
-        for label, shown, measured, reference in rows:
+        ladder_rows, unpriced = len(rows), []
+        for label, step in peers.get(world, {}).items():  # set against allreduce's runs to the target, as they are
+            try:
+                strategies[label] = pm.Strategy.from_knobs(
+                    label, knobs.resolve(knobs.on_network(knobs.COMPARED[label], switch)), lars=lars)
+            except ValueError as error:  # a pricing rule the model does not know: said, not guessed
+                unpriced.append(f"| {world} | {label} (not in the goal) | {step['step_s'] * 1e3:.1f} | - | - "
+                                f"| not priced: {error} |")
+                continue
+            rows.append((label, f"{label} (not in the goal)", step, by_label["allreduce"]))
+        for index, (label, shown, measured, reference) in enumerate(rows):
             # its compute = (forward + backward) x contention x batch + optimizer x contention
             contention = compute_only_s(reference, slowest=True) / (
                 (profile.forward_s + profile.backward_s) * batch + profile.optimizer_s)
             predicted = pm.predict_step(profile.scaled(contention * batch, contention), world, net, strategies[label])
             error = predicted.step_s / measured["step_s"] - 1
-            errors.append(abs(error))
+            if index < ladder_rows:
+                errors.append(abs(error))
             each = measured.get("step_s_each") or [measured["step_s"]]
             lines.append(f"| {world} | {shown} | {spread(each, '.1f', 1e3)} | {predicted.step_s * 1e3:.1f} "
                          f"| {predicted.exposed_comm_s * 1e3:.1f} | {error * 100:+.0f}% |")
+        lines += unpriced
     if errors:
         within = sum(e <= 0.15 for e in errors)
         lines += ["", f"Goal: within 15%. {within} of {len(errors)} predictions are; the largest error is "
@@ -475,6 +488,256 @@ def _step_floor(checks: dict[str, dict], reference: str, ratios: dict[str, float
             f"{floor:.2f}x x {ratios['overhead']:.2f}x = {floor * ratios['overhead']:.2f}x."]
 
 
+# The configurations the peers' section compares: CSC (our full stack), what researchers would use
+# instead (PyTorch's own DDP hooks), the paper's stack as published, and plain DDP (the goals' reference)
+CSC = "gradientflow"
+POWERSGD = "powersgd"
+DDP_FP16 = "ddp-fp16"
+PAPER_STACK = "gradientflow-paper"
+DDP = "ddp"
+FINAL_TOP1_POINTS = 0.5  # "at equal final top-1": at most this many points below
+LARGE_FALL_POINTS = 5.0  # a fall after the warm-up larger than this makes a recipe unstable
+
+
+def _by_seed(items: list[dict]) -> dict[Union[int, str], dict]:
+    return {run_seed(run): run for run in items}
+
+
+def local_work_s(label: str, calibration: dict) -> Optional[float]:
+    """Seconds of local work on the communication path per step of ``label`` (CSC's selection and
+    residuals, PowerSGD's matrix products and orthogonalisation, the fp16 wire's casts), as the model
+    sums it over this model's gradients from the per-element costs measured in the calibration's
+    profile (one process); None where the one its sparsifier needs was not measured or the model
+    does not price the configuration."""
+    measured = calibration.get("profile") or {}
+    if not measured.get("tensors"):
+        return None
+    try:
+        options = knobs.resolve(knobs.COMPARED[label])
+        strategy = pm.Strategy.from_knobs(label, options)
+    except (KeyError, ValueError):
+        return None
+    needs = {"csc": "sparsify_s_per_element", "chunks": "sparsify_s_per_element",
+             "low_rank": "low_rank_s_per_element"}.get(registry.sparsifier(options.sparsity).pricing)
+    if (needs and not measured.get(needs)) or (options.wire == "fp16" and not measured.get("wire_cast_s_per_element")):
+        return None
+    profile = profile_from_json(measured)
+    return sum(message.local_work_s for message in pm.messages(profile, strategy))
+
+
+def _convergence_medians(rows: list[dict], label: str) -> dict[str, Optional[float]]:
+    """Medians over ``label``'s rows of ``make convergence`` (``runs.read_runs_csv``): top-1 at the end,
+    epochs to target, largest fall after the warm-up, and how many runs fell more than
+    ``LARGE_FALL_POINTS``."""
+    mine = [row for row in rows if row["strategy"] == label]
+    falls_over = [row["largest_fall_after_warmup"] for row in mine if row["largest_fall_after_warmup"] is not None]
+    return {"final_top1": _median([row["final_top1"] for row in mine]),
+            "epochs": _median([row["epochs_to_target"] for row in mine]),
+            "largest_fall": _median(falls_over), "large_falls": sum(f > LARGE_FALL_POINTS for f in falls_over),
+            "runs": len(mine), "reached": sum(bool(row["reached_target"]) for row in mine)}
+
+
+def _seed_final_gaps(rows: list[dict], label: str, other: str) -> list[float]:
+    """``label``'s top-1 at the end less ``other``'s, seed by seed (``make convergence``'s rows)."""
+    theirs = {row["seed"]: row["final_top1"] for row in rows if row["strategy"] == other}
+    return [row["final_top1"] - theirs[row["seed"]] for row in rows if row["strategy"] == label
+            and row["final_top1"] is not None and theirs.get(row["seed"]) is not None]
+
+
+def peers_section(runs: dict[str, list[dict]], calibration: dict, convergence_rows: Sequence[dict] = (),
+                  projection: Optional[dict[str, list[float]]] = None,
+                  projection_counts: Sequence[int] = (), convergence_source: str = "`results/runs.csv`") -> list[str]:
+    """Where CSC (``gradientflow``) stands against what researchers would use instead, PyTorch's
+    PowerSGD (``powersgd``) and fp16 (``ddp-fp16``) hooks, with plain ``ddp`` and the paper's stack
+    as published (``gradientflow-paper``), all from the numbers: time to target (MLPerf clock, median
+    over the seeds), epochs to target, step and bytes per step after the dense warm-up (from the runs
+    to the target), local work per step (``local_work_s``), top-1 at the end of ``make convergence``
+    (its rows of ``results/runs.csv``, ``convergence_rows``; where there are none, where to look) and
+    the model's speedup at 512 GPUs (``projection``: label -> speedups at ``projection_counts``). Then
+    the goals, each met or NOT met, and what our additions to the paper's stack buy. Nothing when
+    ``gradientflow`` or every peer is missing."""
+    shown = [label for label in (CSC, POWERSGD, DDP_FP16, DDP, PAPER_STACK) if label in runs]
+    peers = [label for label in (POWERSGD, DDP_FP16) if label in runs]
+    if CSC not in runs or not (peers or PAPER_STACK in runs):
+        return []
+    rows = [row for row in convergence_rows if row.get("study", "convergence") == "convergence"]
+    seeds = len(runs[CSC])
+    time = {label: _median([_at_target(r, "mlperf_s") for r in runs[label]]) for label in shown}
+    steady = {label: median_step(runs[label]) for label in shown}  # after each run's dense warm-up
+    work = {label: local_work_s(label, calibration) for label in shown}
+    final = {label: _convergence_medians(rows, label) for label in shown}
+    gpus = pm.PAPER_GPUS
+    at_scale = ({label: projection[label][list(projection_counts).index(gpus)] for label in shown
+                 if label in projection} if projection and gpus in projection_counts else {})
+
+    def epochs_cell(label: str) -> str:
+        total = spread([epochs_to_target(r) for r in runs[label]], ".0f")
+        if is_dense(runs[label][0]) or total == "not reached":
+            return total
+        return f"{total} ({spread([sparse_epochs_to_target(r) for r in runs[label]], 'g')} sparse)"
+
+    table = ["| strategy | sends | time to target, MLPerf clock (s) | epochs to target | step after the warm-up (ms) "
+             "| MB per rank per step after the warm-up | local work per step (ms) "
+             f"| top-1 at the end of `make convergence` (%) | model: speedup at {gpus} GPUs |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for label in shown:
+        top1 = final[label]["final_top1"]
+        table.append(" | ".join([
+            f"| {label}", compression_label(runs[label][0]),
+            spread([_at_target(r, "mlperf_s") for r in runs[label]], ".1f"), epochs_cell(label),
+            f"{steady[label]['step_s'] * 1e3:.1f}", f"{steady[label]['bytes_per_step'] / 1e6:.3f}",
+            "not measured" if work[label] is None else f"{work[label] * 1e3:.2f}",
+            "-" if top1 is None else f"{top1:.2f}",
+            f"{at_scale[label]:.1f}x" if label in at_scale else "-"]) + " |")
+
+    said = []
+    contenders = [CSC, *peers]
+    reached = sorted((label for label in contenders if time[label] is not None), key=lambda label: time[label])
+    if reached:
+        said.append(f"Time to target (MLPerf clock, median over {seeds} seeds): "
+                    + ", ".join(f"`{label}` {time[label]:.1f} s" for label in reached)
+                    + "".join(f", `{label}` not reached in any seed" for label in contenders if time[label] is None)
+                    + f": `{reached[0]}` reaches the target first"
+                    + (f" ({time[reached[0]] / time[reached[1]]:.2f}x the next, `{reached[1]}`)." if len(reached) > 1
+                       else "."))
+    else:
+        said.append("None of " + ", ".join(f"`{label}`" for label in contenders) + " reached the target.")
+    said.append("Epochs to target (median): " + ", ".join(
+        f"`{label}` {_fmt(_median([epochs_to_target(r) for r in runs[label]]), 'g')}" for label in contenders) + ".")
+    said.append("Bytes per rank per step after the dense warm-up: " + ", ".join(
+        f"`{label}` {steady[label]['bytes_per_step'] / 1e6:.3f} MB" for label in contenders)
+        + f": fewest {_leaders(contenders, lambda label: -steady[label]['bytes_per_step'] / 1e6, '.3f')}; "
+        "step time after the warm-up: " + ", ".join(
+        f"`{label}` {steady[label]['step_s'] * 1e3:.1f} ms" for label in contenders)
+        + f": shortest {_leaders(contenders, lambda label: -steady[label]['step_s'] * 1e3, '.1f')}.")
+    measured_work = [label for label in contenders if work[label] is not None]
+    if measured_work:
+        said.append("Local work on the communication path per step (the model's sum over this model's gradients "
+                    "of the per-element costs measured in the calibration's profile, one process): " + ", ".join(
+                        f"`{label}` {work[label] * 1e3:.2f} ms" for label in measured_work)
+                    + "".join(f"; `{label}`'s not measured" for label in contenders if label not in measured_work)
+                    + ".")
+    else:
+        said.append("Local work per step: not measured (a calibration profile from before it was measured).")
+    ends = [label for label in contenders if final[label]["final_top1"] is not None]
+    if ends:
+        commits = sorted({str(row.get("commit"))[:12] for row in rows})
+        said.append(f"Top-1 at the end of `make convergence` (median over its seeds; {convergence_source}, "
+                    f"trained at commit {', '.join(commits)}): " + ", ".join(
+                        f"`{label}` {final[label]['final_top1']:.2f}%" for label in ends)
+                    + f": highest {_leaders(ends, lambda label: final[label]['final_top1'], '.2f')}"
+                    + "".join(f"; `{label}` not in it" for label in contenders if label not in ends) + ".")
+    else:
+        said.append("Top-1 at the end of `make convergence`: no rows of its runs in "
+                    f"{convergence_source}; run `make convergence` (it writes them and `results/convergence.md`), "
+                    "then `python scripts/reproduce.py --report-only`.")
+    scaled = [label for label in contenders if label in at_scale]
+    if scaled:
+        said.append(f"The model at {gpus} GPUs (the paper's setup: section \"Scaling model against the paper\" "
+                    "below; the model's projection in full: `results/scaling.md`): speedup " + ", ".join(
+                        f"`{label}` {at_scale[label]:.1f}x" for label in scaled)
+                    + f": highest {_leaders(scaled, lambda label: at_scale[label], '.1f')}"
+                    + "".join(f"; `{label}` not projected" for label in contenders if label not in scaled) + ".")
+    else:
+        said.append(f"The model at {gpus} GPUs: not projected here for these strategies; see `results/scaling.md`.")
+
+    lines = ["## Against PyTorch's PowerSGD and fp16 hooks, and the paper's stack as published", "", *table, "",
+             "Step and bytes after the warm-up: the median logged interval of the runs to the target after each "
+             "run's dense warm-up (a run that reached the target inside it: all its intervals), median over the "
+             "seeds. Sends: the density of CSC, the rank of PowerSGD's factors, or 1 (dense).", "",
+             " ".join(said), "", *_peer_goals(runs, final, time, peers), *_additions(runs, rows, final)]
+    return lines
+
+
+def _leaders(labels: Sequence[str], score: Callable[[str], float], fmt: str) -> str:
+    """The label(s) with the highest ``score`` as shown in ``fmt`` (ties, as the reader sees them, named together)."""
+    best = f"{max(score(label) for label in labels):{fmt}}"
+    tied = [label for label in labels if f"{score(label):{fmt}}" == best]
+    return " and ".join(f"`{label}`" for label in tied) + (" (tied)" if len(tied) > 1 else "")
+
+
+def _fmt(value: Optional[float], fmt: str) -> str:
+    return "not reached" if value is None else f"{value:{fmt}}"
+
+
+def _peer_goals(runs: dict[str, list[dict]], final: dict[str, dict], time: dict[str, Optional[float]],
+                peers: list[str]) -> list[str]:
+    """The issue's goals against the peers and against ``ddp``, each met or NOT met from the numbers."""
+    lines = []
+    if peers:
+        parts, met = [], True
+        for peer in peers:
+            ahead = time[CSC] is not None and (time[peer] is None or time[CSC] < time[peer])
+            mine, theirs = final[CSC]["final_top1"], final[peer]["final_top1"]
+            equal = mine is not None and theirs is not None and mine >= theirs - FINAL_TOP1_POINTS
+            ratio = (f"{time[CSC] / time[peer]:.2f}x" if time[CSC] and time[peer] else
+                     f"`{CSC}` not reached" if time[CSC] is None else f"`{peer}` not reached")
+            top1 = ("top-1 at the end unknown (no `make convergence` rows)" if mine is None or theirs is None
+                    else f"top-1 at the end {mine - theirs:+.2f} points")
+            parts.append(f"against `{peer}`: time to target {ratio} ({'ahead' if ahead else 'NOT ahead'}), {top1}")
+            met = met and ahead and equal
+        lines.append(f"- Goal: `{CSC}` ahead of {' and '.join(f'`{p}`' for p in peers)} on time to target (MLPerf "
+                     f"clock, median over the seeds) at equal top-1 at the end of `make convergence` (at most "
+                     f"{FINAL_TOP1_POINTS:g} points below): " + "; ".join(parts) + f": {'met' if met else 'NOT met'}.")
+    if DDP in runs:
+        lines.append(_below_ddp_goal(runs))
+    return lines
+
+
+def _below_ddp_goal(runs: dict[str, list[dict]]) -> str:
+    """``gradientflow``'s time to target below ``ddp``'s in the median and in every seed, each ratio
+    split into step time x epochs x overhead (as ``decomposition``), seed by seed on the same seed."""
+    ratios = decomposition(runs, DDP).get(CSC)
+    median = ("median: not reached" if ratios is None else
+              f"median {ratios['time']:.2f}x = {ratios['step']:.2f}x (step) x {ratios['epochs']:.2f}x (epochs) x "
+              f"{ratios['overhead']:.2f}x (overhead)")
+    met = ratios is not None and ratios["time"] < 1
+    theirs, seeds = _by_seed(runs[DDP]), []
+    for seed, mine in _by_seed(runs[CSC]).items():
+        other = theirs.get(seed)
+        if other is None:
+            continue
+        parts = decomposition({DDP: [other], CSC: [mine]}, DDP).get(CSC)
+        if parts is None:
+            seeds.append(f"seed {seed}: " + ("not reached" if epochs_to_target(mine) is None
+                                             else f"`{DDP}` did not reach it"))
+            met = met and epochs_to_target(mine) is not None
+            continue
+        seeds.append(f"seed {seed}: {parts['time']:.2f}x = {parts['step']:.2f}x x {parts['epochs']:.2f}x x "
+                     f"{parts['overhead']:.2f}x")
+        met = met and parts["time"] < 1
+    if not seeds:
+        met = False
+    return (f"- Goal: `{CSC}`'s time to target below `{DDP}`'s in the median and in every seed (ratio = step time "
+            f"x epochs x overhead): {median}; " + "; ".join(seeds or ["no seed of both"])
+            + f": {'met' if met else 'NOT met'}.")
+
+
+def _additions(runs: dict[str, list[dict]], rows: list[dict], final: dict[str, dict]) -> list[str]:
+    """What our additions to the paper's stack (the release cap, the trust-ratio noise correction)
+    buy: ``gradientflow`` against ``gradientflow-paper`` in epochs to target, top-1 at the end of
+    ``make convergence`` and falls after the warm-up."""
+    if PAPER_STACK not in runs:
+        return []
+    ours, paper = (_median([epochs_to_target(r) for r in runs[label]]) for label in (CSC, PAPER_STACK))
+    line = (f"- Our additions (release cap, trust-ratio noise correction): `{CSC}` against `{PAPER_STACK}` (the "
+            f"paper's stack as published): epochs to target {_fmt(ours, 'g')} against {_fmt(paper, 'g')} (medians)")
+    mine, theirs = final[CSC], final[PAPER_STACK]
+    if mine["runs"] and theirs["runs"]:
+        gaps = _seed_final_gaps(rows, CSC, PAPER_STACK)
+        gap = (f" ({statistics.median(gaps):+.2f} points seed by seed, from {min(gaps):+.2f} to {max(gaps):+.2f})"
+               if gaps else "")
+        line += (f"; over the whole schedule (`make convergence`): top-1 at the end {_fmt(mine['final_top1'], '.2f')}% "
+                 f"against {_fmt(theirs['final_top1'], '.2f')}%{gap}, epochs to target {_fmt(mine['epochs'], 'g')} "
+                 f"against {_fmt(theirs['epochs'], 'g')}, falls of more than {LARGE_FALL_POINTS:g} points after the "
+                 f"warm-up in {mine['large_falls']} of {mine['runs']} runs against {theirs['large_falls']} of "
+                 f"{theirs['runs']} (largest fall, median: {_fmt(mine['largest_fall'], '.1f')} against "
+                 f"{_fmt(theirs['largest_fall'], '.1f')} points)")
+    else:
+        line += "; over the whole schedule: `results/convergence.md` (`make convergence`)"
+    return [line + "."]
+
+
 def _convergence_section(runs: dict[str, list[dict]]) -> list[str]:
     table, budget = convergence_table(runs)
     first = next(iter(runs.values()))[0]
@@ -504,8 +767,10 @@ def _convergence_section(runs: dict[str, list[dict]]) -> list[str]:
             reached = [e for e in epochs if e is not None]
             options = run_knobs(items[0])
             density = options.density
-            corrected = "" if options.momentum_correction else ", no momentum correction"
-            name = f"`{label}` (density {density:g}{corrected})"
+            low_rank = registry.sparsifier(options.sparsity).pricing == "low_rank"
+            corrected = "" if options.momentum_correction or low_rank else ", no momentum correction"
+            name = (f"`{label}` ({compression_label(items[0])})" if low_rank
+                    else f"`{label}` (density {density:g}{corrected})")
             if 2 * len(reached) <= len(epochs) or dense is None:
                 best = spread([r["summary"].get("best_top1") for r in items], ".1f")
                 lines.append(f"- {name}: reached the target in {len(reached)} of {len(epochs)} seeds (best top-1 "
@@ -544,7 +809,8 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
                  machine: dict, network_by_world: Optional[dict[int, dict]] = None, check_repeats: int = 1,
                  launches: Optional[list[dict]] = None, short_at_world: Optional[list[str]] = None,
                  unshaped: Optional[dict[int, dict[str, dict]]] = None,
-                 allreduce_beside: Optional[dict[int, dict]] = None, written_by: Optional[str] = None) -> None:
+                 allreduce_beside: Optional[dict[int, dict]] = None, written_by: Optional[str] = None,
+                 convergence_rows: Sequence[dict] = (), convergence_source: str = "`results/runs.csv`") -> None:
     """Writes ``path`` and its figures beside it. ``machine``: environment_facts() of the run;
     ``launches``: the reproduction's launches (``progress.Progress``), when it was interrupted and continued;
     ``short_at_world``: the rungs whose step time at ``world`` comes from short runs sparse from the
@@ -552,10 +818,18 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
     ``unshaped``: those rungs' step times with the links unshaped, by world size (with `allreduce`'s
     beside them); ``allreduce_beside``: `allreduce`'s short runs beside those at ``world`` (None: a
     reproduction from before there were any, whose sparse rungs' ratios use its runs to the target);
-    ``written_by``: the code writing the report, said where it is not the code that measured."""
+    ``written_by``: the code writing the report, said where it is not the code that measured;
+    ``convergence_rows``: ``make convergence``'s rows of ``results/runs.csv`` (``runs.read_runs_csv``),
+    read from ``convergence_source``, for top-1 at the end in the peers' section (none: it says where
+    to look)."""
     network_by_world = network_by_world or {world: network}  # reproductions before per-world measurement
     allreduce_beside = allreduce_beside or {}
     global_batch = _global_batch(runs)
+    # configurations outside the ladder, checked against the model at the ladder's world size from
+    # their runs to the target (after their dense warm-up), as the ladder's dense rungs are
+    peer_steps = {label: median_step(items) for label, items in runs.items()
+                  if label in knobs.PEERS and label not in knobs.LADDER}
+    sparse_labels = [f"`{label}`" for label, items in runs.items() if not is_dense(items[0])]
 
     figures = path.parent
     figures.mkdir(parents=True, exist_ok=True)  # --report may name a new directory
@@ -588,8 +862,17 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
     if others:
         check_runs += (f"; at world size{'s' if len(others) > 1 else ''} {', '.join(others)}, {check_repeats} "
                        "short runs per strategy (sparse from the start)")
+    if peer_steps:
+        check_runs += ("; below them, " + ", ".join(f"`{label}`" for label in peer_steps) + f" at world size {world} "
+                       "from their runs to the target (after their dense warm-up), shown where the model prices "
+                       "them and not counted in the goal, which is the ladder's")
+    trimmed = (f"- Step-time runs around the ladder (the model's check): {check_repeats} per strategy and world "
+               "size" + (f", fewer than the {repeats} seeds of the runs to the target: trimmed so that every "
+                         "configuration keeps its seeds within the time budget (`--check-repeats N` for more)"
+                         if check_repeats < repeats else "") + ".")
     paper_lines, table = paper_check()
     plot(table, figures / "scaling.png")
+    peers = peers_section(runs, calibration, convergence_rows, table, GPU_COUNTS, convergence_source)
     text = [
         "# Reproducing GradientFlow's comparison", "",
         f"- Machine: {machine_line}. torch {facts['torch']}, commit {facts['git_commit']}"
@@ -599,15 +882,20 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
         f"- Experiment `{experiment}`, world size {world}, each configuration trained to the target once per seed "
         f"(seeds 0-{repeats - 1}: initial weights and data order; median, range in brackets). Overrides for every "
         f"run: `{' '.join(overrides)}`.",
-        f"- Network: {net_line}.",
+        f"- Network: {net_line}.", trimmed,
         f"- wandb group `{group}` (offline; see Dashboards below).", "",
         "## Time to accuracy", "", *comparison_table(runs), "",
         "Clocks: MLPerf's, from run_start (initialisation done, no data touched) to the evaluation that "
-        "reached the target, never paused. Epochs to target: at the first evaluation at or above it. Bytes: "
-        "what each rank put on the wire per step (ring-equivalent for builtin collectives); `gradientflow` is "
-        "dense during its warm-up. Waiting: seconds the trainer spent in `synchronize()` after backward; "
-        "`ddp` waits for its buckets inside backward (DDP's own hooks), so its waiting is counted as compute "
-        "in the table and the figure.", "",
+        "reached the target, never paused. Epochs to target: at the first evaluation at or above it; a "
+        "configuration that never reached it is in every table as not reached. Bytes: what each rank put on "
+        "the wire per step (ring-equivalent for builtin collectives); "
+        + (", ".join(sparse_labels) + (" are" if len(sparse_labels) > 1 else " is")
+           + " dense during the warm-up. " if sparse_labels else "")
+        + "Waiting: seconds the trainer spent in `synchronize()` after backward; "
+        + ", ".join(f"`{label}`" for label, items in runs.items() if run_knobs(items[0]).fusion == "ddp")
+        + " wait for their buckets inside backward (DDP, with PyTorch's own hooks), so their waiting is counted "
+        "as compute in the table and the figure. Every run is a row of `runs.csv` beside this report (one per "
+        "run and seed, with `make convergence`'s: columns in `gradientflow_repro/reproduction/runs.py`).", "",
         "![validation top-1 against wall-clock seconds](reproduce_top1.png)", "",
         "### Where the time to target goes", "", *clock_table(runs), "",
         "Start-up: from run_start to the first training step (listing and checking the files, building the "
@@ -616,6 +904,7 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
         "communicator, wandb, resume) runs before MLPerf's clock starts, as MLPerf's rules allow; it is shown "
         "so nothing is hidden. Every run's start record has its phases (`init_phases_s`).", "",
         *_decomposition_section(runs, checks.get(world)), "",
+        *([*peers, ""] if peers else []),
         "## Convergence: dense against sparse communication", "", *_convergence_section(runs), "",
         "![validation top-1 against epochs](reproduce_top1_epochs.png)", "",
         "![time per step: compute and communication](reproduce_step_split.png)", "",
@@ -629,17 +918,23 @@ def write_report(path: Path, *, runs: dict[str, list[dict]], checks: dict[int, d
         f"interval, then the median [range] over the repeats: {check_runs}. "
         "Local work on the communication path, measured in the same process per "
         f"gradient element: CSC {calibration['profile'].get('sparsify_s_per_element', 0) * 1e9:.2f} ns, "
-        f"fp16 wire {calibration['profile'].get('wire_cast_s_per_element', 0) * 1e9:.2f} ns ("
+        f"fp16 wire {calibration['profile'].get('wire_cast_s_per_element', 0) * 1e9:.2f} ns"
+        + (f", PowerSGD {calibration['profile']['low_rank_s_per_element'] * 1e9:.2f} ns per element of the "
+           "matrices it compresses" if calibration["profile"].get("low_rank_s_per_element") else "") + " ("
         + ("scaled by how much the ranks slow each other, not by the per-rank batch"
            if calibration["profile"].get("batch") and global_batch else "scaled like the compute")
         + f").{_optimizer_note(calibration['profile'])}", "",
         *model_check(checks, calibration, network_by_world, sends_trust_sketches(next(iter(runs.values()))[0]),
                      unshaped, facts.get("cpu_count"), allreduce_beside, {world: short_at_world or []},
-                     global_batch), "",
+                     global_batch, {world: peer_steps} if peer_steps else None), "",
         "## Scaling model against the paper", "", *paper_lines, "",
         "![speedup against GPU count](scaling.png)", "",
         "## Dashboards", "",
         "Every run above is one wandb run (offline), named by strategy and grouped as "
-        f"`{group}`. Upload and compare: `wandb sync results/runs/reproduce/*/seed*/wandb/offline-run-*`, then "
-        f"`python scripts/wandb_report.py --group {group}` builds a W&B report of time to accuracy.", ""]
+        f"`{group}`. Upload them with `WANDB_RESUME=allow wandb sync "
+        "results/runs/reproduce/*/seed*/wandb/offline-run-*` (the resume setting appends the pieces of a resumed "
+        f"run to one run), then `python scripts/wandb_report.py --group {group}` (needs `pip install -e "
+        ".[dashboards]` and a wandb login or `--entity`) saves a W&B report and a workspace view: top-1 against "
+        "the MLPerf clock and against epochs with each strategy's seeds grouped (mean and range), time to target "
+        "per strategy, step time and bytes per step, and the runs with this report's columns.", ""]
     path.write_text("\n".join(text))

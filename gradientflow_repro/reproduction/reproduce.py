@@ -5,13 +5,17 @@ Steps: (1) calibrate: profile the model (``scaling.profile``), run the baseline 
 unshaped network to get compute time and bytes per step; (2) choose the link rate that gives the
 paper's dense communication/computation ratio; (3) measure the shaped network's bandwidth and per-
 message latency (``scaling.netbench``); (4) train every rung of the ladder (``knobs.LADDER``: the
-strategy registry's ``LADDER`` list, ``comm/registry.py``), and gradientflow's variants for
-convergence (``knobs.SPARSE_VARIANTS``, the registry's ``SPARSE_VARIANTS``), to the target once per seed
-(seed-major, so drift spreads over all of them), then short step-time runs of the sparse rungs,
+strategy registry's ``LADDER`` list, ``comm/registry.py``), gradientflow's variants for
+convergence (``knobs.SPARSE_VARIANTS``, the registry's ``SPARSE_VARIANTS``) and the peers, what
+researchers would use instead and the paper's stack as published (``knobs.PEERS``: PyTorch's fp16 and
+PowerSGD hooks, ``gradientflow-paper``), to the target once per seed (seed-major, so drift spreads over
+all of them), then short step-time runs of the sparse rungs,
 sparse from the start (their runs to the target are mostly dense warm-up), with `allreduce`'s beside
 them (their compute-only reference), and the same again with the links unshaped (what is left
 without the link's rate); (5) short step-time runs of every rung at
-the other world sizes, for the scaling model's check; (6) write the report (``reproduction.report``). Our
+the other world sizes, for the scaling model's check (the peers are not rungs: the model is checked
+against their runs to the target); (6) write the report (``reproduction.report``) and the runs' rows of
+``results/runs.csv`` (``runs.run_row``). Our
 algorithms switch from recursive doubling to the ring where the model prices the network measured at
 that world size (``netbench.small_message_kb``). With root every rank runs in its own network
 namespace behind a rate-limited link (``cluster.netemu``); without, on loopback, and the report says
@@ -37,7 +41,15 @@ from gradientflow_repro.config import compose
 from gradientflow_repro.provenance import code_version, environment_facts
 from gradientflow_repro.reproduction.progress import MACHINE_KEYS, Progress, Timeline
 from gradientflow_repro.reproduction.report import write_report
-from gradientflow_repro.reproduction.runs import compute_only_s, load_run, median_step, steady_step
+from gradientflow_repro.reproduction.runs import (
+    compute_only_s,
+    load_run,
+    median_step,
+    read_runs_csv,
+    run_row,
+    steady_step,
+    update_runs_csv,
+)
 from gradientflow_repro.scaling import perfmodel
 from gradientflow_repro.scaling.netbench import measure_network, small_message_kb
 from gradientflow_repro.tracking import duration
@@ -107,10 +119,13 @@ def check_job(label: str, world: int, repeat: int, unshaped: bool = False) -> Jo
 
 
 DEFAULT_CHECK_WORLDS = (2,)  # the model's check at a second world size (short step-time runs)
-# Repeats of the measurements around the ladder, two each: the model's step-time runs per strategy
-# and world size (their median) and launches of the network measurement (their mean). Not three:
-# on a slow 2-core machine three each took over a third of a reproduction that overran its time budget.
-CHECK_REPEATS = 2
+# Repeats of the measurements around the ladder: the model's step-time runs per strategy and world
+# size (their median; shaped and unshaped) and launches of the network measurement (their mean).
+# One step-time run each: the configurations trained to the target (the ladder, CSC's variants and
+# the peers, each once per seed) take most of a reproduction's time budget, and the seeds are what
+# the comparison stands on, so these short runs are trimmed first (the report says so). Two network
+# launches: the model's every prediction rests on the network's figures.
+CHECK_REPEATS = 1
 NETBENCH_LAUNCHES = 2
 
 
@@ -203,7 +218,7 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
               f"link rate {rate} Mbit/s "
               f"{'(chosen for comm/compute = %.2f)' % PAPER_RATIO if not rate_mbit else '(given)'}", flush=True)
 
-        gradients = [elements for elements, _, _ in calibration["profile"]["tensors"]]
+        gradients = [tensor[0] for tensor in calibration["profile"]["tensors"]]  # (elements, ready, flat[, rows])
 
         def trained(job: Job, title: str, run_dir: Path, launch_ranks: Callable[[], None]) -> dict:
             """``job``'s run in ``run_dir`` (``load_run``), trained by ``launch_ranks`` unless an
@@ -291,10 +306,19 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
 
 
 def report_from(runs_dir: Path, report: Path) -> None:
-    """(Re)write the report from a finished reproduction's directory (``--report-only``)."""
+    """(Re)write the report from a finished reproduction's directory (``--report-only``), and the runs'
+    rows of ``runs.csv`` beside it (study ``reproduce``; ``make convergence``'s rows are kept, and
+    the report reads their top-1 at the end)."""
     facts = json.loads((runs_dir / "reproduce.json").read_text())
     runs = {label: [load_run(d) for d in sorted((runs_dir / label).glob("seed*"), key=lambda d: int(d.name[4:]))]
             for label in facts.pop("rungs")}
+    table = report.parent / "runs.csv"
+    update_runs_csv(table, "reproduce", [run_row(run, study="reproduce", label=label,
+                                                 target=run["summary"].get("target_top1"))
+                                         for label, items in runs.items() for run in items])
+    facts["convergence_rows"] = read_runs_csv(table, "convergence")
+    facts["convergence_source"] = (f"`{table.resolve().relative_to(REPO).as_posix()}`"
+                                   if table.resolve().is_relative_to(REPO) else "`runs.csv` beside this report")
     facts["checks"] = {int(world): value for world, value in facts["checks"].items()}
     facts["unshaped"] = {int(world): value for world, value in facts.get("unshaped", {}).items()}
     facts["allreduce_beside"] = {int(world): value for world, value in facts.get("allreduce_beside", {}).items()}

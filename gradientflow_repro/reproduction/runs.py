@@ -1,16 +1,21 @@
 """A finished training run as the harness reads it: its summary, its records, its communication
-options, and its steady step time (median logged interval, after CSC's dense warm-up).
+options, its steady step time (median logged interval, after CSC's dense warm-up), and its row of
+``results/runs.csv``, the tidy table of every run of ``make reproduce`` and ``make convergence``
+(``RUNS_CSV_COLUMNS``, ``run_row``, ``update_runs_csv``), so other tools read the results without
+parsing Markdown.
 """
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
+import os
 import statistics
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
-from gradientflow_repro.comm import knobs
+from gradientflow_repro.comm import knobs, registry
 from gradientflow_repro.tracking import read_records
 
 
@@ -109,3 +114,131 @@ def sends_trust_sketches(run: dict) -> bool:
     biases none). A run of unknown configuration counts as the default: Lars with weight decay."""
     optim = (run.get("config") or {}).get("optim") or {}
     return optim.get("name", "lars") == "lars" and float(optim.get("weight_decay", 1.0)) != 0
+
+
+def compression_label(run: dict) -> str:
+    """What a run sends, for a table's density column: "1 (dense)", the density a sparse run sends
+    at, or the rank of a low-rank one (PowerSGD has no density)."""
+    if is_dense(run):
+        return "1 (dense)"
+    options = run_knobs(run)
+    if registry.sparsifier(options.sparsity).pricing == "low_rank":
+        return f"rank {options.powersgd_rank}"
+    return f"{options.density:g}"
+
+
+def falls(run: dict, warmup_epochs: Optional[float] = None) -> list[tuple[float, float, float, float]]:
+    """(epoch, top-1, next epoch, its top-1) of each pair of consecutive evaluations whose second
+    comes after the learning-rate warm-up (``warmup_epochs``, else the run's own)."""
+    after = run_warmup_epochs(run) if warmup_epochs is None else warmup_epochs
+    curve = evaluations(run)
+    return [(e0, a0, e1, a1) for (e0, a0), (e1, a1) in zip(curve, curve[1:]) if e1 > after]
+
+
+def largest_fall(run: dict) -> Optional[float]:
+    """The largest drop in points from one evaluation to the next after the run's learning-rate
+    warm-up (0: none; None: fewer than two evaluations)."""
+    if len(evaluations(run)) < 2:
+        return None
+    return max([0.0, *(a0 - a1 for _, a0, _, a1 in falls(run))])
+
+
+STUDIES = ("reproduce", "convergence")  # who writes results/runs.csv, in the file's order
+# results/runs.csv, one row per run, in this order:
+RUNS_CSV_COLUMNS = (
+    "study",  # reproduce (runs stopped at the target, on the emulated network) | convergence (whole schedule)
+    "strategy",  # the configuration's label (knobs.COMPARED, or a study's own LABEL)
+    "seed", "world_size", "experiment",
+    "target_top1",  # the target the row's time and epochs to target are for (the experiment's)
+    "reached_target",  # true | false: a run that never reached it has its time and epochs to target empty
+    "time_to_target_mlperf_s",  # MLPerf's clock (run_start to the evaluation at or above the target)
+    "time_to_target_train_s",  # the training clock: seconds in training steps alone up to then
+    "epochs_to_target", "sparse_epochs_to_target",  # of them after the dense warm-up (sparse strategies)
+    "epochs",  # trained: to the target (reproduce) or the whole schedule (convergence)
+    "final_top1", "best_top1",  # top-1 at the last evaluation, and the best one
+    "largest_fall_after_warmup",  # points, from one evaluation to the next after the learning-rate warm-up
+    "step_s", "bytes_per_step",  # steady state: median logged interval after the dense warm-up
+    "bytes_per_step_run_mean",  # what the whole run sent per step (a sparse run's warm-up included)
+    "dense_warmup_epochs",  # before a sparse strategy sparsifies (0: dense)
+    "compression",  # 1 (dense), the density, or a low-rank strategy's rank
+    "commit",  # the code that trained the run
+)
+
+
+def at_target(run: dict, target: Optional[float]) -> Optional[dict]:
+    """The run's clocks, step and epoch when it first reached ``target`` (None: never, or no target):
+    the summary's where the run stopped at that target, else its first evaluation at or above it
+    (a run of the whole schedule)."""
+    summary = run["summary"]
+    if target is None:
+        return None
+    if summary.get("target_top1") == target:
+        at = summary.get("clocks_at_target")
+        return None if not at else {**at, "epoch": epochs_to_target(run)}
+    return next((record for record in run["records"] if record["kind"] == "eval" and record["top1"] >= target), None)
+
+
+def run_row(run: dict, *, study: str, label: str, target: Optional[float]) -> dict[str, Any]:
+    """The run's row of ``results/runs.csv`` (``RUNS_CSV_COLUMNS``; None where unknown or never reached)."""
+    summary = run["summary"]
+    at = at_target(run, target)
+    warmup = dense_warmup_epochs(run)
+    logged = any(record["kind"] == "train" for record in run["records"]) or "train_s" in summary
+    steady = steady_step(run, warmup) if logged else {}  # (neither: a run that ended before its first step)
+    epochs = None if at is None else at.get("epoch")
+    return {"study": study, "strategy": label, "seed": (run.get("config") or {}).get("seed"),
+            "world_size": summary.get("world_size"), "experiment": summary.get("experiment"),
+            "target_top1": target, "reached_target": at is not None,
+            "time_to_target_mlperf_s": None if at is None else at.get("mlperf_s"),
+            "time_to_target_train_s": None if at is None else at.get("train_s"),
+            "epochs_to_target": epochs,
+            "sparse_epochs_to_target": None if epochs is None else max(0.0, epochs - warmup),
+            "epochs": summary.get("epochs"), "final_top1": summary.get("final_top1"),
+            "best_top1": summary.get("best_top1"), "largest_fall_after_warmup": largest_fall(run),
+            "step_s": steady.get("step_s"), "bytes_per_step": steady.get("bytes_per_step"),
+            "bytes_per_step_run_mean": summary.get("bytes_per_step"), "dense_warmup_epochs": warmup,
+            "compression": compression_label(run), "commit": summary.get("git_commit")}
+
+
+def update_runs_csv(path: Path, study: str, rows: Sequence[dict[str, Any]]) -> None:
+    """Write ``rows`` as ``study``'s rows of ``path``, keeping every other study's rows as they were
+    (``make reproduce`` and ``make convergence`` share the file, each replacing its own). Replaced
+    whole or not at all: a stopped write leaves the file as it was."""
+    kept = [row for row in read_runs_csv(path) if row.get("study") != study]
+    # the studies in a fixed order, whichever wrote last, so the file changes only where its runs did
+    ordered = sorted([*kept, *rows], key=lambda row: (STUDIES.index(row["study"]) if row["study"] in STUDIES
+                                                      else len(STUDIES), str(row["study"])))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    with open(temporary, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=RUNS_CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in ordered:
+            writer.writerow({key: "" if row.get(key) is None else row[key] for key in RUNS_CSV_COLUMNS})
+    os.replace(temporary, path)
+
+
+def read_runs_csv(path: Path, study: Optional[str] = None) -> list[dict[str, Any]]:
+    """The rows of ``path`` (``study``'s only, if given), numbers as floats, empty cells as None,
+    ``reached_target`` as a bool; no rows where the file is absent."""
+    if not path.is_file():
+        return []
+    with open(path, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    text = {"study", "strategy", "experiment", "compression", "commit"}
+
+    def value(key: str, cell: Optional[str]) -> Any:
+        if cell is None or cell == "":
+            return None
+        if key == "reached_target":
+            return cell == "True"
+        if key in text:
+            return cell
+        try:
+            number = float(cell)
+        except ValueError:
+            return cell
+        return int(number) if key in ("seed", "world_size") and number.is_integer() else number
+
+    return [{key: value(key, cell) for key, cell in row.items()} for row in rows
+            if study is None or row.get("study") == study]

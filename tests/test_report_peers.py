@@ -1,0 +1,292 @@
+"""The peers in the comparison (PyTorch's PowerSGD and fp16 hooks, the paper's stack as published):
+their rows in every table of the report and of the convergence study, the paragraph that says where
+CSC stands against them from the numbers, and results/runs.csv, the tidy table of every run. From
+fixtures: nothing trains here."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from gradientflow_repro.comm import knobs
+
+GPUS_512 = [1.0] * 9  # projection fixtures: speedups at 1..256 GPUs, then 512
+
+
+def _run(label: str, seed: int, curve: list[float], step_s: float = 0.1, sparse_mb: float = 1.0,
+         target: Optional[float] = 98.0, steps_per_epoch: int = 10, warmup: float = 1.0) -> dict:
+    """A finished run of configuration ``label`` (``knobs.COMPARED``) as ``runs.load_run`` returns it:
+    two logged intervals and one evaluation per epoch, 4 MB per step in the learning rate's warm-up
+    (dense) and ``sparse_mb`` after it, stopped at ``target`` (None: the whole ``curve``)."""
+    reached = next((i + 1 for i, top1 in enumerate(curve) if target is not None and top1 >= target), None)
+    epochs = reached or len(curve)
+    records, clock, train = [], 2.0, 0.0
+    for epoch in range(1, epochs + 1):
+        for half in (0.5, 1.0):
+            sent = (sparse_mb if epoch > warmup else 4.0) * 1e6
+            records.append({"kind": "train", "epoch": epoch - 1 + half, "step_s": step_s,
+                            "sync_wait_s_per_step": 0.01, "bytes_per_step": sent})
+        clock += steps_per_epoch * step_s + 0.5
+        train += steps_per_epoch * step_s
+        records.append({"kind": "eval", "epoch": float(epoch), "top1": curve[epoch - 1], "mlperf_s": clock,
+                        "train_s": train})
+    steps = epochs * steps_per_epoch
+    at = ({"step": steps, "mlperf_s": clock, "train_s": train, "eval_s": 0.5 * epochs, "startup_s": 2.0,
+           "init_s": 3.0} if reached else None)
+    return {"summary": {"clocks_at_target": at, "reached_target": bool(reached), "steps": steps, "epochs": epochs,
+                        "target_top1": target, "final_top1": curve[epochs - 1], "best_top1": max(curve[:epochs]),
+                        "bytes_per_step": 2e6, "world_size": 4, "experiment": "digits_cpu", "git_commit": "c0ffee",
+                        "images_per_s": 100.0, "sync_wait_s_per_step": 0.01, "train_s": train,
+                        "clocks": {"init_s": 3.0}},
+            "records": records, "config": {"seed": seed, "eval_every_epochs": 1, "optim": {"warmup_epochs": warmup}},
+            "comm": dict(knobs.COMPARED[label])}
+
+
+def _comparison(csc: list[float], powersgd: list[float], csc_step: float = 0.1, powersgd_step: float = 0.12) -> dict:
+    """Three seeds each of gradientflow, its peers, ddp and the paper's stack, to a target of 98%."""
+    return {"ddp": [_run("ddp", s, [90, 95, 98], 0.2, 4.0) for s in range(3)],
+            "gradientflow": [_run("gradientflow", s, csc, csc_step, 0.5) for s in range(3)],
+            "gradientflow-paper": [_run("gradientflow-paper", s, [90, 94, 96, 98], 0.1, 0.5) for s in range(3)],
+            "ddp-fp16": [_run("ddp-fp16", s, [90, 95, 98], 0.15, 2.0) for s in range(3)],
+            "powersgd": [_run("powersgd", s, powersgd, powersgd_step, 0.3) for s in range(3)]}
+
+
+CALIBRATION = {"profile": {"forward_s": 0.01, "backward_s": 0.02, "optimizer_s": 0.001,
+                           "sparsify_s_per_element": 1e-9, "wire_cast_s_per_element": 1e-10,
+                           "low_rank_s_per_element": 2e-9,
+                           "tensors": [[40000, 0.02, False, 200], [100, 0.02, True, 100]]}}
+
+
+def _convergence_rows(final: dict[str, float], falls: Optional[dict[str, float]] = None) -> list[dict]:
+    """make convergence's rows of results/runs.csv: top-1 at the end per configuration, three seeds."""
+    return [{"study": "convergence", "strategy": label, "seed": seed, "final_top1": top1, "epochs_to_target": 3.0,
+             "largest_fall_after_warmup": (falls or {}).get(label, 1.0), "reached_target": True, "commit": "beef"}
+            for label, top1 in final.items() for seed in range(3)]
+
+
+def _projection() -> dict[str, list[float]]:
+    return {"gradientflow": GPUS_512 + [450.0], "ddp": GPUS_512 + [230.0], "ddp-fp16": GPUS_512 + [300.0],
+            "powersgd": GPUS_512 + [380.0]}
+
+
+# ---------------------------------------------------------------- the paragraph: whoever wins, it says so
+def test_the_peers_paragraph_says_gradientflow_wins_where_it_does() -> None:
+    from gradientflow_repro.reproduction.report import peers_section
+    from gradientflow_repro.scaling.projection import GPU_COUNTS
+
+    runs = _comparison(csc=[90, 96, 98], powersgd=[90, 95, 96, 98])
+    final = {"gradientflow": 99.0, "powersgd": 98.8, "ddp-fp16": 99.2, "ddp": 99.1, "gradientflow-paper": 98.9}
+    text = "\n".join(peers_section(runs, CALIBRATION, _convergence_rows(final), _projection(), GPU_COUNTS))
+    rows = {row.split("|")[1].strip(): [c.strip() for c in row.strip("|").split("|")]
+            for row in text.splitlines() if row.startswith("| ") and not row.startswith("| strategy")}
+    assert list(rows) == ["gradientflow", "powersgd", "ddp-fp16", "ddp", "gradientflow-paper"]
+    assert rows["powersgd"][1] == "rank 4" and rows["gradientflow"][1] == "0.1" and rows["ddp-fp16"][1] == "1 (dense)"
+    # 2 + 3 x (10 x 0.1 + 0.5) = 6.5 s against 2 + 4 x (10 x 0.12 + 0.5) = 8.8 s and 2 + 3 x 2 = 8.0 s
+    assert rows["gradientflow"][2] == "6.5 [6.5-6.5]" and rows["powersgd"][2] == "8.8 [8.8-8.8]"
+    assert rows["powersgd"][3] == "4 [4-4] (3 [3-3] sparse)"
+    assert rows["powersgd"][4:6] == ["120.0", "0.300"]  # step and bytes after the dense warm-up
+    assert rows["powersgd"][7:] == ["98.80", "380.0x"] and rows["gradientflow-paper"][8] == "-"
+    assert all(cell != "not measured" for row in rows.values() for cell in row[6:7])  # local work, measured
+    assert ("`gradientflow` 6.5 s, `ddp-fp16` 8.0 s, `powersgd` 8.8 s: `gradientflow` reaches the target first "
+            "(0.81x the next, `ddp-fp16`).") in text
+    assert "fewest `powersgd`" in text and "shortest `gradientflow`" in text
+    assert "`gradientflow` 99.00%, `powersgd` 98.80%, `ddp-fp16` 99.20%: highest `ddp-fp16`" in text
+    assert "speedup `gradientflow` 450.0x, `powersgd` 380.0x, `ddp-fp16` 300.0x: highest `gradientflow`" in text
+    goals = [line for line in text.splitlines() if line.startswith("- Goal:")]
+    assert len(goals) == 2
+    assert "against `powersgd`: time to target 0.74x (ahead), top-1 at the end +0.20 points" in goals[0]
+    assert "against `ddp-fp16`: time to target 0.81x (ahead), top-1 at the end -0.20 points" in goals[0]
+    assert goals[0].endswith(": met.")
+    # below ddp's in the median and every seed: 6.5 / 9.5 = 0.68x = 0.50x (step) x 1.00x x 1.37x
+    assert "median 0.68x = 0.50x (step) x 1.00x (epochs) x 1.37x (overhead); seed 0: 0.68x" in goals[1]
+    assert goals[1].endswith(": met.")
+    assert ("`gradientflow` against `gradientflow-paper` (the paper's stack as published): epochs to target 3 "
+            "against 4 (medians)") in text
+    assert "top-1 at the end 99.00% against 98.90% (+0.10 points seed by seed" in text
+
+
+def test_the_peers_paragraph_says_so_where_a_peer_wins() -> None:
+    from gradientflow_repro.reproduction.report import peers_section
+    from gradientflow_repro.scaling.projection import GPU_COUNTS
+
+    # PowerSGD reaches the target an epoch sooner and steps faster; CSC ends 0.8 points below it
+    runs = _comparison(csc=[90, 95, 96, 98], powersgd=[90, 98], csc_step=0.2, powersgd_step=0.1)
+    final = {"gradientflow": 98.2, "powersgd": 99.0, "ddp-fp16": 98.4}
+    text = "\n".join(peers_section(runs, CALIBRATION, _convergence_rows(final), _projection(), GPU_COUNTS))
+    assert "`powersgd` 5.0 s, `ddp-fp16` 8.0 s, `gradientflow` 12.0 s: `powersgd` reaches the target first" in text
+    assert "highest `powersgd`" in text and "shortest `powersgd`" in text
+    goals = [line for line in text.splitlines() if line.startswith("- Goal:")]
+    assert "against `powersgd`: time to target 2.40x (NOT ahead), top-1 at the end -0.80 points" in goals[0]
+    assert goals[0].endswith(": NOT met.")
+    # 12.0 s against ddp's 9.5 s: not below it
+    assert "median 1.26x" in goals[1] and goals[1].endswith(": NOT met.")
+    # ahead on time but 0.8 points below at the end: not "at equal final top-1"
+    runs = _comparison(csc=[90, 96, 98], powersgd=[90, 95, 96, 98])
+    text = "\n".join(peers_section(runs, CALIBRATION, _convergence_rows(final), _projection(), GPU_COUNTS))
+    goal = next(line for line in text.splitlines() if line.startswith("- Goal: `gradientflow` ahead"))
+    assert "0.74x (ahead), top-1 at the end -0.80 points" in goal and goal.endswith(": NOT met.")
+
+
+def test_without_convergence_rows_the_paragraph_says_where_to_look_and_claims_nothing() -> None:
+    from gradientflow_repro.reproduction.report import peers_section
+
+    runs = _comparison(csc=[90, 96, 98], powersgd=[90, 95, 96, 97])  # powersgd never reaches 98%
+    text = "\n".join(peers_section(runs, {"profile": {}}, []))
+    assert "no rows of its runs in `results/runs.csv`; run `make convergence`" in text
+    assert "`powersgd` not reached in any seed" in text and "Local work per step: not measured" in text
+    assert "| powersgd | rank 4 | not reached | not reached |" in text
+    goal = next(line for line in text.splitlines() if line.startswith("- Goal: `gradientflow` ahead"))
+    assert "`powersgd` not reached (ahead), top-1 at the end unknown" in goal and goal.endswith(": NOT met.")
+    assert "The model at 512 GPUs: not projected here" in text and "`results/scaling.md`" in text
+    assert "over the whole schedule: `results/convergence.md`" in text
+    # below ddp's in the median, but seed 2 is as slow as ddp's seed 2 (2 + 5 x 1.5 = 9.5 s): not in every seed
+    runs["gradientflow"][2] = _run("gradientflow", 2, [90, 95, 96, 97, 98])
+    goal = next(line for line in peers_section(runs, {"profile": {}}, []) if "below `ddp`'s" in line)
+    assert "median 0.68x" in goal and "seed 2: 1.00x = 0.50x x 1.67x x 1.20x" in goal and goal.endswith(": NOT met.")
+    # a seed of gradientflow that never reaches the target: not below ddp's in every seed
+    runs["gradientflow"][2] = _run("gradientflow", 2, [90, 96, 98])
+    runs["gradientflow"][1] = _run("gradientflow", 1, [90, 96, 97])
+    goal = next(line for line in peers_section(runs, {"profile": {}}, []) if "below `ddp`'s" in line)
+    assert "seed 1: not reached" in goal and goal.endswith(": NOT met.")
+    assert peers_section({"ddp": runs["ddp"], "gradientflow": runs["gradientflow"]}, {"profile": {}}) == []
+
+
+# ---------------------------------------------------------------- the peers in every table
+def test_the_peers_are_rows_of_every_table_of_the_report() -> None:
+    from gradientflow_repro.reproduction.report import (
+        clock_table,
+        comparison_table,
+        convergence_table,
+        decomposition_table,
+        model_check,
+    )
+
+    runs = _comparison(csc=[90, 96, 98], powersgd=[90, 95, 96, 97])
+    every = ["ddp", "gradientflow", "gradientflow-paper", "ddp-fp16", "powersgd"]
+    for table in (comparison_table(runs), clock_table(runs), decomposition_table(runs, "ddp"),
+                  convergence_table(runs)[0]):
+        assert [row.split("|")[1].strip() for row in table[2:]] == every
+    assert "| powersgd | not reached | not reached |" in "\n".join(comparison_table(runs))
+    assert "| powersgd | not reached | - | - | - | 0 of 3 |" in decomposition_table(runs, "ddp")
+    rows = {row.split("|")[1].strip(): row.split("|")[2].strip() for row in convergence_table(runs)[0][2:]}
+    assert rows == {"ddp": "1 (dense)", "gradientflow": "0.1", "gradientflow-paper": "0.1", "ddp-fp16": "1 (dense)",
+                    "powersgd": "rank 4"}  # PowerSGD has no density: its rank
+    # the model's check: the peers below the ladder, from their runs to the target, not in the goal
+    network = {4: {"bandwidth_Bps": 1e8, "latency_s": 1e-4}}
+    checks = {4: {"allreduce": {"step_s": 0.5, "sync_wait_s": 0.3}, "gradientflow": {"step_s": 0.3}}}
+    peers = {4: {"ddp-fp16": {"step_s": 0.2}, "powersgd": {"step_s": 0.25}}}
+    text = model_check(checks, CALIBRATION, network, False, None, 2, None, None, None, peers)
+    shown = [row.split("|")[2].strip() for row in text if row.startswith("| 4 |")]
+    assert shown == ["allreduce", "gradientflow", "ddp-fp16 (not in the goal)", "powersgd (not in the goal)"]
+    assert "predictions are" in "\n".join(text) and " of 2 predictions" in "\n".join(text)
+
+
+def test_the_convergence_study_shows_the_peers_and_what_our_additions_buy(tmp_path: Path) -> None:
+    from gradientflow_repro.reproduction.convergence import write_study
+    from gradientflow_repro.reproduction.runs import read_runs_csv
+
+    never = None  # whole schedules: never stopped at a target
+    runs = {"ddp": [_run("ddp", s, [90, 97, 99, 99.2], target=never) for s in range(2)],
+            "gradientflow": [_run("gradientflow", s, [90, 96, 98.5, 99.0], target=never) for s in range(2)],
+            "gradientflow-paper": [_run("gradientflow-paper", s, [90, 96, 89, 98.6], target=never) for s in range(2)],
+            "powersgd": [_run("powersgd", s, [90, 95, 96, 97], target=never) for s in range(2)]}
+    configs = {label: knobs.hydra_overrides(knobs.COMPARED[label]) for label in runs}
+    machine = {"gpu": None, "cpu": "test CPU", "cpu_count": 2, "torch": "x", "git_commit": "c0ffee"}
+    out = tmp_path / "convergence.md"
+    write_study(out, runs, configs=configs, targets=[98.0, 98.5], world=4, experiment="digits_cpu", command="c",
+                elapsed_s=60, kept=0, overrides=[], machine=machine, target=98.5)
+    text = out.read_text()
+    table = text[text.index("| configuration | density"):].split("\n\n")[0].splitlines()[2:]
+    rows = {row.split("|")[1].strip(): [c.strip() for c in row.strip("|").split("|")] for row in table}
+    assert list(rows) == ["ddp", "gradientflow", "gradientflow-paper", "powersgd"]
+    assert rows["powersgd"][1:4] == ["rank 4", "not reached", "not reached"]
+    assert "| powersgd | 90.0 | 95.0 | 96.0 | 97.0 |" in text
+    assert "- `powersgd`: 98% reached in 0 of 2 seeds" in text
+    assert ("Our additions (release cap, trust-ratio noise correction): `gradientflow` against `gradientflow-paper` "
+            "(the paper's stack as published): epochs to 98% 3 against 4 (medians); top-1 at the end +0.40 points "
+            "against the same seed's (from +0.40 to +0.40 over 2 seeds); falls of more than 5 points after the "
+            "warm-up in 0 of 2 runs against 2 of 2.") in text
+    written = read_runs_csv(tmp_path / "runs.csv")
+    assert len(written) == 8 and {row["study"] for row in written} == {"convergence"}
+    paper = [row for row in written if row["strategy"] == "gradientflow-paper"][0]
+    assert paper["target_top1"] == 98.5 and paper["epochs_to_target"] == 4.0
+    assert paper["largest_fall_after_warmup"] == 7.0
+    assert paper["time_to_target_mlperf_s"] == pytest.approx(2 + 4 * 1.5)  # its fourth evaluation's clock
+    assert [row["reached_target"] for row in written if row["strategy"] == "powersgd"] == [False, False]
+
+
+# ---------------------------------------------------------------- results/runs.csv
+def test_runs_csv_has_a_row_per_run_and_each_study_keeps_the_others_rows(tmp_path: Path) -> None:
+    import pandas
+
+    from gradientflow_repro.reproduction.runs import RUNS_CSV_COLUMNS, read_runs_csv, run_row, update_runs_csv
+
+    path = tmp_path / "runs.csv"
+    stopped = {"gradientflow": [_run("gradientflow", s, [90, 96, 98]) for s in range(2)],
+               "powersgd": [_run("powersgd", s, [90, 95, 96, 97]) for s in range(2)]}  # never reaches 98%
+
+    def rows(study: str, runs: dict, target: Optional[float] = 98.0) -> list[dict]:
+        return [run_row(run, study=study, label=label, target=target) for label, items in runs.items() for run in items]
+
+    update_runs_csv(path, "convergence", rows("convergence", {"ddp": [_run("ddp", 0, [90, 99], target=None)]}))
+    update_runs_csv(path, "reproduce", rows("reproduce", stopped))
+    with open(path, newline="") as handle:
+        assert tuple(next(csv.reader(handle))) == RUNS_CSV_COLUMNS
+    frame = pandas.read_csv(path)
+    assert list(frame["study"]) == ["reproduce"] * 4 + ["convergence"]  # make convergence's row kept
+    assert list(frame["strategy"]) == ["gradientflow", "gradientflow", "powersgd", "powersgd", "ddp"]
+    assert list(frame["seed"]) == [0, 1, 0, 1, 0] and set(frame["world_size"]) == {4}
+    first = frame.iloc[0]
+    assert first["time_to_target_mlperf_s"] == pytest.approx(6.5)
+    assert first["time_to_target_train_s"] == pytest.approx(3)
+    assert first["epochs_to_target"] == 3 and first["sparse_epochs_to_target"] == 2 and first["final_top1"] == 98
+    assert first["step_s"] == pytest.approx(0.1) and first["bytes_per_step"] == 1e6 and first["commit"] == "c0ffee"
+    assert first["bytes_per_step_run_mean"] == 2e6 and first["compression"] == "0.1"
+    never = frame.iloc[2]  # the configuration that never reached the target: a row, its time empty
+    assert not never["reached_target"] and pandas.isna(never["time_to_target_mlperf_s"])
+    assert pandas.isna(never["time_to_target_train_s"]) and pandas.isna(never["epochs_to_target"])
+    assert never["final_top1"] == 97 and never["compression"] == "rank 4"
+    convergence = frame.iloc[4]  # a whole schedule: its time to target from its first evaluation at it
+    assert convergence["epochs_to_target"] == 2 and convergence["time_to_target_mlperf_s"] == pytest.approx(2 + 2 * 1.5)
+    # a new reproduction replaces make reproduce's rows only; a new study only its own
+    update_runs_csv(path, "reproduce", rows("reproduce", {"gradientflow": stopped["gradientflow"][:1]}))
+    assert [(row["study"], row["strategy"]) for row in read_runs_csv(path)] == [
+        ("reproduce", "gradientflow"), ("convergence", "ddp")]
+    update_runs_csv(path, "convergence", [])
+    assert [row["study"] for row in read_runs_csv(path)] == ["reproduce"]
+    assert read_runs_csv(tmp_path / "absent.csv") == []
+
+
+def test_a_report_written_from_a_reproduction_writes_its_rows_and_reads_the_studys(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """``report_from`` writes make reproduce's rows of runs.csv beside the report, keeps make
+    convergence's, and hands those to the report (for top-1 at the end)."""
+    import yaml
+
+    from gradientflow_repro.reproduction import reproduce as rp
+    from gradientflow_repro.reproduction.runs import read_runs_csv, run_row, update_runs_csv
+
+    runs_dir, report = tmp_path / "runs", tmp_path / "out" / "REPORT.md"
+    stopped = {"gradientflow": [_run("gradientflow", 0, [90, 96, 98])], "powersgd": [_run("powersgd", 0, [90, 97])]}
+    for label, items in stopped.items():
+        for run in items:
+            run_dir = runs_dir / label / f"seed{run['config']['seed']}"
+            run_dir.mkdir(parents=True)
+            (run_dir / "summary.json").write_text(json.dumps(run["summary"]))
+            (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run["records"]))
+            (run_dir / "config.yaml").write_text(yaml.safe_dump({**run["config"], "comm": run["comm"]}))
+    (runs_dir / "reproduce.json").write_text(json.dumps({"rungs": list(stopped), "checks": {"4": {}}}))
+    study = [run_row(_run("powersgd", 0, [90, 99], target=None), study="convergence", label="powersgd", target=98.0)]
+    update_runs_csv(report.parent / "runs.csv", "convergence", study)
+    written: dict = {}
+    monkeypatch.setattr(rp, "write_report", lambda path, **facts: written.update(facts, path=path))
+    rp.report_from(runs_dir, report)
+    rows = read_runs_csv(report.parent / "runs.csv")
+    assert [(row["study"], row["strategy"], row["reached_target"]) for row in rows] == [
+        ("reproduce", "gradientflow", True), ("reproduce", "powersgd", False), ("convergence", "powersgd", True)]
+    assert written["convergence_rows"] == rows[2:] and written["convergence_source"] == "`runs.csv` beside this report"
+    assert list(written["runs"]) == ["gradientflow", "powersgd"]
