@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=convergence.OUT)
     parser.add_argument("--timeout-s", type=float, default=900, help="per training run")
     parser.add_argument("--fresh", action="store_true", help="train every run again (default: keep finished ones)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="train nothing: rewrite the report from the kept runs (whatever code trained them)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
     try:
@@ -44,10 +46,15 @@ def main() -> None:
         convergence.experiment_target(args.experiment)  # the preset exists
     except ValueError as error:
         parser.error(str(error))
-    convergence.study(configs=configs, experiment=args.experiment, world=args.world, seeds=args.seeds,
-                      targets=args.targets, runs_dir=args.runs_dir, out=args.out, overrides=args.overrides,
-                      timeout_s=args.timeout_s, fresh=args.fresh,
-                      command=shlex.join(["python", "scripts/convergence.py", *sys.argv[1:]]))
+    try:
+        convergence.study(configs=configs, experiment=args.experiment, world=args.world, seeds=args.seeds,
+                          targets=args.targets, runs_dir=args.runs_dir, out=args.out, overrides=args.overrides,
+                          timeout_s=args.timeout_s, fresh=args.fresh, report_only=args.report_only,
+                          command=shlex.join(["python", "scripts/convergence.py", *sys.argv[1:]]))
+    except ValueError as error:
+        if not args.report_only:
+            raise
+        parser.error(str(error))
 
 
 if __name__ == "__main__":

@@ -246,8 +246,13 @@ def test_powersgd_sends_rank_r_factors_by_hand_count() -> None:
 def test_pytorchs_fp16_hook_sends_two_bytes_and_agrees_on_no_scale() -> None:
     profile, net = _two_linear_layers(), pm.Network(1e8, 1e-4)
     hook = pm.strategy_of("ddp-fp16")
-    ours = pm.Strategy.from_knobs("ddp, our fp16 wire", knobs.resolve({"strategy": "ddp", "wire": "fp16"}))
+    # comm=ddp comm.wire=fp16 is the same configuration (the factory builds PyTorch's hook for both);
+    # our fp16 wire under DDP is the one over our ring (sum_hook), which agrees on a scale
+    same = pm.Strategy.from_knobs("ddp + fp16", knobs.resolve({"strategy": "ddp", "wire": "fp16"}))
+    ours = pm.Strategy.from_knobs("ddp, our fp16 wire", knobs.resolve({"strategy": "ddp", "wire": "fp16",
+                                                                       "algorithm": "ring"}))
     assert (hook.wire_bytes, hook.shared_scale, hook.low_rank) == (2, False, 0) and ours.shared_scale
+    assert not same.shared_scale
     assert [m.small_bytes for m in pm.messages(profile, hook)] == [0.0]
     assert [m.small_bytes for m in pm.messages(profile, ours)] == [4.0]  # our wire's shared scale
     assert pm.predict_step(profile, 4, net, hook).bytes_per_rank == pytest.approx(2 * 3 / 4 * profile.elements * 2)

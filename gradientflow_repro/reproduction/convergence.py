@@ -102,13 +102,17 @@ def experiment_target(experiment: str) -> Optional[float]:
     return (yaml.safe_load(preset.read_text()) or {}).get("target_top1")
 
 
-def kept_run(run_dir: Path, record: dict) -> Optional[dict]:
+def kept_run(run_dir: Path, record: dict, any_code: bool = False) -> Optional[dict]:
     """The run in ``run_dir`` (``load_run``) if it was trained as ``record`` says (overrides, world
-    size, code; code None: unknown, never reused) and went through its whole schedule, else None."""
-    if record.get("code") is None:
+    size, code; code None: unknown, never reused; ``any_code``: whatever code trained it) and went
+    through its whole schedule, else None."""
+    if record.get("code") is None and not any_code:
         return None
     try:
-        if json.loads((run_dir / RECORD_FILE).read_text()) != record:
+        saved = json.loads((run_dir / RECORD_FILE).read_text())
+        if any_code:
+            saved = {**saved, "code": record.get("code")}
+        if saved != record:
             return None
         run = load_run(run_dir)
     except (OSError, ValueError):
@@ -127,8 +131,10 @@ def first_epoch_at(run: dict, top1: float) -> Optional[float]:
 def study(*, configs: dict[str, list[str]], experiment: str = "digits_cpu", world: int = 4,
           seeds: Sequence[int] = (0, 1, 2), targets: Sequence[float] = (), runs_dir: Path = RUNS_DIR,
           out: Path = OUT, overrides: Sequence[str] = (), timeout_s: float = 900, fresh: bool = False,
-          command: str = "python scripts/convergence.py") -> dict[str, list[dict]]:
-    """Train every configuration once per seed over the whole schedule (seed-major), then write ``out``."""
+          command: str = "python scripts/convergence.py", report_only: bool = False) -> dict[str, list[dict]]:
+    """Train every configuration once per seed over the whole schedule (seed-major), then write ``out``.
+    ``report_only``: train nothing; write ``out`` from the kept runs, whatever code trained them (the
+    report names their commit), e.g. with other targets; a run missing raises ValueError."""
     started = time.time()
     runs_dir = runs_dir.resolve()  # the ranks run in the repository, this process may not
     check_overrides(overrides, "overrides for every run")
@@ -146,7 +152,12 @@ def study(*, configs: dict[str, list[str]], experiment: str = "digits_cpu", worl
     code = code_version()
     record = {(label, seed): {"argv": [*base, *configs[label], f"seed={seed}", f"run_dir={d}"], "world": world,
                               "code": code} for label, seed, d in jobs}
-    kept = {(label, seed): run for label, seed, d in jobs if (run := kept_run(d, record[label, seed])) is not None}
+    kept = {(label, seed): run for label, seed, d in jobs
+            if (run := kept_run(d, record[label, seed], any_code=report_only)) is not None}
+    if report_only and len(kept) < len(jobs):
+        missing = [f"{label} seed {seed}" for label, seed, _ in jobs if (label, seed) not in kept]
+        raise ValueError(f"--report-only: no finished run of {', '.join(missing)} under {runs_dir} with these "
+                         f"overrides and world size: run the study without --report-only")
     print(f"convergence: {len(configs)} configurations x {len(seeds)} seeds at world size {world} on loopback, "
           f"whole schedule; {len(kept)} of {len(jobs)} runs kept from before", flush=True)
     timeline = Timeline([("train", label) for label, seed, _ in jobs if (label, seed) not in kept], name="convergence")

@@ -37,8 +37,8 @@ is the registry's, not retyped), the sparsifier priced by its registered rule:
   tensors it sends whole, then P (n x r per compressed n x m matrix), then Q (m x r), after its
   local work (a cost per compressed element, ``ModelProfile.low_rank_s_per_element``;
   ``low_rank_split``); dense, as DDP, during its warm-up (``time_to_train``'s dense epochs);
-- PyTorch's ``fp16_compress_hook`` (``PYTORCH_FP16_HOOK``): DDP's buckets at 2 bytes an element,
-  no scale to agree on;
+- PyTorch's ``fp16_compress_hook`` (``comm=ddp-fp16``, and any DDP fp16 wire over the backend's
+  allreduce, as the factory builds it): DDP's buckets at 2 bytes an element, no scale to agree on;
 - who sums: ``knobs.summing``, the one definition the factory builds (``comm.implementation``): the
   backend's own allreduce for ``builtin`` (``allreduce``, ``ddp``) and, on an NCCL network
   (``Network.nccl``, a GPU cluster) by default for every algorithm; our algorithms above by default
@@ -184,9 +184,6 @@ def effective_network(net: Network) -> Network:
 
 # The pricing rules of ``registry.PRICING_RULES`` that ``Strategy.from_knobs`` knows
 PRICED_RULES = ("dense", "chunks", "csc", "low_rank")
-# The strategy whose fp16 wire is PyTorch's ``fp16_compress_hook`` (divide, cast, allreduce, cast
-# back: no scale to agree on), not ours; the same knobs as ``ddp`` with ``wire: fp16`` otherwise
-PYTORCH_FP16_HOOK = "ddp-fp16"
 
 
 @dataclass(frozen=True)
@@ -226,8 +223,8 @@ class Strategy:
 
         What the sparsifier sends is priced by its rule in the registry (``registry.PRICING_RULES``:
         ``dense``, ``chunks``, ``csc``, ``low_rank``); a rule not known here raises ValueError, so a
-        new sparsifier is never priced as dense by mistake. ``PYTORCH_FP16_HOOK``'s fp16 wire is
-        PyTorch's hook (no shared scale)."""
+        new sparsifier is never priced as dense by mistake. DDP's fp16 wire over the builtin allreduce is
+        PyTorch's ``fp16_compress_hook`` (no shared scale), as the factory builds it."""
         rule = registry.sparsifier(knobs.sparsity).pricing
         if rule not in PRICED_RULES:
             raise ValueError(f"strategy {name!r}: sparsifier {knobs.sparsity!r} has pricing rule {rule!r}, which "
@@ -245,7 +242,7 @@ class Strategy:
                    small_message_bytes=comm_knobs.small_message_bytes(knobs),
                    noise_sketch=lars and corrected and knobs.trust_noise_correction,
                    takes_optimizer=corrected, low_rank=knobs.powersgd_rank if rule == "low_rank" else 0,
-                   shared_scale=knobs.strategy != PYTORCH_FP16_HOOK)
+                   shared_scale=not (knobs.fusion == "ddp" and knobs.algorithm == "builtin"))
 
     @property
     def builtin(self) -> bool:
