@@ -38,7 +38,8 @@ from conftest import REPO
 def test_paper_setting_meets_its_goals_and_states_its_inputs() -> None:
     lines, table = paper_check()
     text = "\n".join(lines)
-    assert table["gradientflow"][-1] >= 435  # the uncalibrated ceiling at 512 GPUs
+    # the table the figure and the reports quote is the calibrated model's, below the ceiling in the text
+    assert 290 <= table["gradientflow"][-1] < 499 and "| 499.3x |" in text
     # every goal judged on the calibrated model (results/model_check.json), never on the ceiling
     assert ">= 435x" not in text and "| band contains 410.2x: met |" in text and "torch.utils.flop_counter" in text
     assert "uncalibrated ceiling" in text and "## Sensitivity (calibrated)" in text

@@ -578,7 +578,7 @@ def peers_section(runs: dict[str, list[dict]], calibration: dict, convergence_ro
 
     table = ["| strategy | sends | time to target, MLPerf clock (s) | epochs to target | step after the warm-up (ms) "
              "| MB per rank per step after the warm-up | local work per step (ms) "
-             f"| top-1 at the end of `make convergence` (%) | model: speedup at {gpus} GPUs |",
+             f"| top-1 at the end of `make convergence` (%) | model (calibrated): speedup at {gpus} GPUs |",
              "|---|---|---|---|---|---|---|---|---|"]
     for label in shown:
         top1 = final[label]["final_top1"]
@@ -633,8 +633,9 @@ def peers_section(runs: dict[str, list[dict]], calibration: dict, convergence_ro
                     "then `python scripts/reproduce.py --report-only`.")
     scaled = [label for label in contenders if label in at_scale]
     if scaled:
-        said.append(f"The model at {gpus} GPUs (the paper's setup: section \"Scaling model against the paper\" "
-                    "below; the model's projection in full: `results/scaling.md`): speedup " + ", ".join(
+        said.append(f"The model calibrated on published results at {gpus} GPUs (the paper's setup, the "
+                    "steady state after each dense warm-up, convergence not modelled: section \"Scaling model "
+                    "against the paper\" below, with its band; in full: `results/scaling.md`): speedup " + ", ".join(
                         f"`{label}` {at_scale[label]:.1f}x" for label in scaled)
                     + f": highest {_leaders(scaled, lambda label: at_scale[label], '.1f')}"
                     + "".join(f"; `{label}` not projected" for label in contenders if label not in scaled) + ".")
