@@ -242,7 +242,7 @@ class Strategy:
                    small_message_bytes=comm_knobs.small_message_bytes(knobs),
                    noise_sketch=lars and corrected and knobs.trust_noise_correction,
                    takes_optimizer=corrected, low_rank=knobs.powersgd_rank if rule == "low_rank" else 0,
-                   shared_scale=not (knobs.fusion == "ddp" and knobs.algorithm == "builtin"))
+                   shared_scale=not (knobs.wire == "fp16" and knobs.fusion == "ddp" and knobs.algorithm == "builtin"))
 
     @property
     def builtin(self) -> bool:
