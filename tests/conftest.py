@@ -81,19 +81,19 @@ def train(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 240)
     return (run_dir / "rank0.log").read_text()
 
 
-def wandb_history_keys(wandb_file: Path) -> set[str]:
-    """Metric names in the history of an offline wandb run file (``run-<id>.wandb``): what the
-    dashboards can plot. The file is a LevelDB-style log (32 KiB blocks of records with a 7-byte
-    header: crc, length, type) after a 7-byte ':W&B' header, each record one protobuf ``Record``.
-    Parsed by hand: wandb 0.31 has no Python reader for these files any more (its
-    ``sdk.internal.datastore`` moved into the Go ``wandb-core``), only the protobuf classes."""
+def wandb_records(run_file: Path) -> list:
+    """The protobuf ``Record``s of an offline wandb run file (``run-<id>.wandb``), in order. The file
+    is a LevelDB-style log (32 KiB blocks of records with a 7-byte header: crc, length, type) after a
+    7-byte ':W&B' header, each record one protobuf ``Record``. Parsed by hand: wandb 0.31 has no
+    Python reader for these files any more (its ``sdk.internal.datastore`` moved into the Go
+    ``wandb-core``), only the protobuf classes."""
     import struct
 
     from wandb.proto import wandb_internal_pb2
 
-    data = wandb_file.read_bytes()
-    assert data[:4] == b":W&B", f"{wandb_file} is not a wandb run file"
-    keys, position, pending = set(), 7, b""
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B", f"{run_file} is not a wandb run file"
+    records, position, pending = [], 7, b""
     while position + 7 <= len(data):
         left_in_block = 32768 - position % 32768
         _, length, kind = struct.unpack("<IHB", data[position:position + 7])
@@ -105,10 +105,16 @@ def wandb_history_keys(wandb_file: Path) -> set[str]:
         if kind in (1, 4):  # a whole record, or the last fragment of one
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
+            records.append(record)
             pending = b""
-            if record.WhichOneof("record_type") == "history":
-                keys.update(item.key or "/".join(item.nested_key) for item in record.history.item)
-    return keys
+    return records
+
+
+def wandb_history_keys(wandb_file: Path) -> set[str]:
+    """Metric names in the history of an offline wandb run file (``run-<id>.wandb``): what the
+    dashboards can plot."""
+    return {item.key or "/".join(item.nested_key) for record in wandb_records(wandb_file)
+            if record.WhichOneof("record_type") == "history" for item in record.history.item}
 
 
 def final_params(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -19,37 +18,12 @@ from gradientflow_repro.comm import knobs
 from gradientflow_repro.reproduction import wandb_report
 from gradientflow_repro.tracking import WANDB_LABEL_KEY
 
-from conftest import FAST, REPO, train
+from conftest import FAST, REPO, train, wandb_records
 
 # One epoch of 5 steps at batch 256, evaluated at its end; a target of 1% is reached there, so
 # every run writes its time to target.
 TINY = [*FAST, "logger=wandb", "logger.mode=offline", "logger.log_every=1", "global_batch_size=256",
         "optim.warmup_epochs=0.5", "eval_every_epochs=1"]
-
-
-def wandb_records(run_file: Path) -> list:
-    """The protobuf ``Record``s of an offline wandb run file (``run-<id>.wandb``): a 7-byte ':W&B'
-    header, then a LevelDB-style log (32 KiB blocks of records with a 7-byte header: crc, length,
-    type), as tests/conftest.py's ``wandb_history_keys`` reads it."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = run_file.read_bytes()
-    assert data[:4] == b":W&B", f"{run_file} is not a wandb run file"
-    records, position, pending = [], 7, b""
-    while position + 7 <= len(data):
-        left_in_block = 32768 - position % 32768
-        _, length, kind = struct.unpack("<IHB", data[position:position + 7])
-        if left_in_block < 7 or (kind == 0 and length == 0):  # block padding
-            position += left_in_block
-            continue
-        pending += data[position + 7:position + 7 + length]
-        position += 7 + length
-        if kind in (1, 4):  # a whole record, or the last fragment of one
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-            pending = b""
-    return records
 
 
 def _key(item) -> str:
