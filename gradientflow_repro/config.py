@@ -135,6 +135,9 @@ class Config:
     global_batch_size: int = setting(256, positive)  # divisible by the world size (checked in validate)
     epochs: int = setting(90, positive)
     eval_every_epochs: int = setting(1, positive)
+    # evaluate with BatchNorm statistics recomputed from the epoch's last this-many training batches
+    # (precise_bn.py); 0: BatchNorm's running statistics as they are
+    precise_bn_batches: int = setting(0, non_negative)
     target_top1: Optional[float] = setting(None, optional(in_range(0, 100, low_open=True)))  # stop there
     max_steps: Optional[int] = setting(None, optional(positive))  # stop after this many steps (tests)
     seed: int = setting(0, non_negative)

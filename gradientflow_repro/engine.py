@@ -25,6 +25,7 @@ from gradientflow_repro.distributed import World, agree_max, all_reduce_scalars,
 from gradientflow_repro.mlperf_log import MlperfLog
 from gradientflow_repro.models import build_model
 from gradientflow_repro.optim import build_optimizer, build_schedule, set_lr
+from gradientflow_repro.precise_bn import PreciseBatchNorm
 from gradientflow_repro.precision import Precision
 from gradientflow_repro.preemption import StopRequests
 from gradientflow_repro.state import LocalBuffers, ModelName, ModelWeights, TrainingProgress, TrainState, rng_parts
@@ -62,6 +63,7 @@ class Trainer:
         self.model.train()
         self.progress = TrainingProgress()
         self.buffers = LocalBuffers(self.model, world.world_size)
+        self.precise_bn = PreciseBatchNorm(cfg.precise_bn_batches)
         phases.done("communicator")
         self.tracker = Tracker(self.run_dir, cfg.logger, enabled=world.is_main, name=self.run_name,
                                group=cfg.logger.group or cfg.experiment,
@@ -71,7 +73,9 @@ class Trainer:
             shared={"model_name": ModelName(cfg.model.name), "model": ModelWeights(self.model, described),
                     "optimizer": self.optimizer, "precision": self.precision, "wandb_id": self.tracker,
                     "progress": self.progress},
-            per_rank={"buffers": self.buffers, "comm": self.comm, **rng_parts(device)},
+            per_rank={"buffers": self.buffers, "comm": self.comm, **rng_parts(device),
+                      # only when on: checkpoints without it keep the layout they always had
+                      **({"precise_bn": self.precise_bn} if cfg.precise_bn_batches else {})},
             rank=world.rank, world_size=world.world_size, device=device)
         self._nonfinite_streak = 0
         torch.manual_seed(cfg.seed + 1 + world.rank)  # dropout differs between ranks, as on a cluster
@@ -141,6 +145,7 @@ class Trainer:
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
         started, step = time.perf_counter(), self.progress.step
         mark_progress(f"step {step}")
+        self.precise_bn.remember(images, step, self.data.steps_per_epoch)
         lr = self.schedule(step)
         set_lr(self.optimizer, lr)
         faults.inject("forward", step)
@@ -198,7 +203,10 @@ class Trainer:
         mark_progress(f"evaluation after step {p.step}")
         self.mlperf.eval_start(p.step / self.data.steps_per_epoch)
         correct, total = torch.zeros((), dtype=torch.int64, device=self.device), 0
-        with self.buffers.averaged():  # evaluate the consensus model; keep local stats for training
+        # statistics of the weights evaluated (if configured), then the consensus model's; after
+        # both, this rank's own running statistics again for training
+        with self.precise_bn.recomputed(self.model, self.buffers, self.precision.autocast), \
+                self.buffers.averaged():
             self.model.eval()
             for images, labels in self.data.val_batches():
                 with self.precision.autocast():
