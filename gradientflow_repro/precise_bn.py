@@ -83,3 +83,7 @@ class PreciseBatchNorm:
 
     def reseed(self, seed: int) -> None:
         self.kept = []
+
+    def absent_from_checkpoint(self) -> None:
+        """A checkpoint written without precise BN (before it existed, or with it off): none kept."""
+        self.kept = []

@@ -26,8 +26,13 @@ per-rank part declares how its state maps (``rank_rule``: a rule for the whole s
 - ``own``: new rank r takes old rank r's (the RNG states); a rank with no old counterpart seeds its
   generators from (the checkpoint's step, its rank), so the streams differ between ranks and are
   reproducible.
-A part without a rule cannot be mapped and the resume is refused, naming it. ``TrainState.regrouped``
-then says in one line what was done; the run prints it.
+A part without a rule cannot be mapped and the resume is refused, naming it and both world sizes.
+``TrainState.regrouped`` then says in one line what was done; the run prints it.
+
+A part added after checkpoints were written (so absent from their files) is refused, naming it,
+unless it has ``absent_from_checkpoint()``: then it is called instead of ``load_state_dict`` and
+the part starts from what that sets (for state whose absence only costs what the part would have
+kept, e.g. precise BatchNorm's kept batches).
 """
 
 from __future__ import annotations
@@ -308,12 +313,22 @@ class _Regroup:
         self.own: dict[tuple, Any] = {}
         self.layout: Optional[dict] = None  # rank 0: per piece, its rule and skeleton (or value)
         self.rules: dict[tuple, str] = {}
+        self.absent: set[str] = set()  # parts the old files lack, which can start without them
 
     def add(self, old_rank: int, saved: dict, where: str) -> None:
         for key, part in self.parts.items():
+            if key not in saved and callable(getattr(part, "absent_from_checkpoint", None)):
+                self.absent.add(key)
+                continue
             if key not in saved:
-                raise CheckpointError(f"{where} has no '{key}'")
-            for sub, rule in _rules(key, part, saved[key]).items():
+                raise CheckpointError(f"{where} has no '{key}' (written before this code's '{key}' existed?)")
+            try:
+                rules = _rules(key, part, saved[key])
+            except CheckpointError as error:
+                raise CheckpointError(f"{where}: written by {self.old} ranks, this job has {self.world}, and "
+                                      f"{error}; resume on {self.old} ranks, or start afresh with "
+                                      f"resume=never or another run_dir") from None
+            for sub, rule in rules.items():
                 value = saved[key] if sub is None else saved[key][sub]
                 piece = (key, sub)
                 self.rules[piece] = rule
@@ -339,16 +354,18 @@ class _Regroup:
 
     def finish(self, group: Group, step: int) -> str:
         """Collective: load every part's mapped state; returns what was done, in words."""
-        layout = group.broadcast(self.layout)
+        layout = group.broadcast(self.layout) or {}
         states: dict[str, Any] = {}
         reseeded = []
+        problem = ""  # this rank's; agreed before any part loads (the all-reduces below stay in step)
         for piece, (rule, shape) in layout.items():
             key, sub = piece
             if rule == MEAN:
                 metas = _leaves(shape, _Meta)
                 totals = self.sums.get(piece) or [torch.zeros(m.shape, dtype=_sum_dtype(m.dtype)) for m in metas]
                 if [tuple(t.shape) for t in totals] != [m.shape for m in metas]:
-                    raise CheckpointError(f"'{key}' {sub or ''}: shapes differ between old ranks 0 and others")
+                    problem = problem or f"'{key}' {sub or ''}: shapes differ between old ranks 0 and others"
+                    totals = [torch.zeros(m.shape, dtype=_sum_dtype(m.dtype)) for m in metas]
                 means = {}
                 for index, (total, meta) in enumerate(zip(totals, metas)):
                     if group.active:
@@ -365,8 +382,9 @@ class _Regroup:
                 if piece not in self.own:
                     reseed = getattr(self.parts[key], "reseed", None)
                     if sub is not None or reseed is None:
-                        raise CheckpointError(f"per-rank part '{key}': rank {self.rank} has no old counterpart "
+                        problem = problem or (f"per-rank part '{key}': rank {self.rank} has no old counterpart "
                                               f"and the part cannot be reseeded")
+                        continue
                     reseed(derived_seed(step, self.rank))
                     reseeded.append(key)
                     continue
@@ -374,9 +392,14 @@ class _Regroup:
                 states[key] = value
             else:
                 states.setdefault(key, {})[sub] = value
+        failed = [r for r, flag in enumerate(group.flags(int(bool(problem)))) if flag]
+        if failed:
+            raise CheckpointError(f"on rank {failed[0]}: {group.all_gather(problem)[failed[0]]}")
         for key, part in self.parts.items():
             if key in states:
                 part.load_state_dict(states[key])
+            elif key in self.absent:
+                part.absent_from_checkpoint()
         return self._describe(layout, reseeded)
 
     def _describe(self, layout: dict, reseeded: list) -> str:
@@ -493,7 +516,12 @@ class TrainState:
     @staticmethod
     def _restore(path: Path, key: str, part: Stateful, saved: dict, where: str, version: int) -> None:
         if key not in saved:
-            raise CheckpointError(f"{path} has no '{key}' in {where} (checkpoint format {version})")
+            if callable(getattr(part, "absent_from_checkpoint", None)):  # written before the part existed
+                part.absent_from_checkpoint()
+                return
+            raise CheckpointError(f"{path} has no '{key}' in {where} (checkpoint format {version}, written "
+                                  f"before this code's '{key}' existed?); resume it with the code that wrote "
+                                  f"it, or start afresh with resume=never or another run_dir")
         try:
             part.load_state_dict(saved[key])
         except CheckpointError as error:

@@ -32,7 +32,7 @@ def main() -> None:
     if min(args.worlds) < 1 or args.rank_mb <= 0 or args.shared_mb <= 0 or args.repeats < 1:
         parser.error("--worlds, --rank-mb, --shared-mb and --repeats must be positive")
     print(bench_checkpoint(args.out, args.worlds, args.rank_mb, args.shared_mb, args.repeats,
-                           command="python scripts/bench_checkpoint.py " + " ".join(sys.argv[1:])))
+                           command=" ".join(["python scripts/bench_checkpoint.py", *sys.argv[1:]])))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ stopping=""
 trap 'stopping=USR1' USR1
 trap 'stopping=TERM' TERM
 
-"$@"
+# The trainer writes to the task's stderr (fd 3 here); the shell's own report of a child killed by
+# a signal ("line N: PID Killed ...") goes nowhere: the one line below says it, naming the rank.
+{ "$@" 2>&3 3>&-; } 3>&2 2>/dev/null
 status=$?
 if [ "$status" -eq 0 ] || [ "$status" -eq 75 ] || [ "$stopping" = TERM ]; then
   exit "$status"
@@ -34,8 +36,13 @@ step=${SLURM_JOB_ID:-?}.${SLURM_STEP_ID:-?}
 echo "error: rank ${SLURM_PROCID:-?} (node ${SLURMD_NODENAME:-$(hostname)}) $how: ending job step $step" >&2
 # SIGKILL at once: SIGTERM would ask each survivor for a checkpoint, which needs a collective with
 # the rank that is gone. The last complete checkpoint is what a resubmitted job resumes from.
+# scancel runs inside the step, so the kill it asks for may end it (and this shell) first: that is
+# success, not a failure to report (nor a line from the shell about a killed child).
 if [ -n "${SLURM_JOB_ID:-}" ] && [ -n "${SLURM_STEP_ID:-}" ]; then
-  scancel --quiet --signal=KILL "$step" \
-    || echo "error: scancel $step failed: the other ranks stop at their watchdog (watchdog_s)" >&2
+  { scancel --quiet --signal=KILL "$step" 2>&3 3>&-; } 3>&2 2>/dev/null
+  cancelled=$?
+  if [ "$cancelled" -ne 0 ] && [ "$cancelled" -le 128 ]; then
+    echo "error: scancel $step failed: the other ranks stop at their watchdog (watchdog_s)" >&2
+  fi
 fi
 exit "$status"

@@ -8,7 +8,10 @@ What NCCL (through PyTorch's ProcessGroupNCCL, with the communicator created eag
   there: a rendezvous, the worst case for small messages and the rule for large ones);
 - ``batch_isend_irecv`` runs its sends and receives together, as one group (``ncclGroupStart/End``);
   plain ``isend``/``irecv`` are groups of one;
-- collectives return before they finish; ``wait()`` orders later work after them.
+- collectives return before they finish; ``wait()`` orders later work after them;
+- a future's callbacks never block the stream (NCCL completes a work's future as its kernel is
+  queued; its callbacks may issue and wait for more collectives, as PyTorch's PowerSGD hook does):
+  here they run on a thread of their own once the op has run.
 
 Under the double an op that can never run (a receive queued before the send it waits for) makes
 the waiting rank raise ``StreamHang`` within ``timeout_s``, naming the op, instead of hanging.
@@ -85,11 +88,14 @@ class _Work:
             self.future.set_result(self.result)
 
     def finish(self) -> None:
-        """Called by the stream when the op has run (or failed)."""
+        """Called by the stream when the op has run (or failed). A future's callbacks run on a thread
+        of their own, never on the stream's: under NCCL a callback that issues and waits for another
+        collective (PyTorch's PowerSGD hook does, for P and Q) never holds up the group's stream."""
         with self.lock:
             self.done.set()
-            if self.future is not None:
-                self._settle()
+            future = self.future
+        if future is not None:
+            threading.Thread(target=self._settle, name="nccl-order-callbacks", daemon=True).start()
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         limit = self.stream.timeout_s * 2

@@ -282,3 +282,113 @@ def test_the_trainer_resumes_on_fewer_ranks_and_says_what_it_did(tmp_path: Path,
     assert ("resumed 4-rank checkpoint on 2 ranks: BatchNorm buffers (num_batches_tracked: the mean rounded "
             "down), CSC residual, CSC velocity, CSC noise averaged over the 4 old ranks") in output, output[-3000:]
     assert (tmp_path / "checkpoints" / "step_000000016").is_dir()
+
+
+def _powersgd_parts(rank: int, world: int) -> tuple:
+    """The small model under DDP with PyTorch's PowerSGD hook (error feedback, warm start), in a
+    TrainState as the trainer builds it."""
+    from gradientflow_repro.comm.ddp import PowerSGDCommunicator
+    from gradientflow_repro.state import ModelWeights, TrainingProgress, TrainState
+
+    model = _Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    comm = PowerSGDCommunicator(CPU, rank=2, warmup_epochs=0.0)
+    wrapped = comm.attach(model, optimizer)
+    progress = TrainingProgress()
+    state = TrainState(shared={"model": ModelWeights(model, "net"), "optimizer": optimizer, "progress": progress},
+                       per_rank={"comm": comm}, rank=rank, world_size=world, device=CPU)
+    return state, model, wrapped, optimizer, comm, progress
+
+
+def _powersgd_step(wrapped: nn.Module, optimizer: torch.optim.Optimizer, comm, rank: int, step: int) -> None:
+    comm.begin_step(epoch=1.0)
+    x = torch.randn(16, 37, generator=torch.Generator().manual_seed(rank * 100 + step)) + rank
+    wrapped(x).pow(2).mean().backward()
+    comm.synchronize()
+    optimizer.step()
+    comm.end_step(True)
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _powersgd_old(rank: int, world: int, run: str) -> None:
+    state, _, wrapped, optimizer, comm, progress = _powersgd_parts(rank, world)
+    for step in range(4):  # torch's hook compresses from its third iteration: the error is kept
+        _powersgd_step(wrapped, optimizer, comm, rank, step)
+        progress.stepped(0.1)
+    state.save(Path(run), 4, keep=1)
+
+
+def _powersgd_new(rank: int, world: int, run: str, out: str, old: int) -> None:
+    failures = []
+    state, model, wrapped, optimizer, comm, progress = _powersgd_parts(rank, world)
+    resumed = state.resume(Path(run), "auto")
+    saved = Path(run) / "checkpoints" / "step_000000004"
+    old_states = [torch.load(saved / f"rank_{r:05d}.pt", weights_only=True)["comm"] for r in range(old)]
+    shared = torch.load(saved / "shared.pt", weights_only=True)
+    # the reference the rule defines, built by hand: the error averaged, the rest old rank 0's
+    _, ref_model, ref_wrapped, ref_optimizer, ref_comm, _ = _powersgd_parts(rank, world)
+    ref_model.load_state_dict(shared["model"])
+    ref_optimizer.load_state_dict(shared["optimizer"])
+    expected = {**old_states[0], "error": _mean_by_hand([s["error"] for s in old_states])}
+    ref_comm.load_state_dict(expected)
+    if resumed is None or progress.step != 4:
+        failures.append(f"resumed {resumed} at step {progress.step}")
+    got = comm.state_dict()
+    if not expected["error"] or all(torch.equal(e, old_states[0]["error"][i]) for i, e in expected["error"].items()):
+        failures.append("the test does not exercise PowerSGD's error on differing ranks")
+    for index, tensor in expected["error"].items():
+        if not torch.allclose(got["error"][index], tensor, rtol=1e-5, atol=1e-7):
+            failures.append(f"error {index} is not the mean over the old ranks")
+    if (got["iteration"], got["start_iteration"]) != (old_states[0]["iteration"], old_states[0]["start_iteration"]):
+        failures.append("PowerSGD's counters are not old rank 0's")
+    if not all(torch.equal(got["q"][i], q) for i, q in old_states[0]["q"].items()):
+        failures.append("PowerSGD's Q is not old rank 0's")
+    # the first step after the resume: as from the state built by hand
+    _powersgd_step(wrapped, optimizer, comm, rank, 10)
+    _powersgd_step(ref_wrapped, ref_optimizer, ref_comm, rank, 10)
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
+            failures.append(f"after the first step, {name} differs from the reference by {(a - b).abs().max():.3g}")
+    torch.save({"failures": failures, "said": state.regrouped}, Path(out) / f"rank{rank}.pt")
+
+
+def test_powersgd_resumes_on_another_number_of_ranks_by_its_rule(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    spawn(_powersgd_old, 2, str(run))
+    spawn(_powersgd_new, 3, str(run), str(tmp_path), 2)
+    for rank in range(3):
+        seen = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert seen["failures"] == [], f"rank {rank}: {seen['failures']}"
+    said = torch.load(tmp_path / "rank0.pt", weights_only=True)["said"]
+    assert said.startswith("resumed 2-rank checkpoint on 3 ranks: PowerSGD error averaged over the 2 old ranks; "
+                           "PowerSGD iteration"), said
+
+
+def test_per_rank_state_without_a_rule_is_refused_naming_both_world_sizes(tmp_path: Path) -> None:
+    """A 2-rank checkpoint whose per-rank part has no rule, resumed on 1 rank: refused, naming the
+    world sizes, the file and the part, before anything loads."""
+    import hashlib
+    import json
+
+    from gradientflow_repro.state import Value
+
+    state, model, *_ = make_state()
+    state.per_rank["plain"] = Value(lambda: torch.zeros(2), lambda value: None)  # no rank_rule
+    path = tmp_path / "checkpoints" / "step_000000003"
+    path.mkdir(parents=True)
+    torch.save(state.shared_state(), path / "shared.pt")
+    for rank in range(2):
+        torch.save(state.rank_state(), path / f"rank_{rank:05d}.pt")
+    names = ["shared.pt", "rank_00000.pt", "rank_00001.pt"]
+    digests = {name: hashlib.sha256((path / name).read_bytes()).hexdigest() for name in names}
+    (path / "manifest.json").write_text(json.dumps({"step": 3, "world_size": 2, "sha256": digests}))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    changed = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(checkpoint.CheckpointError, match=r"rank 0: .*rank_00000.pt: written by 2 ranks, this job "
+                                                         r"has 1, and per-rank part 'plain' has no rule"):
+        state.resume(tmp_path, "auto")
+    assert any(not torch.equal(before[k], v) for k, v in changed.items())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in changed.items())  # nothing loaded

@@ -24,26 +24,27 @@ import torch
 import torch.distributed as dist
 
 from gradientflow_repro.comm import STRATEGIES, build_communicator, knobs
+from gradientflow_repro.comm.base import CommStats
 from gradientflow_repro.comm.factory import prepare_backend
+from gradientflow_repro.comm.recursive_doubling import SizedSum
+from gradientflow_repro.comm.ring import ring_sum
 from gradientflow_repro.distributed import WorldError
 
 from comm_workers import CPU, ThreeLayerNet, check_strategy, rank_batch, strategy_options
-from conftest import save_failures, spawn_checked
+from conftest import FAST, save_failures, spawn_checked, train
 from nccl_order import nccl_order
 
-# every preset, and the fp16 wire's two ways over the backend's allreduce
-# (but powersgd: PyTorch's PowerSGD hook issues its second and third allreduce from the first's future
-# callback, which the ordering double does not model; on gloo tests/test_peers.py checks it against
-# the hook registered directly, and on NCCL it is PyTorch's own, unchanged)
-VARIANTS = {**{name: {} for name in STRATEGIES if name != "powersgd"}, "lazy+fp16": {"wire": "fp16"},
-            "ring+fp16": {"wire": "fp16"}}
+# every preset (the peers ddp-fp16 and powersgd, PyTorch's own hooks, included: PowerSGD's P and Q
+# allreduces issued from its first allreduce's callbacks), and the fp16 wire's two ways over the
+# backend's allreduce
+VARIANTS = {**{name: {} for name in STRATEGIES}, "lazy+fp16": {"wire": "fp16"}, "ring+fp16": {"wire": "fp16"}}
 # ours, asked for by name on NCCL: still our point-to-point algorithms (at world 4 two nodes of two)
 OURS = ("gradientflow", "ring")
 
 
 def _variant_options(label: str, world: int) -> dict:
-    """Tiny messages, so that our algorithms (were they chosen) would send most of them by the ring:
-    on NCCL our small side is NCCL's allreduce, which would hide a fallback to our ring."""
+    """Tiny messages, so that our algorithms (were they chosen) would send most of them by the ring,
+    not only by recursive doubling (point-to-point too, which would hide a fallback to it)."""
     name = label.split("+")[0]
     return {**strategy_options(name, world), "small_message_kb": 1, **VARIANTS.get(label, {})}
 
@@ -71,7 +72,7 @@ def _every_preset_on_nccl(rank: int, world: int, out: str) -> None:
             failures.append(f"{label}: {counts.p2p} point-to-point calls on NCCL ({described})")
         if not ours and not described.startswith("NCCL's allreduce (") or not counts.collectives:
             failures.append(f"{label}: described as {described!r}, {counts.collectives} collectives")
-        if ours and not described.startswith("our "):
+        if ours and not (described.startswith("our ") and "by recursive doubling" in described):
             failures.append(f"{label}: described as {described!r}")
     save_failures(failures, out, rank)
 
@@ -79,6 +80,26 @@ def _every_preset_on_nccl(rank: int, world: int, out: str) -> None:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_every_preset_sums_by_nccls_allreduce_on_nccl(world: int, tmp_path: Path) -> None:
     spawn_checked(_every_preset_on_nccl, world, tmp_path)
+
+
+def test_every_preset_of_configs_comm_is_in_the_double_test() -> None:
+    """A YAML added to configs/comm/ is a registered strategy (``knobs.presets`` refuses it otherwise),
+    so it is in VARIANTS, run under the NCCL-ordering double above at world sizes 2, 3 and 4."""
+    yamls = {path.stem for path in knobs.PRESET_DIR.glob("*.yaml")}
+    assert yamls and yamls == set(knobs.presets()) and yamls <= set(VARIANTS)
+
+
+def test_the_runs_first_lines_say_what_sums(digits_root: Path, tmp_path: Path) -> None:
+    """The communication line, before the first step: ours on gloo (the flat ring, with the size up to
+    which recursive doubling carries a message); on NCCL ``describe_sum`` says NCCL's allreduce
+    (``test_every_preset_sums_by_nccls_allreduce_on_nccl``)."""
+    output = train(2, [*FAST, f"data.root={digits_root}", "comm=ring", "epochs=1", "optim.warmup_epochs=0.5",
+                           "max_steps=1"], tmp_path)
+    lines = output.splitlines()
+    first_step = next(i for i, line in enumerate(lines) if " step 1/" in line)
+    said = [line for line in lines[:first_step] if "] communication: " in line]
+    assert said and said[0].endswith("communication: ring, flat ring over 2 ranks, small messages (up to "
+                                      "1024 KiB) by recursive doubling"), lines[:first_step]
 
 
 def test_what_sums_on_each_backend() -> None:
@@ -115,6 +136,17 @@ def test_algorithm_ring_on_nccl_sets_nccl_algo_before_the_process_group(monkeypa
     assert knobs.describe_nccl_algo(None) == "NCCL_ALGO=Tree from the environment"
 
 
+def test_the_trainer_sets_nccl_algo_before_it_starts_the_process_group() -> None:
+    """NCCL reads NCCL_ALGO once, when its communicator is created, which ``init_process_group``
+    does eagerly (``device_id``): the trainer must call ``prepare_backend`` before it."""
+    import inspect
+
+    from gradientflow_repro import train
+
+    source = inspect.getsource(train.main)
+    assert 0 <= source.find("prepare_backend(") < source.find("distributed.init_process_group("), source
+
+
 def test_ddp_over_our_algorithms_on_nccl_is_refused_naming_the_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NCCL_ALGO", raising=False)
     options = {"strategy": "ddp", "algorithm": "ring", "implementation": "ours"}
@@ -149,45 +181,58 @@ class _SlowAllreduce:
 
 def _ddp_overlaps(rank: int, world: int, out: str) -> None:
     """DDP with the fp16 wire over the backend's allreduce (gloo): each bucket's hook returns before
-    its sum is done, and the gradients are the all_reduce mean (fp16 rounding)."""
+    its sum is done, and the gradients are the all_reduce mean (fp16 rounding). Under comm.algorithm
+    builtin (ddp-fp16) the hook is PyTorch's fp16_compress_hook; under any other (ring, carried by
+    the backend as on NCCL by default) it is our fp16 wire with its shared scale, so gradients far
+    below fp16's smallest number still arrive (a last step at 1e-12 of the loss)."""
     from gradientflow_repro.comm import ddp
 
     failures = []
-    for options in ({"strategy": "ddp", "wire": "fp16"}, {"strategy": "ddp", "algorithm": "ring", "wire": "fp16",
-                                                          "implementation": "backend"}):
+    for options, expected_hook in (({"strategy": "ddp", "wire": "fp16"}, "counting_fp16_compress_hook"),
+                                   ({"strategy": "ddp", "algorithm": "ring", "wire": "fp16",
+                                     "implementation": "backend"}, "sum_hook")):
         model = ThreeLayerNet()
         reference = copy.deepcopy(model)
         comm = build_communicator({**options, "ddp_bucket_mb": 0.004}, CPU)
         pending: list[bool] = []
-        real_hook = ddp.counting_fp16_compress_hook  # PyTorch's fp16_compress_hook, counted
+        called: set[str] = set()
+        real = {name: getattr(ddp, name) for name in ("counting_fp16_compress_hook", "sum_hook")}
 
-        def watching(state, bucket):
-            future = real_hook(state, bucket)
-            pending.append(not future.done())
-            return future
-        ddp.counting_fp16_compress_hook = watching  # what DDPCommunicator registers
+        def watching(name):
+            def hook(state, bucket):
+                future = real[name](state, bucket)
+                called.add(name)
+                pending.append(not future.done())
+                return future
+            return hook
+        for name in real:  # what DDPCommunicator registers
+            setattr(ddp, name, watching(name))
         try:
             module = comm.attach(model)
         finally:
-            ddp.counting_fp16_compress_hook = real_hook
+            for name, hook in real.items():
+                setattr(ddp, name, hook)
         original = dist.all_reduce
         dist.all_reduce = _SlowAllreduce(original, 0.2)
+        shared_scale = expected_hook == "sum_hook"
         try:
-            for step in range(2):
+            for step, factor in enumerate((1.0, 1.0, 1e-12) if shared_scale else (1.0, 1.0)):
                 x = rank_batch(rank, step)
                 reference.zero_grad(set_to_none=True)
-                reference(x).pow(2).mean().backward()
-                module(x).pow(2).mean().backward()
+                (reference(x).pow(2).mean() * factor).backward()
+                (module(x).pow(2).mean() * factor).backward()
                 for mine, theirs in zip(model.parameters(), reference.parameters()):
                     expected = theirs.grad.clone()
                     original(expected)
                     expected /= world
-                    bound = 2e-3 * world * expected.abs().max().item() + 1e-6
-                    if not (mine.grad - expected).abs().max() <= bound:
-                        failures.append(f"{options} step {step}: not the all_reduce mean")
+                    bound = 2e-3 * world * expected.abs().max().item() + factor * 1e-6
+                    if not (mine.grad - expected).abs().max() <= bound:  # flushed to 0: the whole peak
+                        failures.append(f"{options} step {step} (loss x {factor:g}): not the all_reduce mean")
                 model.zero_grad(set_to_none=True)
         finally:
             dist.all_reduce = original
+        if called != {expected_hook}:
+            failures.append(f"{options}: hooks {sorted(called)} ran, not {expected_hook}")
         if not pending or not all(pending):
             failures.append(f"{options}: a hook returned a completed future ({pending}): no overlap")
         if comm.stats.collectives == 0:
@@ -199,13 +244,35 @@ def test_ddp_over_the_backends_allreduce_returns_before_the_sum_is_done(tmp_path
     spawn_checked(_ddp_overlaps, 2, tmp_path)
 
 
-def test_ddp_preset_on_nccl_keeps_ddps_own_hook() -> None:
-    """fp32 DDP over NCCL's allreduce, even with comm.algorithm=ring: DDP's own (counting) hook."""
+def _ddp_hooks_on_nccl(rank: int, world: int, out: str) -> None:
+    """Which hook DDP gets on NCCL, and that the model prices the same: fp32 over NCCL's allreduce
+    is DDP's own hook, even with comm.algorithm=ring; the fp16 wire under comm.algorithm=builtin
+    (ddp-fp16) is PyTorch's fp16_compress_hook, with no scale; under any other algorithm it is our
+    fp16 wire over NCCL's allreduce, its shared scale kept."""
+    from gradientflow_repro.comm.base import BuiltinSum
+    from gradientflow_repro.comm.compression import Fp16Wire
     from gradientflow_repro.comm.ddp import DDPCommunicator
+    from gradientflow_repro.scaling import perfmodel as pm
 
-    comm = build_communicator({"strategy": "ddp", "algorithm": "ring"}, CPU, backend="nccl")
-    assert isinstance(comm, DDPCommunicator) and comm.sum_fn is None
+    failures = []
+    with nccl_order(timeout_s=20, claim_nccl=True):
+        for options, scaled in (({"strategy": "ddp", "algorithm": "ring"}, None), ({"strategy": "ddp-fp16"}, False),
+                                ({"strategy": "ddp", "wire": "fp16"}, False),
+                                ({"strategy": "ddp", "algorithm": "ring", "wire": "fp16"}, True)):
+            comm = build_communicator(options, CPU)
+            ours_wire = isinstance(comm.sum_fn, Fp16Wire) and isinstance(comm.sum_fn.inner, BuiltinSum)
+            built = ((comm.sum_fn is None and comm.wire == "fp32") if scaled is None else
+                     ours_wire if scaled else (comm.sum_fn is None and comm.wire == "fp16"))
+            if not isinstance(comm, DDPCommunicator) or not built:
+                failures.append(f"{options}: built {type(comm).__name__} over {comm.sum_fn!r} ({comm.wire})")
+            priced = pm.Strategy.from_knobs("ddp", knobs.resolve(options)).shared_scale
+            if scaled is not None and priced != scaled:
+                failures.append(f"{options}: the model prices shared_scale={priced}, the factory builds {scaled}")
+    save_failures(failures, out, rank)
 
+
+def test_ddp_on_nccl_keeps_ddps_own_hook_and_our_fp16_wires_scale(tmp_path: Path) -> None:
+    spawn_checked(_ddp_hooks_on_nccl, 2, tmp_path)
 
 
 # ---------------------------------------------------------------- the model prices the same choice
@@ -250,3 +317,28 @@ def test_the_model_prices_nccls_allreduce_on_a_gpu_cluster_and_ours_as_before() 
     small = pm.Message(ready_s=0.0, payload_bytes=400, small_bytes=0.0, local_work_s=0.0)
     assert pm._sent_bytes(small, 8, nccl, ring) == pytest.approx(14 / 8 * 400)
     assert pm._sent_bytes(small, 8, nccl, replace(ring, implementation="ours")) == pytest.approx(3 * 400)
+
+
+def _small_messages_on_nccl(rank: int, world: int, out: str) -> None:
+    failures = []
+    for ours in (False, True):
+        tensor = torch.arange(7, dtype=torch.float32) * (rank + 1) + 0.5  # odd size, below any threshold
+        expected = tensor.clone()
+        dist.all_reduce(expected)  # the reference, outside the double
+        stats = CommStats()
+        with nccl_order(timeout_s=20, claim_nccl=True) as counts:
+            SizedSum(ring_sum(), threshold_bytes=1024, ours=ours)(tensor, stats)
+        if not torch.equal(tensor, expected):
+            failures.append(f"ours={ours}: {tensor.tolist()} != {expected.tolist()}")
+        if ours and (counts.p2p == 0 or counts.collectives):
+            failures.append(f"ours: recursive doubling expected ({counts.p2p} p2p, {counts.collectives} collectives)")
+        if not ours and (counts.p2p or not counts.collectives):
+            failures.append(f"default: NCCL's allreduce expected ({counts.p2p} p2p, {counts.collectives} collectives)")
+    save_failures(failures, out, rank)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_on_nccl_small_messages_go_by_our_recursive_doubling_only_when_asked(world: int, tmp_path: Path) -> None:
+    """``comm.implementation=ours`` on NCCL: our recursive doubling (point-to-point groups) for the small
+    messages too, so all three of our algorithms stay selectable there; by default NCCL's allreduce."""
+    spawn_checked(_small_messages_on_nccl, world, tmp_path)

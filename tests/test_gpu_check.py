@@ -175,16 +175,22 @@ def test_the_collective_items_pass_on_gloo_and_say_what_they_checked(tmp_path: P
      ["nccl_1rank/all_reduce SUM 4 MiB fp32", "nccl_1rank/all_reduce SUM 8 B fp64", "nccl_2gpu/ring float32",
       "nccl_2gpu/hierarchical (1 rank per node) float16", "nccl_2gpu/the trainer's helpers"]),
     # every rank sends the same stale pool: they agree with each other; only the reference tells
-    ("stale_pool", ["nccl_2gpu"], ["nccl_2gpu/lazy vs dist.all_reduce"]),
+    # (the lazy item against dist.all_reduce; lazy and CSC on the communicator item against the
+    # mean of the ranks' own gradients and residuals)
+    ("stale_pool", ["nccl_2gpu", "comm_gloo_cuda"],
+     ["nccl_2gpu/lazy vs dist.all_reduce", "comm_gloo_cpu/lazy", "comm_gloo_cpu/ring+fp16+lazy", "comm_gloo_cpu/csc",
+      "comm_gloo_cpu/gradientflow"]),
 ])
 def test_an_injected_fault_is_a_fail_line_and_a_non_zero_exit_status(tmp_path: Path, fault: str, items: list[str],
                                                                       failing: list[str]) -> None:
-    done, results = run_check(tmp_path, ["--only", *items], {**CPU_TEST_ENV, gpu_check.TEST_FAULT_ENV: fault})
+    done, results = run_check(tmp_path, ["--only", *items], {**CPU_TEST_ENV, gpu_check.TEST_FAULT_ENV: fault},
+                              timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr[-3000:]
     for item in failing:
         assert results[item][0] == "FAIL", (item, done.stdout)
     if fault == "stale_pool":  # the sums themselves are right: only the pool is stale
         assert results["nccl_2gpu/ring float32"][0] == "PASS"
+        assert results["comm_gloo_cpu/allreduce"][0] == "PASS"  # no pool
     text = (tmp_path / "gpu_check.md").read_text()
     assert "exit status 1" in text and f"{gpu_check.TEST_FAULT_ENV}={fault}" in text
 
@@ -258,30 +264,59 @@ def test_the_trainer_item_skips_naming_every_missing_package(monkeypatch: pytest
         assert package in results[0].detail, results[0].detail
 
 
-BLOCK_HYDRA = """
+# What a bare GPU machine may lack (torch is there, and numpy): importing any of these, or a module
+# under them, raises ModuleNotFoundError in every Python process that starts with this
+# ``sitecustomize`` on its path, the check's children and spawned ranks included.
+BARE_MACHINE_LACKS = ("hydra", "omegaconf", "antlr4", "yaml", "wandb", "nvidia.dali", "mlperf_logging", "timm",
+                      "matplotlib", "torchvision")
+BLOCKER = """
 import importlib.abc, sys
+LACKS = {lacks!r}
 class Missing(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in ("hydra", "omegaconf", "wandb", "yaml"):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        if any(name == m or name.startswith(m + ".") for m in LACKS):
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
 sys.meta_path.insert(0, Missing())
 """
 
 
-def test_mixed_precision_and_the_check_import_without_hydra_omegaconf_yaml_or_wandb() -> None:
-    """A GPU machine may have torch and timm and nothing of the rest: the fp16 step the throughput
-    item times (``precision.Precision``) and the check itself must import and run there."""
-    code = BLOCK_HYDRA + (
-        "import types, torch\n"
+def bare_machine(tmp_path: Path) -> dict[str, str]:
+    """The environment of a machine with torch and nothing of BARE_MACHINE_LACKS."""
+    folder = tmp_path / "bare_machine"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(BLOCKER.format(lacks=BARE_MACHINE_LACKS))
+    return {"PYTHONPATH": str(folder)}
+
+
+def test_mixed_precision_and_the_check_import_on_a_machine_with_only_torch(tmp_path: Path) -> None:
+    """A GPU machine may have torch and nothing of the rest: the check itself imports there, and the
+    fp16 step the throughput item times on AlexNet-BN (``precision.Precision``) runs there."""
+    code = (
+        "import sys, torch\n"
         "import gradientflow_repro.gpu_check\n"
-        "from gradientflow_repro.precision import Precision\n"
-        "cfg = types.SimpleNamespace(dtype='fp16', init_scale=1024.0, growth_interval=2)\n"
-        "p = Precision(cfg, torch.device('cpu'))\n"
-        "model = torch.nn.Linear(3, 2); opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-        "p.backward(model(torch.ones(4, 3)).sum()); assert p.step(opt)\n"
-        "assert not any(m.split('.')[0] in ('hydra', 'omegaconf', 'yaml') for m in sys.modules), sorted(sys.modules)\n")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+        "from gradientflow_repro.gpu_check.training import _images_per_s\n"
+        "rate, _ = _images_per_s('alexnet_bn', torch.device('cpu'), batch=2, warmup=1, timed=1)\n"
+        "assert rate > 0, rate\n"
+        f"lacks = {BARE_MACHINE_LACKS!r}\n"
+        "loaded = [m for m in sys.modules if any(m == x or m.startswith(x + '.') for x in lacks)]\n"
+        "assert not loaded, loaded\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **bare_machine(tmp_path)})
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_on_a_machine_with_only_torch_the_torch_items_run_and_a_skip_names_what_is_missing(tmp_path: Path) -> None:
+    """The same bare machine (in every process the check starts): the collectives at world size 1
+    really run and pass (on gloo here, as the test device), and what needs more SKIPs naming it."""
+    env = {**CPU_TEST_ENV, **bare_machine(tmp_path)}
+    done, results = run_check(tmp_path, ["--only", "environment", "nccl_1rank"], env, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    collectives = {item: status for item, (status, _) in results.items()
+                   if item.startswith("nccl_1rank/") and item != "nccl_1rank/send/recv to self"}
+    assert len(collectives) >= 10 and set(collectives.values()) == {"PASS"}, done.stdout
+    assert results["nccl_1rank/the trainer's helpers at world size 1"][0] == "PASS", done.stdout
+    status, detail = results["environment/dali"]
+    assert status == "SKIP" and "DALI" in detail and "nvidia.dali" in detail, detail
 
 
 def test_make_gpu_check_installs_nothing(tmp_path: Path) -> None:

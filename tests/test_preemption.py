@@ -155,27 +155,36 @@ def _overrides(digits_root: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory, digits_root: Path) -> Path:
-    """The uninterrupted reference run (no reader workers: they must not change a bit either),
-    launched as make reproduce does."""
-    run_dir = tmp_path_factory.mktemp("straight")
-    train(2, _overrides(digits_root), run_dir)
-    return run_dir
+def straight(tmp_path_factory: pytest.TempPathFactory, digits_root: Path):
+    """The uninterrupted reference run of a loader (no reader workers: they must not change a bit
+    either), launched as make reproduce does; each loader's is run once, when first asked for."""
+    runs: dict[str, Path] = {}
+
+    def run(loader: str) -> Path:
+        if loader not in runs:
+            runs[loader] = tmp_path_factory.mktemp(f"straight-{loader}")
+            train(2, [*_overrides(digits_root), f"data.loader={loader}"], runs[loader])
+        return runs[loader]
+    return run
 
 
 # Who gets the signal: Slurm's --signal=USR1 (no B:) and its SIGTERM reach every process of the step,
 # the data workers included; torchrun starts each rank in a session of its own, so a rank's process
-# group is the rank and its data workers. "rank 1": the warning reaches one rank only, first.
-@pytest.mark.parametrize("signalled, signum, workers", [
-    ("rank 1", signal.SIGUSR1, 0),
-    ("every process group", signal.SIGUSR1, 2),
-    ("every process group", signal.SIGTERM, 2),
+# group is the rank and its data workers. "rank 1": the warning reaches one rank only, first. The
+# workers are DALI's parallel external source's (the default loader) and, once, the torchvision
+# fallback's DataLoader workers.
+@pytest.mark.parametrize("signalled, signum, workers, loader", [
+    ("rank 1", signal.SIGUSR1, 0, "dali"),
+    ("every process group", signal.SIGUSR1, 2, "dali"),
+    ("every process group", signal.SIGTERM, 2, "dali"),
+    ("every process group", signal.SIGUSR1, 2, "torchvision"),
 ])
 def test_stop_signal_checkpoints_every_rank_and_resumes_exactly(
-        tmp_path: Path, digits_root: Path, straight: Path, signalled: str, signum: int, workers: int) -> None:
+        tmp_path: Path, digits_root: Path, straight, signalled: str, signum: int, workers: int,
+        loader: str) -> None:
     world, name = 2, signal.Signals(signum).name
     exit_code = EXIT_REQUEUE if signum == signal.SIGUSR1 else 128 + signum
-    common = [*_overrides(digits_root), f"data.reader_workers={workers}"]
+    common = [*_overrides(digits_root), f"data.loader={loader}", f"data.reader_workers={workers}"]
     run_dir = tmp_path / "preempted"
     command, env = torchrun_command(world, common, run_dir)
     job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -224,9 +233,9 @@ def test_stop_signal_checkpoints_every_rank_and_resumes_exactly(
     assert summary["stopped_by"] == name and summary["exit_code"] == exit_code
     assert summary["steps"] == stopped_at
 
-    resumed = torchrun(world, _overrides(digits_root), run_dir)  # without workers: same bits either way
-    assert f"at step {stopped_at}" in resumed.stdout
+    resumed = torchrun(world, [*_overrides(digits_root), f"data.loader={loader}"], run_dir)  # without
+    assert f"at step {stopped_at}" in resumed.stdout  # workers: the same bits either way
     for rank in range(world):
-        a, b = final_params(straight, rank), final_params(run_dir, rank)
+        a, b = final_params(straight(loader), rank), final_params(run_dir, rank)
         for key in a:
             assert torch.equal(a[key], b[key]), f"{key} differs on rank {rank}"

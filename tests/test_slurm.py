@@ -168,6 +168,18 @@ def test_a_rank_killed_under_slurm_fails_the_job_naming_it(slurm, tmp_path: Path
     assert job.returncode != 0, output[-3000:]
     assert "error: rank 1 (node node1) was killed by signal 9 (SIGKILL): ending job step" in output, output[-4000:]
     assert "requeue" not in output  # a crash is not a preemption
+    _survivor_says_one_line_at_most(output, survivor=0, lost=1)
+
+
+def _survivor_says_one_line_at_most(output: str, survivor: int, lost: int) -> None:
+    """A survivor is either ended by the step's end before it notices (silent) or names the lost
+    rank in one line: no traceback, no Hydra report."""
+    assert "Error executing job" not in output and "Traceback" not in output, output[-4000:]
+    # nor the task wrapper's shell about its killed children, nor a scancel that the kill it asked
+    # for ended taken for a failure
+    assert "task.sh: line" not in output and "scancel" not in output, output[-4000:]
+    lines = [line for line in output.splitlines() if line.startswith(f"error: rank {survivor}:")]
+    assert len(lines) <= 1 and all(f"lost rank(s) [{lost}]" in line for line in lines), lines
 
 
 def test_a_vanished_rank_ends_the_job_within_90_s_with_the_512gpu_timeouts(slurm, tmp_path: Path,
@@ -196,6 +208,7 @@ def test_a_vanished_rank_ends_the_job_within_90_s_with_the_512gpu_timeouts(slurm
     assert job.returncode != 0, output[-3000:]
     assert "error: rank 1 (node node1) was killed by signal 9 (SIGKILL): ending job step" in output, output[-4000:]
     assert "the job ends here" in output and "requeue" not in output, output[-3000:]
+    _survivor_says_one_line_at_most(output, survivor=0, lost=1)
     seconds = ended - json.loads(fired.read_text().splitlines()[0])["time"]
     assert seconds < 90, f"the job ended {seconds:.0f} s after rank 1 was killed:\n{output[-3000:]}"
 
@@ -216,3 +229,82 @@ def test_generic_template_rejects_an_unknown_experiment(slurm, tmp_path: Path) -
     assert job.returncode == 2
     assert "first argument must name an experiment" in log.read_text()
 
+
+
+# The 512-GPU templates and experiments, read as files: no Slurm needed.
+TEMPLATES = ["slurm/alexnet_512gpu.sh", "slurm/resnet50_512gpu.sh"]
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_templates_enable_nccl_diagnostics_and_show_the_binding_line(template: str) -> None:
+    """What a cluster engineer reads in the template: NCCL's flight recorder on and dumped on a
+    timeout, the CPU/GPU binding an admin would switch on, the preemption warning to every process of
+    the step (no ``B:``: the trainer's handler needs it; the data workers ignore it)."""
+    text = (REPO / template).read_text()
+    size = re.search(r"^export TORCH_NCCL_TRACE_BUFFER_SIZE=\$\{TORCH_NCCL_TRACE_BUFFER_SIZE:-(\d+)\}$", text, re.M)
+    assert size and int(size.group(1)) > 0, f"{template}: no flight recorder"
+    assert re.search(r"^export TORCH_NCCL_DUMP_ON_TIMEOUT=\$\{TORCH_NCCL_DUMP_ON_TIMEOUT:-1\}$", text, re.M), template
+    assert re.search(r"^##SBATCH --gpu-bind=\S+", text, re.M), f"{template}: no GPU binding line"
+    assert re.search(r"^# export SLURM_CPU_BIND=\S+", text, re.M), f"{template}: no CPU binding line"
+    assert re.search(r"^#SBATCH --signal=USR1@\d+$", text, re.M), f"{template}: the warning must reach every process"
+    assert re.search(r"^#SBATCH --requeue$", text, re.M), template
+
+
+@pytest.mark.parametrize("experiment", ["alexnet_512gpu", "resnet50_512gpu"])
+def test_512gpu_timeouts_name_a_lost_rank_within_a_minute(experiment: str) -> None:
+    """With the experiment's own watchdog_s and dist_timeout_s, a rank whose heartbeat stops is named
+    within a minute (the beats decide, not watchdog_s, which is minutes: a stuck rank only)."""
+    import yaml
+
+    from gradientflow_repro.distributed import Liveness, World
+
+    cfg = yaml.safe_load((REPO / "configs" / "experiment" / f"{experiment}.yaml").read_text())
+    watchdog_s, dist_timeout_s = float(cfg["watchdog_s"]), float(cfg["dist_timeout_s"])
+    store = torch.distributed.HashStore()
+    liveness = Liveness(store, World(0, 512, 0, 8, "127.0.0.1", 0, "slurm"), watchdog_s, nccl=True)
+    named_within_s = liveness.lost_after_s + liveness.beat_s  # silent that long, then the next watch
+    assert named_within_s <= 60, f"{experiment}: a lost rank is named only after {named_within_s:.0f} s"
+    assert watchdog_s <= dist_timeout_s, f"{experiment}: watchdog_s={watchdog_s} > dist_timeout_s={dist_timeout_s}"
+
+
+@pytest.mark.parametrize("trainer, status, line", [
+    ("raise SystemExit(0)", 0, None),
+    ("raise SystemExit(75)", 75, None),  # checkpointed after the warning: the batch script requeues
+    ("raise SystemExit(3)", 3, "error: rank 5 (node n7) exited with status 3: ending job step ?.?"),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 128 + 9,
+     "error: rank 5 (node n7) was killed by signal 9 (SIGKILL): ending job step ?.?"),
+])
+def test_task_wrapper_names_a_crashed_rank_in_one_line_and_lets_0_and_75_pass(
+        trainer: str, status: int, line: str | None) -> None:
+    """slurm/task.sh alone (no Slurm: no job step to end): which statuses count as a crash, and the
+    one line that names the rank."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SLURM_JOB_ID", "SLURM_STEP_ID")}
+    env.update(SLURM_PROCID="5", SLURMD_NODENAME="n7")
+    import sys
+
+    result = subprocess.run(["bash", str(REPO / "slurm" / "task.sh"), sys.executable, "-c", trainer], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == status, result.stderr
+    assert result.stderr.strip().splitlines() == ([line] if line else []), result.stderr
+
+
+def test_task_wrapper_takes_a_stop_by_sigterm_for_no_crash() -> None:
+    """Slurm's SIGTERM reaches the wrapper and the trainer: the trainer checkpoints and exits 143,
+    which is the step ending as asked, not a crash to end the others for."""
+    import signal
+    import sys
+
+    trainer = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)); "
+               "print('ready', flush=True); time.sleep(30)")
+    env = {k: v for k, v in os.environ.items() if k not in ("SLURM_JOB_ID", "SLURM_STEP_ID")}
+    job = subprocess.Popen(["bash", str(REPO / "slurm" / "task.sh"), sys.executable, "-c", trainer],
+                           env={**env, "SLURM_PROCID": "5"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    try:
+        assert job.stdout.readline().strip() == "ready"
+        os.killpg(job.pid, signal.SIGTERM)  # as Slurm signals a step: every process
+        _, err = job.communicate(timeout=30)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 143 and err.strip() == "", err

@@ -138,3 +138,60 @@ def test_the_run_summary_keeps_its_keys() -> None:
     assert summary["name"] == "digits_cpu/ring" and summary["images_per_s"] == 32.0
     assert summary["time_to_target_train_s"] == 2.0 and summary["stopped_by"] is None
     assert summary["command"].startswith("torchrun --nnodes=1 --nproc-per-node=2 -m gradientflow_repro.train")
+
+
+class _Kept:
+    """A per-rank part added after checkpoints were written; ``absent_from_checkpoint`` lets it start
+    without its state when ``optional``."""
+
+    rank_rule = "own"
+
+    def __init__(self, optional: bool) -> None:
+        self.kept, self.started_fresh = [torch.ones(2)], False
+        if optional:
+            self.absent_from_checkpoint = self._fresh
+
+    def _fresh(self) -> None:
+        self.kept, self.started_fresh = [], True
+
+    def state_dict(self) -> list:
+        return self.kept
+
+    def load_state_dict(self, kept: list) -> None:
+        self.kept = kept
+
+    def reseed(self, seed: int) -> None:
+        self.kept = []
+
+
+@pytest.mark.parametrize("old_world", [1, 2])
+def test_a_part_added_since_the_checkpoint_starts_fresh_or_is_refused_naming_it(tmp_path: Path,
+                                                                               old_world: int) -> None:
+    """A checkpoint written before a per-rank part existed (as before precise BatchNorm's kept
+    batches), on the same number of ranks and on another: the part starts fresh where it says it
+    can, else the resume is refused naming the part."""
+    import hashlib
+    import json
+
+    state, model, progress, _ = make_state()
+    train_a_little(model, state, progress)
+    path = tmp_path / "checkpoints" / "step_000000003"
+    path.mkdir(parents=True)
+    torch.save(state.shared_state(), path / "shared.pt")
+    names = ["shared.pt"]
+    for rank in range(old_world):
+        torch.save(state.rank_state(), path / f"rank_{rank:05d}.pt")
+        names.append(f"rank_{rank:05d}.pt")
+    digests = {name: hashlib.sha256((path / name).read_bytes()).hexdigest() for name in names}
+    (path / "manifest.json").write_text(json.dumps({"step": 3, "world_size": old_world, "sha256": digests}))
+
+    fresh, fresh_model, fresh_progress, _ = make_state()
+    fresh.per_rank["kept"] = part = _Kept(optional=True)
+    assert fresh.resume(tmp_path, "auto") == path and fresh_progress.step == 3
+    assert part.started_fresh and part.kept == []
+    assert all(torch.equal(fresh_model.state_dict()[k], v) for k, v in model.state_dict().items())
+
+    refusing = make_state()[0]
+    refusing.per_rank["kept"] = _Kept(optional=False)
+    with pytest.raises(CheckpointError, match=r"has no 'kept' .*written before this code's 'kept' existed"):
+        refusing.resume(tmp_path, "auto")

@@ -77,6 +77,9 @@ FIRST_COMPRESSIBLE_ITERATION = 2
 # start and never rebuilt. A resumed run's first iteration then has the buckets the saved error and
 # factors belong to, and sums the same messages as the run that never stopped: bit-exact resumes.
 STABLE_BUCKETS = True
+# PowerSGD's state that is equal on every rank: counters, the generator (seeded alike), the factors
+# (P and Q are allreduced before they are kept) and the buckets' layouts.
+SAME_ON_EVERY_RANK = ("iteration", "start_iteration", "rank", "rng", "p", "q", "layouts")
 
 
 class PowerSGDCommunicator(DDPCommunicator):
@@ -104,9 +107,16 @@ class PowerSGDCommunicator(DDPCommunicator):
     parameters each bucket held), so a run resumes bit-exactly under ``torch.load(weights_only=True)``.
     DDP is built with ``find_unused_parameters`` (``STABLE_BUCKETS``) so that its buckets never
     change, before or after a resume; the hook still refuses (RuntimeError) a bucket whose parameters
-    differ from the saved bucket's rather than add one bucket's error to another's gradients."""
+    differ from the saved bucket's rather than add one bucket's error to another's gradients.
+
+    On another number of ranks (``rank_rules``): each new rank's error is the mean of the old ranks'
+    (the mean over ranks of what error feedback holds back, which the next step's averaged sum
+    delivers, is unchanged, as for CSC's residual); the rest is equal on every rank (the counters,
+    the generator seeded alike, the factors P and Q, allreduced, and the buckets' layouts): old
+    rank 0's."""
 
     name = "powersgd"
+    rank_label = "PowerSGD"  # in the line a resume on another number of ranks prints
 
     def __init__(self, device: torch.device, bucket_mb: float = 25.0, rank: int = 4,
                  warmup_epochs: float = 0.0) -> None:
@@ -155,6 +165,10 @@ class PowerSGDCommunicator(DDPCommunicator):
                 "p": {i: t.detach().cpu().clone() for i, t in torch_state.p_memory_dict.items()},
                 "q": {i: t.detach().cpu().clone() for i, t in torch_state.q_memory_dict.items()},
                 "layouts": {i: list(layout) for i, layout in self.hook_state.layouts.items()}}
+
+    def rank_rules(self) -> dict[str, str]:
+        """On another number of ranks: the error is the mean over the old ranks, the rest old rank 0's."""
+        return {"error": "mean", **{key: "same" for key in SAME_ON_EVERY_RANK}}
 
     def load_state_dict(self, state: dict) -> None:
         if not state:

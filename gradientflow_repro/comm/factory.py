@@ -65,9 +65,9 @@ def build_sum(algorithm: str, wire: str, ranks_per_node: int | None = None,
     chosen = summing(algorithm, world, ranks_per_node, backend_name(backend), implementation)
     if chosen.how == "two-level":
         sum_fn = SizedSum(HierarchicalSum(ranks_per_node or 1, segment_kb * 1024, local_rank=local_rank),
-                          threshold_bytes=small_bytes)
+                          threshold_bytes=small_bytes, ours=True)
     elif chosen.how == "ring":
-        sum_fn = SizedSum(ring_sum(segment_bytes=segment_kb * 1024), threshold_bytes=small_bytes)
+        sum_fn = SizedSum(ring_sum(segment_bytes=segment_kb * 1024), threshold_bytes=small_bytes, ours=True)
     else:
         sum_fn = builtin_sum()
     return Fp16Wire(sum_fn, world) if wire == "fp16" else sum_fn
@@ -147,10 +147,9 @@ def describe_sum(algorithm: str, wire: str, ranks_per_node: int | None,
     else:
         how = {"two-level": f"two-level ring ({-(-world // (ranks_per_node or 1))} nodes x {ranks_per_node} ranks)",
                "ring": f"flat ring over {world} ranks"}[chosen.how]
-        if backend == "nccl":  # ours, asked for by name; its small messages go by NCCL's allreduce
+        if backend == "nccl":  # ours, asked for by name: point-to-point, its small messages included
             how = f"our {how} (comm.implementation=ours: point-to-point groups issued from Python)"
-        else:
-            how += f", small messages (up to {small_bytes // 1024} KiB) by recursive doubling"
+        how += f", small messages (up to {small_bytes // 1024} KiB) by recursive doubling"
     return how + (", fp16 wire" if wire == "fp16" else "")
 
 
@@ -161,9 +160,12 @@ def _communicator(knobs: CommConfig, device: torch.device, sum_fn: SumFn, lr_war
     if builder is not None:
         return registry.load(builder)(knobs, device, sum_fn, lr_warmup_epochs)
     if knobs.fusion == "ddp":  # PyTorch's own hooks where DDP sums by the backend, ``sum_hook`` over ours
-        over_backend = isinstance(sum_fn, BuiltinSum) or (isinstance(sum_fn, Fp16Wire)
-                                                         and isinstance(sum_fn.inner, BuiltinSum))
-        if over_backend:  # fp16 wire: PyTorch's fp16_compress_hook (comm=ddp-fp16, or comm=ddp comm.wire=fp16)
+        if isinstance(sum_fn, BuiltinSum):  # fp32 over the backend's allreduce: DDP's own
+            return DDPCommunicator(device, knobs.ddp_bucket_mb, None)
+        if knobs.algorithm == "builtin" and isinstance(sum_fn, Fp16Wire) and isinstance(sum_fn.inner, BuiltinSum):
+            # PyTorch's fp16_compress_hook, no scale (comm=ddp-fp16, or comm=ddp comm.wire=fp16: the peer as
+            # researchers run it). Our algorithms' fp16 wire carried by the backend (NCCL's allreduce by
+            # default there) keeps its shared scale: ``sum_hook`` over ``Fp16Wire.start``, overlapped
             return DDPCommunicator(device, knobs.ddp_bucket_mb, None, wire=knobs.wire)
         return DDPCommunicator(device, knobs.ddp_bucket_mb, sum_fn)
     if knobs.fusion == "lazy":

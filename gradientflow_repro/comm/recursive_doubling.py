@@ -27,9 +27,10 @@ Each exchange is one ``batch_isend_irecv`` group holding both the send and the r
 both partners alike; the hand-over of the fold and of the unfold are groups of one op. Under NCCL,
 point-to-point ops of a communicator run in issue order on one stream and a send may not finish
 before its receiver runs the matching receive: a blocking send issued ahead of the receive would
-deadlock there. (Under NCCL ``small_sum`` uses NCCL's own allreduce anyway, which switches to trees
-for small messages by itself, and so does every message by default there: ``knobs.summing``; the
-groups keep ``recursive_doubling_allreduce_`` itself correct there.)
+deadlock there. (Under NCCL ``small_sum`` uses NCCL's own allreduce by default, which switches to
+trees for small messages by itself, as every message does by default there: ``knobs.summing``; with
+``comm.implementation=ours`` our algorithms' small messages come here on NCCL too, for comparison,
+and the groups keep them correct there.)
 """
 
 from __future__ import annotations
@@ -123,12 +124,14 @@ def recursive_doubling_allreduce_(tensor: torch.Tensor, group: Optional[dist.Pro
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-def small_sum(group: Optional[dist.ProcessGroup] = None, op: str = "sum") -> SumFn:
+def small_sum(group: Optional[dist.ProcessGroup] = None, op: str = "sum", ours: bool = False) -> SumFn:
     """An allreduce for small messages as a summing function that records its bytes: NCCL's own
     allreduce on an NCCL group (it picks trees for small messages itself; bytes counted as the
-    ring's, like every builtin collective), recursive doubling on any other backend (gloo) for CPU
-    tensors. Gloo's point-to-point messages cannot carry CUDA tensors (its allreduce stages them
-    through the host itself), so a CUDA tensor on a group other than NCCL's takes the builtin too."""
+    ring's, like every builtin collective) unless ``ours`` (``comm.implementation=ours``: our
+    recursive doubling over NCCL's point-to-point, for comparison), recursive doubling on any other
+    backend (gloo) for CPU tensors. Gloo's point-to-point messages cannot carry CUDA tensors (its
+    allreduce stages them through the host itself), so a CUDA tensor on a group other than NCCL's
+    takes the builtin too."""
     if op not in OPS:
         raise ValueError(f"small_sum: op must be one of {OPS}, not {op!r}")
 
@@ -136,7 +139,8 @@ def small_sum(group: Optional[dist.ProcessGroup] = None, op: str = "sum") -> Sum
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         if world == 1:
             return
-        if dist.get_backend(group) == "nccl" or tensor.is_cuda:
+        nccl = dist.get_backend(group) == "nccl"
+        if (nccl and not ours) or (tensor.is_cuda and not nccl):
             dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group)
             stats.bytes += ring_bytes(tensor.numel() * tensor.element_size(), world)
         else:
@@ -146,13 +150,14 @@ def small_sum(group: Optional[dist.ProcessGroup] = None, op: str = "sum") -> Sum
 
 
 class SizedSum:
-    """A summing function that sends messages of at most ``threshold_bytes`` by ``small_sum(group)``
-    and larger ones by ``large`` (e.g. ``ring_sum(group)``): each message by the algorithm that is
-    faster at its size. ``large`` stays visible (which algorithm carries the big messages)."""
+    """A summing function that sends messages of at most ``threshold_bytes`` by ``small_sum(group,
+    ours=ours)`` and larger ones by ``large`` (e.g. ``ring_sum(group)``): each message by the algorithm
+    that is faster at its size. ``large`` stays visible (which algorithm carries the big messages)."""
 
     def __init__(self, large: SumFn, group: Optional[dist.ProcessGroup] = None,
-                 threshold_bytes: int = SMALL_MESSAGE_BYTES) -> None:
-        self.large, self.small, self.threshold_bytes, self.group = large, small_sum(group), threshold_bytes, group
+                 threshold_bytes: int = SMALL_MESSAGE_BYTES, ours: bool = False) -> None:
+        self.large, self.small = large, small_sum(group, ours=ours)
+        self.threshold_bytes, self.group = threshold_bytes, group
 
     def is_small(self, nbytes: int) -> bool:
         """Whether a message of ``nbytes`` goes by ``small_sum``."""

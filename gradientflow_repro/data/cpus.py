@@ -11,10 +11,12 @@ launches the GPU work and runs the optimizer), and of the rest
 
 * reader workers (the processes of DALI's parallel external source, which read each batch's files,
   parse their headers and draw the crop windows: ``dali.EpochBatches``) take a quarter, at least one
-  on a GPU. One worker keeps up with several GPUs' worth of images while the files come from the page
-  cache (``results/loader.md``, feeder table); the rest of the quarter is there for file systems whose
-  reads wait on the network, which more workers overlap. Without a GPU there are none: the trainer
-  computes on the same cores, and the files are read in the training process as before.
+  on a GPU. One worker alone does the feeder's work faster than one GPU takes images at the paper's
+  rate while the files come from the page cache, with little to spare, and through DALI's pool on
+  busy cores it may fall short (``results/loader.md``, feeder section); so a quarter of a task's
+  cores (2 of 12) rather than one, which also overlaps reads that wait on a network file system.
+  Without a GPU there are none: the trainer computes on the same cores, and the files are read in
+  the training process as before.
 * DALI's threads (JPEG decoding on the CPU, or nvJPEG's CPU stages on a GPU, and augmentation) take
   the rest, at least one.
 

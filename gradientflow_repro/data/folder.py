@@ -24,6 +24,14 @@ def to_device(images: torch.Tensor, labels: torch.Tensor, device: torch.device) 
     return images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
 
 
+def _own_generator(seed: int) -> torch.Generator:
+    """For the DataLoader's one draw per iterator (its workers' base seed): without a generator of
+    its own it draws from the trainer's global RNG, so a run resumed mid-epoch, which starts one
+    more iterator than the uninterrupted run at that point, would draw other dropout masks from then
+    on. (The samples do not use that seed: ``_Files`` seeds each one itself.)"""
+    return torch.Generator().manual_seed(seed)
+
+
 class _Files(Dataset):
     """Each sample's augmentation is seeded by (``seed``, position), so batches do not depend on the
     number of workers or on what ran before, and the trainer's own RNG is left untouched."""
@@ -70,7 +78,8 @@ class TorchvisionSource(ShardedFolder):
         mine = order[start:start + self.steps_per_epoch * self.local_batch]
         dataset = _Files([self.train.files[i] for i in mine], [self.train.labels[i] for i in mine],
                          self.train_transform, seed=self.epoch_seed(epoch) * 1_000_003)
-        loader = DataLoader(dataset, shuffle=False, drop_last=True, **self.loader_args)
+        loader = DataLoader(dataset, shuffle=False, drop_last=True, generator=_own_generator(epoch),
+                            **self.loader_args)
         with workers_ignore_stop_signals():  # the workers start with the iterator
             batches = iter(loader)
         for step, (images, labels) in enumerate(batches):
@@ -81,6 +90,6 @@ class TorchvisionSource(ShardedFolder):
         start, end = shard_bounds(len(self.val), self.rank, self.world_size)
         dataset = _Files(self.val.files[start:end], self.val.labels[start:end], self.val_transform)
         with workers_ignore_stop_signals():  # the workers start with the iterator
-            batches = iter(DataLoader(dataset, shuffle=False, **self.loader_args))
+            batches = iter(DataLoader(dataset, shuffle=False, generator=_own_generator(0), **self.loader_args))
         for images, labels in batches:
             yield to_device(images, labels, self.device)

@@ -37,8 +37,9 @@ is the registry's, not retyped), the sparsifier priced by its registered rule:
   tensors it sends whole, then P (n x r per compressed n x m matrix), then Q (m x r), after its
   local work (a cost per compressed element, ``ModelProfile.low_rank_s_per_element``;
   ``low_rank_split``); dense, as DDP, during its warm-up (``time_to_train``'s dense epochs);
-- PyTorch's ``fp16_compress_hook`` (``comm=ddp-fp16``, and any DDP fp16 wire over the backend's
-  allreduce, as the factory builds it): DDP's buckets at 2 bytes an element, no scale to agree on;
+- PyTorch's ``fp16_compress_hook`` (``comm=ddp-fp16``: DDP's fp16 wire with ``comm.algorithm=builtin``,
+  as the factory builds it): DDP's buckets at 2 bytes an element, no scale to agree on; DDP's fp16
+  wire under any other algorithm keeps our shared scale, whoever carries it (NCCL's allreduce too);
 - who sums: ``knobs.summing``, the one definition the factory builds (``comm.implementation``): the
   backend's own allreduce for ``builtin`` (``allreduce``, ``ddp``) and, on an NCCL network
   (``Network.nccl``, a GPU cluster) by default for every algorithm; our algorithms above by default
@@ -156,7 +157,8 @@ class Network:
     # the backend's allreduce, if measured: (payload bytes, seconds per call), by increasing size
     builtin_cost_by_size: Optional[tuple[tuple[float, float], ...]] = None
     # NCCL: small messages go to NCCL's own allreduce (``recursive_doubling.small_sum``), whose tuner
-    # takes the faster of its tree and its ring for each size; gloo: our recursive doubling always
+    # takes the faster of its tree and its ring for each size, unless comm.implementation=ours asks
+    # for our recursive doubling; gloo: our recursive doubling always
     nccl: bool = False
     burst_bytes: float = 0.0  # payload an idle link passes at once (an emulated link's token bucket)
     # NICs per node that ``bandwidth_Bps`` adds up (a rail-optimised GPU node: one per GPU). NCCL's
@@ -223,8 +225,9 @@ class Strategy:
 
         What the sparsifier sends is priced by its rule in the registry (``registry.PRICING_RULES``:
         ``dense``, ``chunks``, ``csc``, ``low_rank``); a rule not known here raises ValueError, so a
-        new sparsifier is never priced as dense by mistake. DDP's fp16 wire over the builtin allreduce is
-        PyTorch's ``fp16_compress_hook`` (no shared scale), as the factory builds it."""
+        new sparsifier is never priced as dense by mistake. DDP's fp16 wire with ``comm.algorithm=builtin``
+        is PyTorch's ``fp16_compress_hook`` (no shared scale), as the factory builds it; under any
+        other algorithm it keeps our shared scale, on NCCL's allreduce too."""
         rule = registry.sparsifier(knobs.sparsity).pricing
         if rule not in PRICED_RULES:
             raise ValueError(f"strategy {name!r}: sparsifier {knobs.sparsity!r} has pricing rule {rule!r}, which "
@@ -355,8 +358,7 @@ def allreduce_s(payload_bytes: float, ranks: int, net: Network, algorithm: str =
     node (node by node; the last node may be partly filled) by ``algorithm`` (``comm.algorithm``)
     under ``implementation`` (``comm.implementation``, ``knobs.summing``): the backend's allreduce
     (measured, NCCL's tuning model, or gloo's ring), or ours, by recursive doubling up to
-    ``small_message_bytes`` (on NCCL those go by NCCL's allreduce, priced as the faster of
-    recursive doubling and the ring, as before NCCL's own model was used)."""
+    ``small_message_bytes`` (on NCCL too, where ``comm.implementation=ours`` asks for ours)."""
     if ranks <= 1 or payload_bytes <= 0:
         return 0.0
     chosen = comm_knobs.summing(algorithm, ranks, net.ranks_per_node, "nccl" if net.nccl else "gloo",
@@ -368,8 +370,7 @@ def allreduce_s(payload_bytes: float, ranks: int, net: Network, algorithm: str =
             return nccl_allreduce_s(payload_bytes, ranks, net, chosen.nccl_algo)
         return _ring_s(payload_bytes, ranks, net, "builtin")  # gloo's own: a ring, unless measured
     if payload_bytes <= small_message_bytes:
-        small = small_allreduce_s(payload_bytes, ranks, net)
-        return min(small, _ring_s(payload_bytes, ranks, net, algorithm)) if net.nccl else small
+        return small_allreduce_s(payload_bytes, ranks, net)
     return _ring_s(payload_bytes, ranks, net, algorithm)
 
 

@@ -44,6 +44,11 @@ def test_killed_rank_is_named_and_the_last_checkpoint_resumes(where: str, tmp_pa
     assert "lost rank(s) [1]" in output, output[-4000:]
     # one line per survivor: the collective's traceback and Hydra's report would only repeat it
     assert "Error executing job" not in output and "a collective failed" in output, output[-4000:]
+    frames = [line for line in output.splitlines() if line.strip().startswith('File "')]
+    assert not any("gradientflow_repro" in frame for frame in frames), "\n".join(frames)
+    for rank in (0, 2):
+        lines = [line for line in output.splitlines() if line.startswith(f"error: rank {rank}:")]
+        assert len(lines) <= 1 and all("lost rank(s) [1]" in line for line in lines), lines
     complete = complete_checkpoints(tmp_path)
     assert complete and int(complete[-1].name.split("_")[1]) == 15, complete
     if where == "checkpoint":
