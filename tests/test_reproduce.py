@@ -913,7 +913,7 @@ def test_the_convergence_study_refuses_unknown_configurations() -> None:
         parse_configs(["ddp", "ddp=comm=ddp"])
     with pytest.raises(ValueError, match="'t': 'target_top1=90': the study never stops at a target"):
         parse_configs(["t=comm=ddp target_top1=90"])
-    assert experiment_target("digits_cpu") == 98.8
+    assert experiment_target("digits_cpu") == 98.5
     with pytest.raises(ValueError, match="experiment 'digits': no configs/experiment/digits.yaml"):
         experiment_target("digits")
 
