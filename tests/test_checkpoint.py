@@ -176,13 +176,14 @@ def _trainer_parts(rank: int, world: int) -> tuple:
 
 
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, comm, rank: int, step: int) -> None:
+    """One training step through ``model`` (the communicator's wrapper, where it has one)."""
     comm.begin_step(epoch=1.0)
     x = torch.randn(16, 37, generator=torch.Generator().manual_seed(rank * 100 + step)) + rank
     model(x).pow(2).mean().backward()
     comm.synchronize()
     optimizer.step()
     comm.end_step(True)
-    model.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _train_old(rank: int, world: int, run: str) -> None:
@@ -300,20 +301,10 @@ def _powersgd_parts(rank: int, world: int) -> tuple:
     return state, model, wrapped, optimizer, comm, progress
 
 
-def _powersgd_step(wrapped: nn.Module, optimizer: torch.optim.Optimizer, comm, rank: int, step: int) -> None:
-    comm.begin_step(epoch=1.0)
-    x = torch.randn(16, 37, generator=torch.Generator().manual_seed(rank * 100 + step)) + rank
-    wrapped(x).pow(2).mean().backward()
-    comm.synchronize()
-    optimizer.step()
-    comm.end_step(True)
-    optimizer.zero_grad(set_to_none=True)
-
-
 def _powersgd_old(rank: int, world: int, run: str) -> None:
     state, _, wrapped, optimizer, comm, progress = _powersgd_parts(rank, world)
     for step in range(4):  # torch's hook compresses from its third iteration: the error is kept
-        _powersgd_step(wrapped, optimizer, comm, rank, step)
+        _step(wrapped, optimizer, comm, rank, step)
         progress.stepped(0.1)
     state.save(Path(run), 4, keep=1)
 
@@ -344,8 +335,8 @@ def _powersgd_new(rank: int, world: int, run: str, out: str, old: int) -> None:
     if not all(torch.equal(got["q"][i], q) for i, q in old_states[0]["q"].items()):
         failures.append("PowerSGD's Q is not old rank 0's")
     # the first step after the resume: as from the state built by hand
-    _powersgd_step(wrapped, optimizer, comm, rank, 10)
-    _powersgd_step(ref_wrapped, ref_optimizer, ref_comm, rank, 10)
+    _step(wrapped, optimizer, comm, rank, 10)
+    _step(ref_wrapped, ref_optimizer, ref_comm, rank, 10)
     for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
         if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
             failures.append(f"after the first step, {name} differs from the reference by {(a - b).abs().max():.3g}")
