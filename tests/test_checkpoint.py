@@ -186,6 +186,16 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, comm, rank: int, s
     optimizer.zero_grad(set_to_none=True)
 
 
+def _first_step_differs(resumed: tuple, reference: tuple, rank: int) -> list[str]:
+    """One step on each (model, what the step runs through, optimizer, communicator); how the
+    resumed model's parameters differ from the reference's after it."""
+    _step(*resumed[1:], rank, 10)
+    _step(*reference[1:], rank, 10)
+    return [f"after the first step, {name} differs from the reference by {(a - b).abs().max():.3g}"
+            for (name, a), b in zip(resumed[0].named_parameters(), reference[0].parameters())
+            if not torch.allclose(a, b, rtol=1e-5, atol=1e-6)]
+
+
 def _train_old(rank: int, world: int, run: str) -> None:
     state, model, optimizer, comm, progress = _trainer_parts(rank, world)
     for step in range(3):
@@ -250,11 +260,8 @@ def _resume_new(rank: int, world: int, run: str, out: str, old: int) -> None:
     if not torch.equal(rng_after_resume, expected_rng):
         failures.append(f"rank {rank}'s generator is not {'old rank ' + str(rank) if rank < old else 'derived'}")
     # the first step after the resume: as from the state built by hand
-    _step(model, optimizer, comm, rank, 10)
-    _step(ref_model, ref_optimizer, ref_comm, rank, 10)
-    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
-        if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
-            failures.append(f"after the first step, {name} differs from the reference by {(a - b).abs().max():.3g}")
+    failures += _first_step_differs((model, model, optimizer, comm), (ref_model, ref_model, ref_optimizer, ref_comm),
+                                    rank)
     torch.save({"failures": failures, "said": state.regrouped}, Path(out) / f"rank{rank}.pt")
 
 
@@ -335,11 +342,8 @@ def _powersgd_new(rank: int, world: int, run: str, out: str, old: int) -> None:
     if not all(torch.equal(got["q"][i], q) for i, q in old_states[0]["q"].items()):
         failures.append("PowerSGD's Q is not old rank 0's")
     # the first step after the resume: as from the state built by hand
-    _step(wrapped, optimizer, comm, rank, 10)
-    _step(ref_wrapped, ref_optimizer, ref_comm, rank, 10)
-    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
-        if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
-            failures.append(f"after the first step, {name} differs from the reference by {(a - b).abs().max():.3g}")
+    failures += _first_step_differs((model, wrapped, optimizer, comm),
+                                    (ref_model, ref_wrapped, ref_optimizer, ref_comm), rank)
     torch.save({"failures": failures, "said": state.regrouped}, Path(out) / f"rank{rank}.pt")
 
 
