@@ -302,6 +302,12 @@ def _rules(key: str, part: Stateful, state: Any) -> dict[Optional[str], str]:
     return {None: rule}
 
 
+def _starts_without_checkpoint(part: Stateful) -> bool:
+    """Whether a checkpoint without ``part`` may still load (module docstring): the part then starts
+    from what its ``absent_from_checkpoint()`` sets."""
+    return callable(getattr(part, "absent_from_checkpoint", None))
+
+
 class _Regroup:
     """Per-rank state of ``old`` ranks gathered for ``world`` new ones (module docstring): what this
     rank read (sums of ``mean`` pieces, its ``own`` pieces, on rank 0 the ``same`` pieces and the
@@ -317,7 +323,7 @@ class _Regroup:
 
     def add(self, old_rank: int, saved: dict, where: str) -> None:
         for key, part in self.parts.items():
-            if key not in saved and callable(getattr(part, "absent_from_checkpoint", None)):
+            if key not in saved and _starts_without_checkpoint(part):
                 self.absent.add(key)
                 continue
             if key not in saved:
@@ -516,7 +522,7 @@ class TrainState:
     @staticmethod
     def _restore(path: Path, key: str, part: Stateful, saved: dict, where: str, version: int) -> None:
         if key not in saved:
-            if callable(getattr(part, "absent_from_checkpoint", None)):  # written before the part existed
+            if _starts_without_checkpoint(part):  # written before the part existed
                 part.absent_from_checkpoint()
                 return
             raise CheckpointError(f"{path} has no '{key}' in {where} (checkpoint format {version}, written "

@@ -160,12 +160,13 @@ def _communicator(knobs: CommConfig, device: torch.device, sum_fn: SumFn, lr_war
     if builder is not None:
         return registry.load(builder)(knobs, device, sum_fn, lr_warmup_epochs)
     if knobs.fusion == "ddp":  # PyTorch's own hooks where DDP sums by the backend, ``sum_hook`` over ours
-        if isinstance(sum_fn, BuiltinSum):  # fp32 over the backend's allreduce: DDP's own
-            return DDPCommunicator(device, knobs.ddp_bucket_mb, None)
-        if knobs.algorithm == "builtin" and isinstance(sum_fn, Fp16Wire) and isinstance(sum_fn.inner, BuiltinSum):
-            # PyTorch's fp16_compress_hook, no scale (comm=ddp-fp16, or comm=ddp comm.wire=fp16: the peer as
-            # researchers run it). Our algorithms' fp16 wire carried by the backend (NCCL's allreduce by
-            # default there) keeps its shared scale: ``sum_hook`` over ``Fp16Wire.start``, overlapped
+        # fp32 over the backend's allreduce: DDP's own; fp16 with comm.algorithm=builtin: PyTorch's
+        # fp16_compress_hook, no scale (comm=ddp-fp16, or comm=ddp comm.wire=fp16: the peer as researchers
+        # run it). Our algorithms' fp16 wire carried by the backend (NCCL's allreduce by default there)
+        # keeps its shared scale: ``sum_hook`` over ``Fp16Wire.start``, overlapped
+        builtin_fp16 = (knobs.algorithm == "builtin" and isinstance(sum_fn, Fp16Wire)
+                        and isinstance(sum_fn.inner, BuiltinSum))
+        if isinstance(sum_fn, BuiltinSum) or builtin_fp16:
             return DDPCommunicator(device, knobs.ddp_bucket_mb, None, wire=knobs.wire)
         return DDPCommunicator(device, knobs.ddp_bucket_mb, sum_fn)
     if knobs.fusion == "lazy":
