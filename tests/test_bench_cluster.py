@@ -39,6 +39,8 @@ def test_a_short_run_on_loopback_writes_rows_and_tables(tmp_path: Path) -> None:
     facts = json.loads(raw.read_text())
     assert facts["emulated"] is False and facts["rate_check"] is None and facts["machine"]["git_commit"] is not None
     assert facts["model"]["name"] == "alexnet_bn" and len(facts["model"]["tensors_in_backward_order"]) == 23
+    # each tensor with its first dimension, PowerSGD's matrix view (the classifier's 10 x 1024 weight first)
+    assert facts["model"]["tensors_in_backward_order"][:2] == [[10, True, 10], [10240, False, 10]]
     rows = facts["rows"]
     assert [(r["strategy"], r["launch"]) for r in rows] == [("lazy", 1), ("ddp", 1), ("lazy", 2), ("ddp", 2)], rows
     assert [layout["launch"] for layout in facts["layouts"]] == [1, 2] and facts["launches"] == 2
@@ -50,8 +52,9 @@ def test_a_short_run_on_loopback_writes_rows_and_tables(tmp_path: Path) -> None:
         assert row["bytes_per_step"] >= 4 * facts["model"]["parameters"]
     network = facts["layouts"][0]["network"]
     assert network["leaders"]["bandwidth_Bps"] > 0 and network["model_network"]["ranks_per_node"] == 1
-    # CSC's and the fp16 wire's local work, timed on every rank at once in the launch
-    assert set(network["local_work_in_step"]) == {"sparsify_s_per_element", "wire_cast_s_per_element"}
+    # CSC's, the fp16 wire's and PowerSGD's local work, timed on every rank at once in the launch
+    assert set(network["local_work_in_step"]) == {"sparsify_s_per_element", "wire_cast_s_per_element",
+                                                  "low_rank_s_per_element"}
     assert all(0 < seconds < 1e-6 for seconds in network["local_work_in_step"].values())
     assert "loopback, not emulated" in text and "failed" not in text
     for label in ("lazy", "ddp"):  # the median of the two launches, and each launch's figure beside it

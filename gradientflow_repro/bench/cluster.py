@@ -246,18 +246,21 @@ def _slowest_backward_s(out: Any, synchronize: Callable[[], None]) -> float:
     return elapsed.item()
 
 
-def _local_work_in_step(elements: int) -> dict[str, float]:
-    """CSC's and the fp16 wire's local work per element as a step does it: every rank at once on
-    the shared cores (on the threads each rank trains with), the slowest rank's time, since the
+def _local_work_in_step(shapes: Sequence[tuple[int, ...]]) -> dict[str, float]:
+    """CSC's, the fp16 wire's and PowerSGD's local work per element (of the gradients, of the
+    gradients, of the matrices PowerSGD compresses) as a step does it: every rank at once on the
+    shared cores (on the threads each rank trains with), the slowest rank's time, since the
     collective after it waits for that one. One process alone times each rank's share of a core
     fairly, but the scheduler does not: with more ranks than cores the slowest of them takes well
     over its fair share."""
-    from gradientflow_repro.scaling.profile import sparsify_work, wire_cast_work
+    from gradientflow_repro.scaling.profile import low_rank_work, sparsify_work, wire_cast_work
 
+    elements = sum(math.prod(shape) for shape in shapes)
     figures = {}
     for key, (work, covered) in (("sparsify_s_per_element", sparsify_work(elements, noise_sketch=False)),
-                                 ("wire_cast_s_per_element", wire_cast_work(elements))):
-        figures[key] = _timed(work, 9, True, slowest=True) / covered
+                                 ("wire_cast_s_per_element", wire_cast_work(elements)),
+                                 ("low_rank_s_per_element", low_rank_work(shapes))):
+        figures[key] = _timed(work, 9, True, slowest=True) / covered if covered else 0.0
     return figures
 
 
@@ -347,7 +350,7 @@ def _measure(rank: int, world: int, out: Path, spec_file: Path) -> None:
     generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own fixed gradients
     gradients = [torch.randn(p.shape, generator=generator) for p in params]
     if measured:
-        measured["local_work_in_step"] = _local_work_in_step(sum(p.numel() for p in params))
+        measured["local_work_in_step"] = _local_work_in_step([tuple(p.shape) for p in params])
         measured["replay_in_step"] = _replay_in_step(spec, gradients)
     rows = []
     strategies = _with_switch_over(spec["strategies"], measured, world) if measured else spec["strategies"]
@@ -449,7 +452,9 @@ def bench_cluster(out_md: Path = OUT_MD, out_json: Path = OUT_JSON, rate_mbit: f
         model = model_spec(experiment)
         order = backward_order(model)
         params = [p for p in build(model).parameters() if p.requires_grad]
-        tensors = [[params[i].numel(), params[i].dim() <= 1] for i in order]
+        # [elements, one-dimensional, first dimension]: the last is how PowerSGD views it as a matrix
+        tensors = [[params[i].numel(), params[i].dim() <= 1, params[i].shape[0] if params[i].dim() else 1]
+                   for i in order]
         model = {**model, "tensors_in_backward_order": tensors, "parameters": sum(t[0] for t in tensors)}
         kept = f"; continuing: {progress.kept} finished job(s) kept" if progress.kept else ""
         print(f"bench_cluster: {model['name']} ({model['parameters'] / 1e6:.2f}M parameters, {len(tensors)} tensors); "
@@ -723,7 +728,8 @@ def markdown(facts: dict[str, Any]) -> str:
                   "switch-over between recursive doubling and the ring (`comm.small_message_kb`, from the model "
                   "on the figures measured at the start of each launch: " + ", ".join(
                       f"{name} {_switch_over_note(facts, name)}" for name in names)
-                  + "). CSC's and the fp16 wire's local work per element, measured in each launch as a step does "
+                  + "). CSC's, the fp16 wire's and PowerSGD's local work per element (of the gradients, of the "
+                  "gradients, of the matrices PowerSGD compresses), measured in each launch as a step does "
                   "it (every rank at once on the shared cores, the slowest rank's time), launch by launch: "
                   + "; ".join(f"{name} " + ", ".join(_local_work_note(layout) for layout in facts["layouts"]
                                                    if layout["layout"] == name) for name in names)
@@ -738,7 +744,9 @@ def _local_work_note(layout: dict[str, Any]) -> str:
     work = (layout["network"] or {}).get("local_work_in_step")
     if not work:
         return "not measured"
-    return f"{work['sparsify_s_per_element'] * 1e9:.1f} and {work['wire_cast_s_per_element'] * 1e9:.1f} ns"
+    low_rank = work.get("low_rank_s_per_element")  # not measured by launches before PowerSGD was priced
+    return (f"{work['sparsify_s_per_element'] * 1e9:.1f}, {work['wire_cast_s_per_element'] * 1e9:.1f} and "
+            + (f"{low_rank * 1e9:.1f} ns" if low_rank is not None else "(not measured) ns"))
 
 
 def _burst_ms(facts: dict[str, Any]) -> str:
