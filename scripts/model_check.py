@@ -98,12 +98,11 @@ def why_misses(rows: list[dict]) -> list[str]:
     alexnet4, alexnet8 = "TF benchmarks DGX-1 alexnet 4 GPUs", "TF benchmarks DGX-1 alexnet 8 GPUs"
     vgg128, vgg512 = "Horovod 2017 vgg16 128 GPUs roce25", "Horovod 2017 vgg16 512 GPUs roce25"
     reasons = {
-        "DLE PyTorch": "single node, PyTorch DDP with AMP. The same READMEs' FP32 and TF32 rows are within "
-        "3.5 points, and TensorFlow's AMP rows on DGX-1V and DGX A100 within 2.5, so neither AMP's shorter "
-        "step nor NVLink's rate explains it; the candidates left are each framework's own per-step cost and its input "
-        "pipeline (decoding and augmenting 8 x 1,200-2,500 images/s on one host, where the single-GPU figure "
-        "had the host to itself). No fitted row measures PyTorch DDP (its step overhead stays at the prior, "
-        "0), and the sources give no per-node input capacity, so no term was added",
+        "DLE PyTorch": "single node, PyTorch DDP: its per-step overhead is fitted on one of these READMEs' "
+        "rows (DGX A100 AMP, the shortest step) and stands for everything a step costs besides compute and "
+        "communication (the framework, the optimizer and the host's input pipeline, which feeds 8 x 1,200-2,500 "
+        "images/s where the single-GPU figure had the host to itself); the sources give no per-node input "
+        "capacity to price that part on its own",
         "DLE TensorFlow DGX-2 AMP": "single node of 16 GPUs, Horovod with AMP: 16 x 1,300 images/s from one "
         "host's input pipeline; the same README's FP32 row on the DGX-2 is within 3.5 points and its AMP "
         "rows on 8-GPU systems within 2.5. The sources give no input capacity per node: no term was added",

@@ -141,3 +141,9 @@ def test_model_check_reports_fitted_and_test_rows(tmp_path: Path) -> None:
     if misses:  # each miss said why, none left "not examined"
         said = text.split("## Why the test misses remain")[1]
         assert all(name in said for name in misses) and "not examined" not in said
+
+
+def test_pytorch_ddps_overhead_is_fitted_on_one_row_and_tested_on_the_others() -> None:
+    rows = [r for r in ROWS if r.framework == "pytorch-ddp"]
+    assert ("overhead", "pytorch-ddp") in cal.FREE
+    assert len(rows) == 4 and [r.name for r in rows if r.fitted] == ["DLE PyTorch DGX A100 80GB AMP"]

@@ -78,7 +78,8 @@ GRIDS: dict[str, tuple[float, ...]] = {
 }
 # The fitted subset's free parameters (what ``published.ROWS``' fitted rows measure)
 FREE: tuple[Free, ...] = (("link", "roce25"), ("link", "tcp25"), ("link", "tcp40"), ("slowdown", ""),
-                          ("overhead", "horovod"), ("intra", "nvlink-p100"), ("overhead", "tf-replicated"))
+                          ("overhead", "horovod"), ("intra", "nvlink-p100"), ("overhead", "tf-replicated"),
+                          ("overhead", "pytorch-ddp"))
 
 
 def get(params: Parameters, free: Free) -> float:
