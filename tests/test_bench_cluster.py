@@ -178,3 +178,17 @@ def test_a_failed_network_bound_check_names_a_rate_that_would_pass() -> None:
     assert f"`--rate-mbit {int(suggested)}` or lower" in _suggestion(check)
     assert "0.309 s fixed, 1.176 s on the wire" in _suggestion(check)
     assert _suggestion({"rate_mbit": 100, "comm_s": 1.0, "double_comm_s": 1.0}) == ""  # JSON from before
+
+
+def test_powersgd_is_timed_only_on_steps_that_compress(tmp_path: Path) -> None:
+    """Asked for no warm-up, PowerSGD still skips the steps it sends whole: every timed step sends
+    its low-rank factors, far fewer bytes than the dense gradients."""
+    raw = tmp_path / "cluster_comm.json"
+    bench_cluster.bench_cluster(tmp_path / "cluster_comm.md", raw, layouts=[(2, 1)], labels=["powersgd"], steps=2,
+                                warmup=0, emulate=False, check=False, runs_dir=tmp_path / "runs", measure=None,
+                                command="pytest", launches=1)
+    facts = json.loads(raw.read_text())
+    (row,) = facts["rows"]
+    assert row["error"] is None, row["error"]
+    assert row["warmup_steps"] == 2 and len(row["comm_s_all"]) == 2
+    assert row["bytes_per_step_max"] < 0.1 * 4 * facts["model"]["parameters"]  # no dense step among them

@@ -302,12 +302,19 @@ def _replay_in_step(spec: dict[str, Any], gradients: list[Any], steps: int = 7) 
 
 def _run_strategy(rank: int, spec: dict[str, Any], label: str, options: dict[str, Any], order: list[int],
                   gradients: list[Any]) -> dict[str, Any]:
-    """``warmup`` + ``steps`` replayed steps of one strategy; per step the slowest rank's seconds
-    from backward start to the end of ``synchronize()``, and this rank's bytes and collectives."""
+    """``warmup`` + ``steps`` replayed steps of one strategy (PowerSGD: at least the steps it sends
+    whole); per step the slowest rank's seconds from backward start to the end of ``synchronize()``,
+    and this rank's bytes and collectives."""
     import torch
 
     from gradientflow_repro.comm import build_communicator
+    from gradientflow_repro.comm.ddp import FIRST_COMPRESSIBLE_ITERATION
+    from gradientflow_repro.comm.knobs import resolve
 
+    # PowerSGD sends its first steps whole (DDP lays its buckets out anew after the first): time
+    # only steps that compress, whatever the warm-up asked for
+    low_rank = registry.sparsifier(resolve(options).sparsity).pricing == "low_rank"
+    warmup = max(spec["warmup"], FIRST_COMPRESSIBLE_ITERATION) if low_rank else spec["warmup"]
     torch.manual_seed(0)
     replay = make_replay(build(spec["model"]), order, gradients)
     optimizer = torch.optim.SGD(replay.parameters(), lr=0.0, momentum=0.9)
@@ -315,14 +322,14 @@ def _run_strategy(rank: int, spec: dict[str, Any], label: str, options: dict[str
     try:
         train = comm.attach(replay, optimizer)
         seconds, sent, collectives, waits = [], [], [], []
-        for step in range(spec["warmup"] + spec["steps"]):
+        for step in range(warmup + spec["steps"]):
             comm.begin_step(epoch=10.0)  # CSC: past any dense warm-up
             out = train()  # builds the chain (and under DDP, its forward bookkeeping)
             elapsed = _slowest_backward_s(out, comm.synchronize)
             comm.end_step(True)
             stats = comm.stats.take()
             optimizer.zero_grad(set_to_none=True)
-            if step >= spec["warmup"]:
+            if step >= warmup:
                 seconds.append(elapsed)
                 sent.append(stats["bytes"])
                 collectives.append(stats["collectives"])
@@ -332,7 +339,8 @@ def _run_strategy(rank: int, spec: dict[str, Any], label: str, options: dict[str
     return {"strategy": label, "options": options, "comm_s_median": statistics.median(seconds),
             "comm_s_min": min(seconds), "comm_s_max": max(seconds), "comm_s_all": seconds,
             "sync_wait_s_median": statistics.median(waits), "bytes_per_step": statistics.median(sent),
-            "collectives_per_step": statistics.median(collectives), "error": None}
+            "bytes_per_step_max": max(sent), "collectives_per_step": statistics.median(collectives),
+            "warmup_steps": warmup, "error": None}
 
 
 def _measure(rank: int, world: int, out: Path, spec_file: Path) -> None:
