@@ -145,6 +145,26 @@ def test_the_model_is_set_against_the_median_over_launches_with_each_launchs_err
     assert "2 of 2 are" in text and "4 of 5 within 15%, largest 25%" in text  # the one launch that missed, said
     # the goal on the medians (70 / 1140 ms), and each launch's ratio side by side where both ran
     assert "0.06x as long" in text and "side by side in each launch: 0.05x, -, 0.10x" in text
+    assert "what ships in PyTorch" not in text  # no peer measured: no peers' goal
+
+
+def test_the_peers_goal_is_judged_on_the_medians_of_communication_time(monkeypatch) -> None:
+    from gradientflow_repro.scaling import cluster_check
+
+    def row(label: str, measured: float, mib: float) -> dict:
+        return {"layout": "2x4", "world": 8, "strategy": label, "launch": 1, "options": {},
+                "comm_s_median": measured, "comm_s_min": measured, "comm_s_max": measured,
+                "bytes_per_step": mib * 2**20, "predicted_s": measured, "error": 0.0}
+
+    layouts = [{"layout": "2x4", "network": {"local_work_in_step": {"sparsify_s_per_element": 1e-9}}}]
+    for powersgd_s, verdict in ((0.174, "met"), (0.090, "NOT met")):
+        each = [row("gradientflow (hierarchical)", 0.097, 1.79), row("ddp-fp16", 1.401, 7.52),
+                row("powersgd", powersgd_s, 0.23)]
+        monkeypatch.setattr(cluster_check, "predictions", lambda facts, each=each: each)
+        text = "\n".join(cluster_check.markdown_lines({"launches": 1, "layouts": layouts, "rows": []}))
+        assert (f"- 2x4: `gradientflow` (hierarchical) against what ships in PyTorch (medians): 97 ms and 1.79 MiB "
+                f"per step against `ddp-fp16` 1401 ms and 7.52 MiB, `powersgd` {powersgd_s * 1e3:.0f} ms and 0.23 MiB. "
+                f"Goal ahead of both on communication time: {verdict}; fewest bytes: `powersgd`.") in text, text
 
 
 def test_a_strategy_that_failed_in_a_launch_is_counted_over_the_others() -> None:

@@ -187,4 +187,16 @@ def markdown_lines(facts: dict[str, Any]) -> list[str]:
                          f"{ddp['comm_s_median'] * 1e3:.0f} ms per step, medians; side by side in each launch: "
                          f"{_each_launch(launches, ratios, '.2f', 'x')}). Goal at "
                          f"most {GOAL_RATIO}x: {'met' if ratio <= GOAL_RATIO else 'NOT met'}.")
+        peers = [by_label[label] for label in registry.labels(registry.PEERS) if label in by_label]
+        if full and peers:
+            ahead = all(full["comm_s_median"] < peer["comm_s_median"] for peer in peers)
+            fewest = min([full, *peers], key=lambda r: r["bytes_per_step"])
+            lines.append(f"- {layout}: `gradientflow` (hierarchical) against what ships in PyTorch (medians): "
+                         f"{full['comm_s_median'] * 1e3:.0f} ms and {full['bytes_per_step'] / 2**20:.2f} MiB per "
+                         "step against " + ", ".join(f"`{registry.canonical(p['strategy'])}` "
+                                                     f"{p['comm_s_median'] * 1e3:.0f} ms and "
+                                                     f"{p['bytes_per_step'] / 2**20:.2f} MiB" for p in peers)
+                         + f". Goal ahead of {'both' if len(peers) == 2 else 'each'} on communication time: "
+                         f"{'met' if ahead else 'NOT met'}; fewest bytes: "
+                         f"`{registry.canonical(fewest['strategy'])}`.")
     return lines
