@@ -457,12 +457,13 @@ def bench_cluster(out_md: Path = OUT_MD, out_json: Path = OUT_JSON, rate_mbit: f
             "experiment": experiment, "measure": measure, "code": code_version(),
             "machine": {key: machine[key] for key in MACHINE_KEYS}}
     with Progress(runs_dir, plan, fresh, name="bench_cluster", what="cluster benchmark") as progress:
+        from gradientflow_repro.scaling.profile import matrix_rows
+
         model = model_spec(experiment)
         order = backward_order(model)
         params = [p for p in build(model).parameters() if p.requires_grad]
         # [elements, one-dimensional, first dimension]: the last is how PowerSGD views it as a matrix
-        tensors = [[params[i].numel(), params[i].dim() <= 1, params[i].shape[0] if params[i].dim() else 1]
-                   for i in order]
+        tensors = [[params[i].numel(), params[i].dim() <= 1, matrix_rows(params[i])] for i in order]
         model = {**model, "tensors_in_backward_order": tensors, "parameters": sum(t[0] for t in tensors)}
         kept = f"; continuing: {progress.kept} finished job(s) kept" if progress.kept else ""
         print(f"bench_cluster: {model['name']} ({model['parameters'] / 1e6:.2f}M parameters, {len(tensors)} tensors); "

@@ -232,7 +232,7 @@ def measure_profile(model: Any, images: Any, labels: Any, repeats: int = 5) -> M
     samples = samples[1:]
     order = sorted(range(len(params)), key=lambda i: statistics.median(s[3][i] for s in samples))
     tensors = tuple(TensorProfile(params[i].numel(), statistics.median(s[3][i] for s in samples),
-                                  params[i].dim() <= 1, _rows(params[i])) for i in order)
+                                  params[i].dim() <= 1, matrix_rows(params[i])) for i in order)
     return ModelProfile(statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples),
                         statistics.median(s[2] for s in samples), tensors)
 
@@ -354,12 +354,12 @@ def flop_readiness(model: nn.Module, images: Tensor, labels: Tensor) -> FlopRead
         for handle in handles:
             handle.remove()
     order = list(done) + [i for i in range(len(params)) if i not in done]
-    tensors = tuple(TensorFlops(params[i].numel(), done.get(i, backward), params[i].dim() <= 1, _rows(params[i]))
+    tensors = tuple(TensorFlops(params[i].numel(), done.get(i, backward), params[i].dim() <= 1, matrix_rows(params[i]))
                     for i in order)
     return FlopReadiness(forward["flops"], backward, tensors)
 
 
-def _rows(parameter: Any) -> int:
+def matrix_rows(parameter: Any) -> int:
     """A parameter's first dimension (its elements for a scalar): the rows PowerSGD views it with."""
     return int(parameter.shape[0]) if parameter.dim() else 1
 
