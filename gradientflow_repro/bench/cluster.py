@@ -302,23 +302,19 @@ def _replay_in_step(spec: dict[str, Any], gradients: list[Any], steps: int = 7) 
 
 def _run_strategy(rank: int, spec: dict[str, Any], label: str, options: dict[str, Any], order: list[int],
                   gradients: list[Any]) -> dict[str, Any]:
-    """``warmup`` + ``steps`` replayed steps of one strategy (PowerSGD: at least the steps it sends
-    whole); per step the slowest rank's seconds from backward start to the end of ``synchronize()``,
-    and this rank's bytes and collectives."""
+    """``warmup`` + ``steps`` replayed steps of one strategy (at least the steps it sends whole:
+    ``Communicator.steps_sent_whole``); per step the slowest rank's seconds from backward start to
+    the end of ``synchronize()``, and this rank's bytes and collectives."""
     import torch
 
     from gradientflow_repro.comm import build_communicator
-    from gradientflow_repro.comm.ddp import FIRST_COMPRESSIBLE_ITERATION
-    from gradientflow_repro.comm.knobs import resolve
 
-    # PowerSGD sends its first steps whole (DDP lays its buckets out anew after the first): time
-    # only steps that compress, whatever the warm-up asked for
-    low_rank = registry.sparsifier(resolve(options).sparsity).pricing == "low_rank"
-    warmup = max(spec["warmup"], FIRST_COMPRESSIBLE_ITERATION) if low_rank else spec["warmup"]
     torch.manual_seed(0)
     replay = make_replay(build(spec["model"]), order, gradients)
     optimizer = torch.optim.SGD(replay.parameters(), lr=0.0, momentum=0.9)
     comm = build_communicator(options, torch.device("cpu"))
+    # time only steps that send as the strategy does from then on, whatever the warm-up asked for
+    warmup = max(spec["warmup"], comm.steps_sent_whole)
     try:
         train = comm.attach(replay, optimizer)
         seconds, sent, collectives, waits = [], [], [], []

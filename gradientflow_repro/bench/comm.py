@@ -26,7 +26,8 @@ from gradientflow_repro.provenance import environment_facts
 
 def configs() -> list[tuple[str, dict]]:
     """(label, ``comm.*`` options) of every strategy measured: the registry's ``COMM_BENCH`` list
-    (per-tensor allreduce, the pool's part size with and without overlap, DDP, CSC's density)."""
+    (per-tensor allreduce, the pool's part size with and without overlap, DDP, CSC's density, and
+    PyTorch's own fp16 and PowerSGD hooks beside them)."""
     return list(registry.options_of(registry.COMM_BENCH).items())
 
 
@@ -43,7 +44,10 @@ def _measure(rank: int, world: int, models: list[str], steps: int, image: int, o
             x = torch.randn(2, 3, image, image, generator=torch.Generator().manual_seed(rank))
             y = torch.randint(1000, (2,), generator=torch.Generator().manual_seed(rank))
             waits, totals, sent, collectives = [], [], [], []
-            for step in range(steps + 1):
+            # the first step builds buckets and warms caches; a strategy that sends its first steps
+            # whole (PowerSGD) is timed from its first compressed one
+            warmup = max(1, comm.steps_sent_whole)
+            for step in range(warmup + steps):
                 comm.begin_step(epoch=10.0)
                 dist.barrier()
                 started = time.perf_counter()
@@ -53,7 +57,7 @@ def _measure(rank: int, world: int, models: list[str], steps: int, image: int, o
                 comm.end_step(True)
                 stats = comm.stats.take()
                 optimizer.zero_grad(set_to_none=True)
-                if step > 0:  # the first step builds buckets and warms caches
+                if step >= warmup:
                     waits.append(stats["wait_s"])
                     totals.append(total)
                     sent.append(stats["bytes"])
@@ -86,7 +90,8 @@ def bench_comm(out: Path, world: int = 4, steps: int = 3, image: int = 64,
              f"this machine (loopback, no network emulation). torch {facts['torch']}, commit "
              f"{facts['git_commit']}.",
              f"Command: `{command}`. Batch 2 of {image}x{image} random images per rank (the "
-             f"gradient shapes are the real ones); medians of {steps} steps after one warm-up step. "
+             f"gradient shapes are the real ones); medians of {steps} steps after one warm-up step "
+             "(PowerSGD: after the steps it sends whole, `Communicator.steps_sent_whole`). "
              "Bytes: what this rank sent (ring-equivalent 2(N-1)/N of the payload for builtin collectives).",
              ""]
     goals = []

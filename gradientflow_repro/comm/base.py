@@ -131,6 +131,9 @@ class Communicator(abc.ABC):
     density_now: float = 1.0  # fraction of weight-gradient chunks sent this step (below 1: CSC)
     summing: str = "the backend's allreduce"  # how messages are summed, in words (set by the factory)
     schedule: str = ""  # for a sparse strategy, when it sends how much, in words (set by the factory)
+    # steps after ``attach`` that send every gradient whole whatever the schedule says (PowerSGD:
+    # torch's hook compresses from its third iteration): a benchmark of the compressed step skips them
+    steps_sent_whole: int = 0
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

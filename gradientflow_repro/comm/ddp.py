@@ -118,6 +118,8 @@ class PowerSGDCommunicator(DDPCommunicator):
     name = "powersgd"
     rank_label = "PowerSGD"  # in the line a resume on another number of ranks prints
 
+    steps_sent_whole = FIRST_COMPRESSIBLE_ITERATION
+
     def __init__(self, device: torch.device, bucket_mb: float = 25.0, rank: int = 4,
                  warmup_epochs: float = 0.0) -> None:
         super().__init__(device, bucket_mb)

@@ -182,10 +182,10 @@ ENTRIES: tuple[Entry, ...] = (
           (Variant("gradientflow-paper", {}, (PEERS,)),)),
     # what researchers would use instead: PyTorch's own communication hooks, not ours
     Entry("ddp-fp16", "PyTorch DDP with its own fp16_compress_hook (as Horovod's fp16 compression)",
-          (Variant("ddp-fp16", {}, (PEERS, CLUSTER_BENCH, PROJECTION)),)),
+          (Variant("ddp-fp16", {}, (PEERS, CLUSTER_BENCH, COMM_BENCH, PROJECTION)),)),
     Entry("powersgd", "PyTorch DDP with its own PowerSGD hook (Vogels et al. 2019): rank-4 factors, error "
           "feedback, warm start, after the same dense warm-up as CSC",
-          (Variant("powersgd", {}, (PEERS, CLUSTER_BENCH, PROJECTION)),)),
+          (Variant("powersgd", {}, (PEERS, CLUSTER_BENCH, COMM_BENCH, PROJECTION)),)),
 )
 
 STRATEGIES: dict[str, Entry] = {entry.name: entry for entry in ENTRIES}
