@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "results" / "comm.md")
     args = parser.parse_args()
     print(bench_comm(args.out, args.world, args.steps, args.image, args.models,
-                     command="python scripts/bench_comm.py " + " ".join(sys.argv[1:])))
+                     command=" ".join(["python scripts/bench_comm.py", *sys.argv[1:]])))
 
 
 if __name__ == "__main__":

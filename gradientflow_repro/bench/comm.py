@@ -92,7 +92,9 @@ def bench_comm(out: Path, world: int = 4, steps: int = 3, image: int = 64,
              f"Command: `{command}`. Batch 2 of {image}x{image} random images per rank (the "
              f"gradient shapes are the real ones); medians of {steps} steps after one warm-up step "
              "(PowerSGD: after the steps it sends whole, `Communicator.steps_sent_whole`). "
-             "Bytes: what this rank sent (ring-equivalent 2(N-1)/N of the payload for builtin collectives).",
+             "Bytes: what this rank sent (ring-equivalent 2(N-1)/N of the payload for builtin collectives). "
+             "DDP and its hooks (`ddp`, `ddp-fp16`, `powersgd`) reduce inside backward, so they wait "
+             "nothing in `synchronize()`: compare steps.",
              ""]
     goals = []
     for model in models:
