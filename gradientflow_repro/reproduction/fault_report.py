@@ -35,6 +35,8 @@ SCENARIOS = [
     ("rank 1 killed while writing a checkpoint", 3, "kill@checkpoint:rank=1:step=30", [], None),
     ("rank 0 killed (it hosts nothing under torchrun: the agent holds the store)", 3,
      "kill@forward:rank=0:step=20", [], None),
+    ("rank 1 frozen (SIGSTOP) entering communication: a hang, as a lost peer is under NCCL", 3,
+     "freeze@comm:rank=1:step=20", ["watchdog_s=6"], None),
     ("one rank's parameters silently changed", 2, "perturb@params:rank=1:step=4",
      ["consistency_every_steps=2"], None),
     ("NaN loss on one rank (bf16)", 2, "nan@loss:rank=1:step=5", ["precision=bf16"], None),
