@@ -155,5 +155,10 @@ def fault_report(out: Path, digits: Path = REPO / "data" / "digits") -> None:
              "| fault | world size | what the harness did | time to detection | lost |", "|---|---|---|---|---|"]
     for fault, world, action, detection, lost in rows:
         lines.append(f"| {fault} | {world} | {action.replace('|', '/')} | {detection} | {lost.replace('|', '/')} |")
+    if any("frozen" in row[0] for row in rows):
+        lines += ["", "A frozen rank cannot act on SIGTERM: the survivors name it after `watchdog_s` (6 s here) "
+                  "and exit, and torchrun's agent then waits its 30 s before it SIGKILLs the stopped process, "
+                  "most of that row's time to the end of the job. Under Slurm, `slurm/task.sh` ends the job "
+                  "step with SIGKILL as soon as the first survivor exits, the frozen rank with it."]
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
