@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
+import signal
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -305,3 +308,41 @@ def test_cudnn_picks_its_kernels_on_gpus_unless_deterministic() -> None:
         assert not torch.backends.cudnn.benchmark
     finally:
         torch.backends.cudnn.benchmark = saved
+
+
+def test_a_launch_ends_when_its_ranks_do_even_if_a_child_holds_their_output(tmp_path: Path) -> None:
+    """A process a rank starts in a session of its own (as a logger's service may) keeps rank 0's
+    output pipe open after every rank has exited, and no process group kill reaches it: the launch
+    must end with its ranks, not wait for that pipe to close."""
+    from gradientflow_repro.cluster import launch
+
+    marker = tmp_path / "orphan.pid"
+    probe = ("import os, subprocess, sys\n"
+             "print('[probe] rank', os.environ['RANK'], flush=True)\n"
+             "if os.environ['RANK'] == '0':\n"
+             "    orphan = subprocess.Popen(['sleep', '120'], start_new_session=True)\n"
+             f"    open({str(marker)!r}, 'w').write(str(orphan.pid))\n")
+    outcome: list = []
+
+    def launch_it() -> None:
+        try:
+            launch.run_ranks(2, [], tmp_path, "probe", None, timeout_s=60, show=False, module=("-c", probe))
+            outcome.append("returned")
+        except BaseException as error:  # noqa: BLE001 (reported below)
+            outcome.append(error)
+
+    started = time.monotonic()
+    thread = threading.Thread(target=launch_it, daemon=True)
+    thread.start()
+    try:
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the launch waited for a pipe held by a process its rank left behind"
+        assert outcome == ["returned"], outcome
+        assert time.monotonic() - started < 30
+        assert "[probe] rank 0" in (tmp_path / "rank0.log").read_text()
+    finally:
+        if marker.exists():
+            try:
+                os.kill(int(marker.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -26,6 +26,8 @@ from gradientflow_repro import REPO
 from gradientflow_repro.cluster import netemu, preloaded
 
 TRAIN = ("-m", "gradientflow_repro.train")
+# After every rank has exited, how long rank 0's last lines may take to be read and logged
+RELAY_GRACE_S = 5.0
 
 
 def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
@@ -47,8 +49,20 @@ def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
             failed = any(p.poll() not in (None, 0) for p in processes)
             if failed or time.monotonic() > deadline:
                 for process in processes:
-                    netemu.kill_group(process, grace_s=2.0)
+                    try:
+                        netemu.kill_group(process, grace_s=2.0)
+                    except Exception as error:  # noqa: BLE001 (one that will not die must not spare the rest)
+                        print(f"  {label:>15} | could not end pid {process.pid}: {error}", flush=True)
                 return
+
+    def relay(stream: IO[str]) -> None:  # rank 0's progress, as it comes
+        try:
+            for line in stream:
+                logs[0].write(line)
+                if show and (line.startswith("[") and not line.startswith("[W") or "error" in line.lower()):
+                    print(f"  {label:>15} | {line.rstrip()}", flush=True)
+        except ValueError:  # its log was closed: the launch is over
+            pass
 
     forked = preloaded.fork_available(module)  # decided once: every rank of a launch starts alike
     guard: Optional[threading.Thread] = None
@@ -68,12 +82,13 @@ def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
                                         forked))
         guard = threading.Thread(target=watchdog, daemon=True)
         guard.start()
-        for line in processes[0].stdout:  # rank 0's progress, as it comes
-            logs[0].write(line)
-            if show and (line.startswith("[") and not line.startswith("[W") or "error" in line.lower()):
-                print(f"  {label:>15} | {line.rstrip()}", flush=True)
+        # read in a thread of its own: a process that a rank started in a session of its own may
+        # hold the pipe open after every rank is gone, and the launch ends with its ranks
+        relaying = threading.Thread(target=relay, args=(processes[0].stdout,), daemon=True)
+        relaying.start()
         codes = [process.wait() for process in processes]
         stop.set()
+        relaying.join(timeout=RELAY_GRACE_S)  # what rank 0 wrote last is read before its log closes
         if any(code != 0 for code in codes):
             for log in logs:
                 log.flush()
