@@ -41,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
     print(bench_allreduce(args.out, args.worlds, args.max_mb, args.backend, args.ranks_per_node, args.budget_s,
                           args.repeats, args.ring_segment_kb,
-                          command="python scripts/bench_allreduce.py " + " ".join(sys.argv[1:])))
+                          command=" ".join(["python scripts/bench_allreduce.py", *sys.argv[1:]])))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "results" / "small_allreduce.md")
     args = parser.parse_args()
     print(bench_small(args.out, args.worlds, args.max_bytes, args.budget_s, args.rounds, args.min_calls,
-                      args.max_calls, command="python scripts/bench_small_allreduce.py " + " ".join(sys.argv[1:])))
+                      args.max_calls, command=" ".join(["python scripts/bench_small_allreduce.py", *sys.argv[1:]])))
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def main() -> None:
             rungs=args.rungs, rate_mbit=args.rate_mbit, emulate=not args.no_emulation, runs_dir=args.runs_dir,
             report=args.report, timeout_s=args.timeout_s, check_steps=args.check_steps,
             check_repeats=args.check_repeats, netbench_launches=args.netbench_launches, overrides=args.overrides,
-            fresh=args.fresh, command="python scripts/reproduce.py " + " ".join(sys.argv[1:]))
+            fresh=args.fresh, command=" ".join(["python scripts/reproduce.py", *sys.argv[1:]]))
     except CannotContinue as error:
         print(f"reproduce: error: {error}", file=sys.stderr)
         sys.exit(2)
