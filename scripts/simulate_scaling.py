@@ -101,6 +101,10 @@ def build_parser() -> Parser:
     cluster.add_argument("--overlap-slowdown", type=float, default=default.overlap_slowdown,
                          help="seconds backward loses per second of communication it overlaps, at least 0 "
                               "(Network.overlap_slowdown)")
+    cluster.add_argument("--local-work-slowdown", type=float, default=default.local_work_slowdown,
+                         help="seconds backward loses per second of local work (CSC's, the fp16 wire's, "
+                              "PowerSGD's) it overlaps, at least 0; default: as --overlap-slowdown; 1: none of "
+                              "it hidden (Network.local_work_slowdown)")
     strategy = parser.add_argument_group("strategies")
     strategy.add_argument("--strategy", action="append", type=strategies, metavar="NAME[,NAME...]",
                           help=f"registered labels, repeated or comma-separated; default: "
@@ -134,8 +138,8 @@ def check(args: argparse.Namespace) -> Optional[str]:
     for name in ("single_gpu_images_s", "link_gbps", "intra_node_gbytes_s", "latency_us"):
         if not getattr(args, name) > 0:
             return f"--{name.replace('_', '-')} must be positive, not {getattr(args, name)}"
-    for name in ("gpu_memory_gbytes_s", "overlap_slowdown", "step_overhead_ms"):
-        if not getattr(args, name) >= 0:
+    for name in ("gpu_memory_gbytes_s", "overlap_slowdown", "step_overhead_ms", "local_work_slowdown"):
+        if getattr(args, name) is not None and not getattr(args, name) >= 0:
             return f"--{name.replace('_', '-')} must be at least 0, not {getattr(args, name)}"
     for name in ("link_efficiency", "density"):
         value = getattr(args, name)
@@ -202,7 +206,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                   num_classes=args.num_classes, strategies=chosen or DEFAULT_STRATEGIES,
                   nccl=args.backend == "nccl", bucket_mb=args.bucket_mb, density=args.density,
                   link_efficiency=args.link_efficiency, overlap_slowdown=args.overlap_slowdown,
-                  step_overhead_s=args.step_overhead_ms * 1e-3)
+                  local_work_slowdown=args.local_work_slowdown, step_overhead_s=args.step_overhead_ms * 1e-3)
     out = REPORT if args.report else args.out or RUNS / (args.name or f"{args.model}-{image_size}")
     if not args.report and _committed(out):  # a --name that climbs out of results/runs/
         parser.error(f"{shown(out)}: results/ outside results/runs/ holds committed reports; use --report")

@@ -65,6 +65,30 @@ def test_overlap_slowdown_stretches_backward_by_the_communication_it_overlaps() 
     assert unhidden == pm.predict_step(profile, 16, _net(), NAIVE)
 
 
+def test_local_work_slowdown_stretches_backward_by_the_local_work_it_overlaps() -> None:
+    gradientflow = pm.strategy_of("gradientflow")
+    profile = replace(_profile(), sparsify_s_per_element=2e-10, wire_cast_s_per_element=1e-10)
+    net = _net(overlap_slowdown=0.2)
+    # None: the local work is hidden as communication is (the default, as before the term)
+    assert pm.predict_step(profile, 16, _net(overlap_slowdown=0.2, local_work_slowdown=None), gradientflow) == \
+        pm.predict_step(profile, 16, _net(overlap_slowdown=0.2, local_work_slowdown=0.2), gradientflow)
+    stretched = pm.stretched_backward(profile, 16, _net(overlap_slowdown=0.2, local_work_slowdown=1.0), gradientflow)
+    timeline = pm._timeline(stretched, 16, net, gradientflow, 0.0)
+    assert 0 < timeline.overlapped_local_s < timeline.overlapped_s
+    assert stretched.backward_s == pytest.approx(
+        profile.backward_s + 0.2 * (timeline.overlapped_s - timeline.overlapped_local_s)
+        + 1.0 * timeline.overlapped_local_s, rel=1e-6)
+    slowed = pm.predict_step(profile, 16, _net(overlap_slowdown=0.2, local_work_slowdown=1.0), gradientflow)
+    assert slowed.step_s > pm.predict_step(profile, 16, net, gradientflow).step_s
+    # a strategy without local work (fp32, dense) is not touched; nor is a run without overlap
+    for plain in (DDP, NAIVE):
+        assert pm.predict_step(profile, 16, _net(overlap_slowdown=0.2, local_work_slowdown=1.0), plain) == \
+            pm.predict_step(profile, 16, net, plain)
+    # on its own (no communication slowdown) it still applies
+    assert pm.predict_step(profile, 16, _net(local_work_slowdown=1.0), gradientflow).step_s > \
+        pm.predict_step(profile, 16, _net(), gradientflow).step_s
+
+
 def test_step_overhead_is_added_on_more_than_one_gpu() -> None:
     profile, net = _profile(), _net()
     heavy = replace(profile, step_overhead_s=0.01)
@@ -137,6 +161,13 @@ def test_model_check_reports_fitted_and_test_rows(tmp_path: Path) -> None:
     band = data["paper_band"]["gradientflow"]
     assert band["low"] <= band["central"] <= band["high"] and band["reported"] == 410.2
     assert {"ddp", "ddp-fp16", "powersgd"} <= set(data["paper_band"])  # the peers at 512 GPUs
+    # the local work hidden as communication is, or not at all: never faster unhidden
+    for label in ("gradientflow", "powersgd"):
+        grid = data["paper_band"][label]["grid"]
+        assert {g["local_work_slowdown"] for g in grid} == {None, 1.0}
+        hidden = {(g["gpus_per_node"], g["gpu"], g["overhead_s"]): g["speedup"] for g in grid
+                  if g["local_work_slowdown"] is None}
+        assert all(g["speedup"] <= hidden[g["gpus_per_node"], g["gpu"], g["overhead_s"]] + 1e-9 for g in grid)
     misses = [r["name"] for r in data["rows"] if r["subset"] == "test" and not r["within_goal"]]
     if misses:  # each miss said why, none left "not examined"
         said = text.split("## Why the test misses remain")[1]

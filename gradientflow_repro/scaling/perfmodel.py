@@ -62,8 +62,11 @@ Three costs that real systems pay and the rules above do not, each 0 (or 1) by d
 measured runs are checked without them, and fitted on published results (``scaling/calibration.py``,
 ``scripts/model_check.py``): ``Network.link_efficiency`` (the payload rate between nodes over the
 nominal), ``Network.overlap_slowdown`` (backward stretched by the communication it overlaps) and
-``ModelProfile.step_overhead_s`` (a framework's per-step overhead on more than one GPU). A whole
-run's time (dense warm-up epochs, evaluation, start-up) from the step: ``time_to_train``.
+``ModelProfile.step_overhead_s`` (a framework's per-step overhead on more than one GPU). A fourth,
+``Network.local_work_slowdown`` (how much of the local work backward hides), is not fitted: no
+published row has local work, so it follows ``overlap_slowdown`` unless set, and the paper's band
+spans it. A whole run's time (dense warm-up epochs, evaluation, start-up) from the step:
+``time_to_train``.
 
 An emulated link (``cluster/netemu.py``: Linux's token-bucket shaper) also lets a burst through at
 once after it has been idle: ``Network.burst_bytes`` of credit, refilled at the link's rate while
@@ -174,6 +177,12 @@ class Network:
     # from backward, which is stretched by ``overlap_slowdown`` x (communication time that overlaps
     # it). Fitted (``scaling/calibration.py``); 0: overlap is free
     overlap_slowdown: float = 0.0
+    # the local work (CSC's selection, the fp16 wire's casts, PowerSGD's products) runs on the device
+    # that runs backward: backward is stretched by this x the local work it overlaps. None: as
+    # ``overlap_slowdown``. On a GPU it runs beside backward on a side stream (``comm/lazy.py``) and
+    # takes SMs and memory bandwidth for all its time, so somewhere between that and 1: no published
+    # row has local work to fit it on, and no GPU profile here says where
+    local_work_slowdown: Optional[float] = None
 
 
 def effective_network(net: Network) -> Network:
@@ -547,14 +556,21 @@ def _sent_bytes(message: Message, ranks: int, net: Network, strategy: Strategy) 
             + sent_bytes(message.small_bytes, ranks, strategy, small=True))
 
 
-def _lead_s(message: Message, ranks: int, net: Network, strategy: Strategy) -> float:
-    """What comes before a message's payload, with the link idle: its local work and small allreduce."""
+def _local_s(message: Message, ranks: int, net: Network, strategy: Strategy) -> float:
+    """A message's local work: for a self-scaled one (no agreement), each step that combines
+    decodes, adds and re-encodes, the wire's work (peak, scale and cast, cast back) once more per
+    step on top of the first encode."""
     if self_scaled(message, net, strategy):
-        # no agreement; but each step that combines decodes, adds and re-encodes: the wire's work
-        # (peak, scale and cast, cast back) once more per step, on top of the first encode
         power = 1 << (ranks.bit_length() - 1)
         steps = power.bit_length() - 1 + (1 if ranks > power else 0)
         return message.local_work_s * (1 + steps)
+    return message.local_work_s
+
+
+def _lead_s(message: Message, ranks: int, net: Network, strategy: Strategy) -> float:
+    """What comes before a message's payload, with the link idle: its local work and small allreduce."""
+    if self_scaled(message, net, strategy):
+        return _local_s(message, ranks, net, strategy)
     if message.small_bytes == 4.0 and net.tiny_allreduce_s is not None:
         small = net.tiny_allreduce_s
     elif net.nccl:
@@ -562,7 +578,7 @@ def _lead_s(message: Message, ranks: int, net: Network, strategy: Strategy) -> f
                             strategy.implementation)
     else:
         small = small_allreduce_s(message.small_bytes, ranks, net)
-    return message.local_work_s + small
+    return _local_s(message, ranks, net, strategy) + small
 
 
 def _payload_s(message: Message, ranks: int, net: Network, strategy: Strategy) -> float:
@@ -610,13 +626,14 @@ class _Timeline:
     first_payload_s: float  # when the first message's payload starts crossing the link
     credit_bytes: float  # burst credit left at the end
     overlapped_s: float = 0.0  # communication time inside backward (before its end)
+    overlapped_local_s: float = 0.0  # of it, the messages' local work
 
 
 def _timeline(profile: ModelProfile, ranks: int, net: Network, strategy: Strategy, credit: float) -> _Timeline:
     """One step's messages, one at a time in order, each after its data is ready (``overlap``) or
     after backward; ``credit``: the link's burst credit when the first payload starts."""
     clock = 0.0 if strategy.overlap else profile.backward_s  # relative to the start of backward
-    busy = sent = overlapped = 0.0
+    busy = sent = overlapped = overlapped_local = 0.0
     link_free = first_payload = None
     for message in messages(profile, strategy):
         start = max(clock, message.ready_s if strategy.overlap else profile.backward_s)
@@ -633,8 +650,10 @@ def _timeline(profile: ModelProfile, ranks: int, net: Network, strategy: Strateg
         clock = link_free = start + cost
         busy += cost
         overlapped += max(0.0, min(clock, profile.backward_s) - start)
+        overlapped_local += max(0.0, min(start + _local_s(message, ranks, net, strategy), profile.backward_s) - start)
         sent += _sent_bytes(message, ranks, net, strategy)
-    return _Timeline(clock, busy, sent, clock if first_payload is None else first_payload, credit, overlapped)
+    return _Timeline(clock, busy, sent, clock if first_payload is None else first_payload, credit, overlapped,
+                     overlapped_local)
 
 
 def compute_s(profile: ModelProfile, ranks: int, strategy: Strategy) -> float:
@@ -648,17 +667,20 @@ def compute_s(profile: ModelProfile, ranks: int, strategy: Strategy) -> float:
 def stretched_backward(profile: ModelProfile, ranks: int, net: Network, strategy: Strategy) -> ModelProfile:
     """``profile`` with backward (and every gradient's readiness) stretched by the communication
     that overlaps it: backward' = backward + ``net.overlap_slowdown`` x (communication time before
+    backward' ends, less its local work) + ``net.local_work_slowdown`` x (the local work before
     backward' ends). A fixed point, since a longer backward hides more communication:
     1. lay out the messages against the current backward (``_timeline``);
-    2. backward' = backward x (1 + slowdown x overlapped / backward); readiness scaled alike;
-    3. repeat until backward' moves by less than a nanosecond (slowdown < 1 contracts: a few rounds).
+    2. backward' = backward + the two slowdowns x what each overlaps; readiness scaled alike;
+    3. repeat until backward' moves by less than a nanosecond (slowdowns < 1 contract: a few rounds).
     Unchanged (the same object) without overlap or without slowdown."""
-    if not (net.overlap_slowdown and strategy.overlap) or profile.backward_s <= 0:
+    local_slowdown = net.overlap_slowdown if net.local_work_slowdown is None else net.local_work_slowdown
+    if not ((net.overlap_slowdown or local_slowdown) and strategy.overlap) or profile.backward_s <= 0:
         return profile
     base, stretched = profile.backward_s, profile
     for _ in range(50):
-        overlapped = _timeline(stretched, ranks, net, strategy, net.burst_bytes).overlapped_s
-        backward = base + net.overlap_slowdown * overlapped
+        timeline = _timeline(stretched, ranks, net, strategy, net.burst_bytes)
+        backward = (base + net.overlap_slowdown * (timeline.overlapped_s - timeline.overlapped_local_s)
+                    + local_slowdown * timeline.overlapped_local_s)
         if abs(backward - stretched.backward_s) < 1e-9:
             break
         factor = backward / base
