@@ -344,3 +344,17 @@ def test_a_skip_changes_the_exit_status_only_under_strict(tmp_path: Path) -> Non
     assert gpu_check.main(["--only", "nccl_1rank", "--out", out]) == 0
     assert gpu_check.main(["--only", "nccl_1rank", "--out", out, "--strict"]) == 1
     assert "exit status 1; not checked here: nccl_1rank" in Path(out).read_text()
+
+
+def test_local_work_beside_the_step_is_measured_and_on_the_cpu_takes_turns() -> None:
+    """The ``throughput`` item's figure for the scaling model's ``Network.local_work_slowdown``: on
+    the CPU (no side stream) the step and CSC's local work run one after the other, so the step is
+    slowed by about all of the local work; a ``both`` that left the local work out would read 0."""
+    import torch
+
+    from gradientflow_repro.gpu_check.training import local_work_beside_step
+
+    step_ms, local_ms, both_ms, slowdown = local_work_beside_step(
+        "alexnet_bn", torch.device("cpu"), batch=4, image=32, width=0.25, warmup=1, timed=5)
+    assert step_ms > 0 and local_ms > 0 and both_ms > step_ms
+    assert 0.4 < slowdown < 2.5, (step_ms, local_ms, both_ms)

@@ -14,7 +14,9 @@ then what needs only torch; then what needs the trainer's packages:
                     mean of the ranks' own gradients; the full stack under timm's Lars against the
                     same run on the CPU (communicators.py)
     throughput      images/s of the project's fp16 step on AlexNet-BN against the paper's per-GPU
-                    figure; ResNet-50's; host synchronisations per step of the trainer (training.py)
+                    figure; ResNet-50's; how much CSC's local work on a side stream slows the step
+                    (the scaling model's local_work_slowdown); host synchronisations per step of the
+                    trainer (training.py)
     trainer_fp16    the trainer end to end through torchrun on CUDA with fp16, then resumed
                     (training.py)
     dali            DALI's GPU (nvJPEG, ``mixed``) and CPU pipelines over one epoch of the digits

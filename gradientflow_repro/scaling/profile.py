@@ -49,6 +49,7 @@ from gradientflow_repro.config import compose
 from gradientflow_repro.scaling.perfmodel import ModelProfile, TensorProfile
 
 if TYPE_CHECKING:
+    import torch
     from torch import Tensor, nn
 
 
@@ -72,10 +73,10 @@ def _median_seconds(work: Callable[[], None], repeats: int) -> float:
     return statistics.median(times[1:])
 
 
-def sparsify_work(elements: int, chunk: int = 32768, density: float = 0.1,
-                  noise_sketch: bool = True) -> tuple[Callable[[], None], int]:
-    """CSC's local work on this device as a call, and the gradient elements one call covers: LARS's
-    rescaling under momentum correction (``csc.lars_rescale_``), with its noise sketch
+def sparsify_work(elements: int, chunk: int = 32768, density: float = 0.1, noise_sketch: bool = True,
+                  device: Optional[torch.device] = None) -> tuple[Callable[[], None], int]:
+    """CSC's local work on ``device`` (None: the CPU) as a call, and the gradient elements one call
+    covers: LARS's rescaling under momentum correction (``csc.lars_rescale_``), with its noise sketch
     (``csc.sketch_into``, unless not ``noise_sketch``), ``csc.BucketState``'s own step
     (momentum, residual, chunk norms with the fp16 peak, selection, packing, the ``gradientflow``
     preset's release cap, clearing, commit) and the write-back into the pool part, with summing
@@ -94,13 +95,15 @@ def sparsify_work(elements: int, chunk: int = 32768, density: float = 0.1,
         def sum_bounded(self, tensor: torch.Tensor, bound: torch.Tensor, stats: CommStats) -> None:
             pass
 
+    device = device or torch.device("cpu")
     chunks = max(1, elements // chunk)
-    state = BucketState.zeros(chunks, chunk, torch.device("cpu"), velocity_elements=chunks * chunk)
-    gradient, pool = torch.randn(chunks * chunk), torch.empty(chunks, chunk)
-    weight, lars = torch.randn(chunks * chunk), {"weight_decay": 5e-4, "trust_coeff": 0.001, "eps": 1e-8}
+    state = BucketState.zeros(chunks, chunk, device, velocity_elements=chunks * chunk)
+    gradient, pool = torch.randn(chunks * chunk, device=device), torch.empty(chunks, chunk, device=device)
+    weight = torch.randn(chunks * chunk, device=device)
+    lars = {"weight_decay": 5e-4, "trust_coeff": 0.001, "eps": 1e-8}
     nothing = Nothing()
     release_cap = float(presets()["gradientflow"].get("release_cap", 0.0))
-    signs, sketch = sketch_signs(gradient.numel(), gradient.device), torch.empty(TRUST_SKETCH_BUCKETS)
+    signs, sketch = sketch_signs(gradient.numel(), device), torch.empty(TRUST_SKETCH_BUCKETS, device=device)
 
     def local_work() -> None:
         if noise_sketch:  # into the spare residual, as TrustNoise.sketch does
