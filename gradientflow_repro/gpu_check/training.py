@@ -35,7 +35,7 @@ import torch
 
 from gradientflow_repro import REPO
 from gradientflow_repro.cluster.world import free_port
-from gradientflow_repro.gpu_check.devices import cuda_device, synchronize
+from gradientflow_repro.gpu_check.devices import cuda_device, median_us, synchronize
 from gradientflow_repro.gpu_check.processes import child_env, run_command, time_left
 from gradientflow_repro.gpu_check.results import Reporter, need, project_imports
 
@@ -200,19 +200,7 @@ def local_work_beside_step(name: str, device: torch.device, batch: int = 128, im
         beside()
         step()
 
-    def median_ms(work: Callable[[], None]) -> float:
-        for _ in range(warmup):
-            work()
-        synchronize(device)
-        times = []
-        for _ in range(timed):
-            started = time.perf_counter()
-            work()
-            synchronize(device)
-            times.append(time.perf_counter() - started)
-        return 1e3 * sorted(times)[len(times) // 2]
-
-    step_ms, local_ms, both_ms = median_ms(step), median_ms(beside), median_ms(both)
+    step_ms, local_ms, both_ms = (median_us(work, device, warmup, timed) / 1e3 for work in (step, beside, both))
     return step_ms, local_ms, both_ms, max(0.0, both_ms - step_ms) / local_ms
 
 
