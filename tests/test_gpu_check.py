@@ -355,6 +355,6 @@ def test_local_work_beside_the_step_is_measured_and_on_the_cpu_takes_turns() -> 
     from gradientflow_repro.gpu_check.training import local_work_beside_step
 
     step_ms, local_ms, both_ms, slowdown = local_work_beside_step(
-        "alexnet_bn", torch.device("cpu"), batch=4, image=32, width=0.25, warmup=1, timed=5)
+        "alexnet_bn", torch.device("cpu"), batch=4, image=32, width=0.25, warmup=2, timed=15)
     assert step_ms > 0 and local_ms > 0 and both_ms > step_ms
     assert 0.4 < slowdown < 2.5, (step_ms, local_ms, both_ms)
