@@ -17,6 +17,7 @@ import argparse
 import json
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from gradientflow_repro import REPO
@@ -30,14 +31,14 @@ DENSE_WARMUP_EPOCHS = 5  # configs/experiment/alexnet_512gpu.yaml: optim.warmup_
 
 def cli_command(row: Published, params: cal.Parameters) -> str:
     """``scripts/simulate_scaling.py`` options that project ``row`` with the fitted parameters."""
-    intra = INTRA_NODE[row.intra][0] * params.intra_efficiency.get(row.intra, 1.0)
+    intra = cal.setup(row, params).intra_node_GBps
     options = ["--model", row.model, "--image-size", str(row.image_size), "--gpus", str(row.gpus),
                "--gpus-per-node", str(row.gpus_per_node), "--link-gbps", f"{row.link_gbps or 100:g}",
                "--link-efficiency", f"{params.link(row.fabric):g}", "--intra-node-gbytes-s", f"{intra:g}",
                "--latency-us", f"{row.latency_us:g}", "--images-per-gpu", str(row.images_per_gpu),
                "--single-gpu-images-s", f"{row.single_gpu_images_s:g}",
                "--overlap-slowdown", f"{params.overlap_slowdown:g}",
-               "--step-overhead-ms", f"{1e3 * params.step_overhead_s.get(row.framework, 0.0):g}",
+               "--step-overhead-ms", f"{1e3 * cal.step_overhead_s(row, params):g}",
                "--strategy", row.strategy]
     return "python scripts/simulate_scaling.py " + " ".join(shlex.quote(o) for o in options)
 
@@ -83,6 +84,28 @@ def readiness_rows(model_name: str, batch: int) -> list[tuple[int, float, float]
     return [(e, f, m) for e, f, m in readiness_table(by_flops, against=measured) if m is not None]
 
 
+def excess_section(params: cal.Parameters, checked: list[cal.Checked]) -> list[str]:
+    """The TF benchmarks' DGX-1 rows as time: each step's excess over the single-GPU step, reported
+    and predicted, beside the bytes each model sends: why the overhead of a framework whose one
+    process drives every GPU of the node (``calibration.ONE_PROCESS_PER_NODE``) grows with them."""
+    rows = [c for c in checked if c.row.framework in cal.ONE_PROCESS_PER_NODE and c.row.base_gpus == 1]
+    if not rows:
+        return []
+    lines = ["## Per-step excess of one process driving a node's GPUs", "",
+             "TF's replicated benchmarks on one DGX-1 (`calibration.excess_s`): how much longer each step is than "
+             "the single-GPU step (images per GPU fixed), as reported and as predicted, and the modelled framework "
+             "overhead within the predicted one (`calibration.step_overhead_s`). Gradient bytes per step: "
+             + ", ".join(f"{name} {cal.row_profile(c.row).elements * 4 / 1e6:,.0f} MB"
+                         for name, c in {c.row.model: c for c in rows}.items()) + ".", "",
+             "| setup | fitted | reported excess (ms) | predicted excess (ms) | of it, framework overhead (ms) |",
+             "|---|---|---|---|---|"]
+    for c in sorted(rows, key=lambda c: (c.row.gpus, c.row.model)):
+        predicted = replace(c.row, reported_efficiency=c.predicted, reported_speedup=None)
+        lines.append(f"| {c.row.name} | {'yes' if c.row.fitted else 'no'} | {1e3 * cal.excess_s(c.row):.1f} "
+                     f"| {1e3 * cal.excess_s(predicted):.1f} | {1e3 * cal.step_overhead_s(c.row, params):.1f} |")
+    return lines
+
+
 def why_misses(rows: list[dict]) -> list[str]:
     """Why each test row outside the goal still misses, from the table's own numbers and the sources:
     what the model would need, and why no term was added for it (a term is kept only when it is
@@ -114,11 +137,12 @@ def why_misses(rows: list[dict]) -> list[str]:
         "in the sources names a cost that grows this way",
         alexnet8: f"from 4 to 8 GPUs on one DGX-1 the measured efficiency falls "
         f"{drop(alexnet4, alexnet8, 'reported_efficiency'):.1f} points, the model's "
-        f"{drop(alexnet4, alexnet8, 'predicted_efficiency'):.1f} (per-GPU ring traffic 2(N-1)/N grows from 1.5 "
-        "to 1.75 bytes per byte). An 8-GPU ring on the DGX-1's hybrid cube-mesh uses links between its two "
-        "quads; whether 2017's NCCL ran it slower than the 2- and 4-GPU rings (over PCIe, or fewer NVLink "
-        "channels) is not documented in these sources, and VGG-16 at 8 GPUs is within 5 points, so no term "
-        "was added",
+        f"{drop(alexnet4, alexnet8, 'predicted_efficiency'):.1f}. The step's excess over one GPU's is the same "
+        "for AlexNet and VGG-16 at 4 and at 8 GPUs (the table above), so what grows is a cost per step, not "
+        "per byte: the model prices it as host work per GPU that TF's one process drives, linear in the GPUs "
+        "(one host's work per GPU, the sources' reason). The measured excess grows faster than linearly "
+        "from 4 to 8 GPUs; a form chosen to match that would be fitted on the test rows, and no source "
+        "names one",
         "Goyal 2017 ResNet-50 256 GPUs": "the 50 Gbit/s Ethernet link takes RoCE 25's fitted efficiency (1.0) "
         "as its prior, Gloo's halving-doubling is priced as NCCL's ring, and the single-GPU throughput is "
         "TensorFlow's P100 figure (Goyal et al. give none); a lower Ethernet efficiency would close it, but "
@@ -129,7 +153,7 @@ def why_misses(rows: list[dict]) -> list[str]:
     }
     misses = [r for r in rows if r["subset"] == "test" and not r["within_goal"]]
     lines = ["## Why the test misses remain", "",
-             "Each is over-predicted; for each, what the table shows and why no term was added (a term is kept "
+             "Each is over-predicted; for each, what the table shows and why no further term was added (a term is kept "
              "only if fitted on the fitted subset, it improves the test subset and a source names it):", ""]
     for r in misses:
         reason = next((text for key, text in reasons.items() if r["name"].startswith(key)), "not examined")
@@ -157,8 +181,10 @@ def main() -> None:
                  "- intra-node efficiency: " + ", ".join(f"{k} {v:.3f} of {INTRA_NODE[k][0]:g} GB/s"
                                                          for k, v in sorted(params.intra_efficiency.items())),
                  f"- overlap slowdown: {params.overlap_slowdown:.3f}",
-                 "- step overhead: " + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in
-                                                 sorted(params.step_overhead_s.items())),
+                 "- step overhead: " + ", ".join(
+                     f"{k} {1e3 * v:.1f} ms" + (" per GPU beyond the first that its one process drives"
+                                                if k in cal.ONE_PROCESS_PER_NODE else "")
+                     for k, v in sorted(params.step_overhead_s.items())),
                  f"- priors for fabrics no fitted row measures: {cal.PRIORS} (ib56: NCCL's maintainers' 96%)"]
     outside = [r["name"] for r in rows if not r["within_goal"]]
     signs = {("+" if r["error_points"] > 0 else "-") for r in rows}
@@ -221,6 +247,7 @@ def main() -> None:
               f"{step * 1e3:.1f} ms) {run.total_s / 60:.2f} min; evaluation and start-up not known (0 here), each "
               "adds to it. The paper's 1.5 min is the comparison."]
 
+    lines += ["", *excess_section(params, fitted + test)]
     lines += ["", *why_misses(rows)]
 
     readiness: dict[str, list] = {}

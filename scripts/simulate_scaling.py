@@ -85,7 +85,9 @@ def build_parser() -> Parser:
     model.add_argument("--gpu-memory-gbytes-s", type=float, default=default.gpu_memory_GBps,
                        help="prices CSC's and the fp16 wire's local work; 0: free")
     model.add_argument("--step-overhead-ms", type=float, default=default.step_overhead_s * 1e3,
-                       help="a framework's overhead per step on more than one GPU (ModelProfile.step_overhead_s)")
+                       help="a framework's overhead per step on more than one GPU (ModelProfile.step_overhead_s); "
+                       "where one process drives a node's GPUs, all of it at these GPUs "
+                       "(calibration.step_overhead_s)")
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--gpus", type=gpu_counts, default=GPU_COUNTS, metavar="N,N,...",
                          help=f"GPU counts to project (default: {','.join(map(str, GPU_COUNTS))})")
@@ -188,6 +190,19 @@ def band_sections() -> list[str]:
     return list(calibration.band_section())
 
 
+def setup_of(args: argparse.Namespace, image_size: int) -> Setup:
+    """The projection's setup that checked options ask for."""
+    chosen = tuple(dict.fromkeys(label for group in args.strategy for label in group)) if args.strategy else None
+    return Setup(model=args.model, image_size=image_size, images_per_gpu=args.images_per_gpu,
+                 single_gpu_images_s=args.single_gpu_images_s, link_gbps=args.link_gbps,
+                 gpus_per_node=args.gpus_per_node, intra_node_GBps=args.intra_node_gbytes_s,
+                 latency_us=args.latency_us, gpu_memory_GBps=args.gpu_memory_gbytes_s,
+                 num_classes=args.num_classes, strategies=chosen or DEFAULT_STRATEGIES,
+                 nccl=args.backend == "nccl", bucket_mb=args.bucket_mb, density=args.density,
+                 link_efficiency=args.link_efficiency, overlap_slowdown=args.overlap_slowdown,
+                 local_work_slowdown=args.local_work_slowdown, step_overhead_s=args.step_overhead_ms * 1e-3)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -198,15 +213,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if shipped_flops(args.model, image_size, args.num_classes) is None and not _importable("torch"):
         parser.error(f"no FLOP counts ship for {args.model} at {image_size} pixels and {args.num_classes} "
                      f"classes, and counting them needs torch, which cannot be imported")
-    chosen = tuple(dict.fromkeys(label for group in args.strategy for label in group)) if args.strategy else None
-    setup = Setup(model=args.model, image_size=image_size, images_per_gpu=args.images_per_gpu,
-                  single_gpu_images_s=args.single_gpu_images_s, link_gbps=args.link_gbps,
-                  gpus_per_node=args.gpus_per_node, intra_node_GBps=args.intra_node_gbytes_s,
-                  latency_us=args.latency_us, gpu_memory_GBps=args.gpu_memory_gbytes_s,
-                  num_classes=args.num_classes, strategies=chosen or DEFAULT_STRATEGIES,
-                  nccl=args.backend == "nccl", bucket_mb=args.bucket_mb, density=args.density,
-                  link_efficiency=args.link_efficiency, overlap_slowdown=args.overlap_slowdown,
-                  local_work_slowdown=args.local_work_slowdown, step_overhead_s=args.step_overhead_ms * 1e-3)
+    setup = setup_of(args, image_size)
     out = REPORT if args.report else args.out or RUNS / (args.name or f"{args.model}-{image_size}")
     if not args.report and _committed(out):  # a --name that climbs out of results/runs/
         parser.error(f"{shown(out)}: results/ outside results/runs/ holds committed reports; use --report")

@@ -99,6 +99,57 @@ def test_step_overhead_is_added_on_more_than_one_gpu() -> None:
     assert heavy.scaled(2.0).step_overhead_s == 0.01  # the host's overhead, not the device's
 
 
+def test_one_process_per_nodes_overhead_grows_with_the_gpus_it_drives() -> None:
+    tf8 = next(r for r in ROWS if r.framework == "tf-replicated" and r.model == "alexnet" and r.gpus == 8)
+    hvd = next(r for r in ROWS if r.framework == "horovod" and r.gpus == 16)
+    assert "tf-replicated" in cal.ONE_PROCESS_PER_NODE and "horovod" not in cal.ONE_PROCESS_PER_NODE
+    params = cal.Parameters(step_overhead_s={"tf-replicated": 0.004, "horovod": 0.004})
+    # per GPU beyond the first that the node's one process drives; no more than the node's GPUs
+    assert [cal.step_overhead_s(tf8, params, n) for n in (1, 2, 4, 8, 16)] == \
+        pytest.approx([0.0, 0.004, 0.012, 0.028, 0.028])
+    assert cal.step_overhead_s(tf8, params) == pytest.approx(0.028)
+    assert cal.step_overhead_s(hvd, params, 16) == cal.step_overhead_s(hvd, params, 512) == 0.004  # per process
+    assert cal.setup(tf8, params).step_overhead_s == pytest.approx(0.028)
+    profile = cal.row_profile(tf8)
+    at = {n: pm.speedup(replace(profile, step_overhead_s=0.004 * (n - 1)), n, cal.network(tf8, params),
+                        cal.strategy(tf8)) / n for n in (4, 8)}
+    assert cal.predicted_efficiency(tf8, params, profile) == pytest.approx(at[8])
+    assert cal.predicted_efficiency(replace(tf8, gpus=4), params, profile) == pytest.approx(at[4])
+    assert at[4] > at[8]
+
+
+def test_the_steps_excess_is_the_sources_own() -> None:
+    tf = {(r.model, r.gpus): r for r in ROWS if r.framework == "tf-replicated"}
+    alexnet = tf["alexnet", 4]
+    single = alexnet.images_per_gpu / alexnet.single_gpu_images_s
+    assert cal.excess_s(alexnet) == pytest.approx(alexnet.images_per_gpu * alexnet.gpus / 10509 - single)
+    # what the overhead's form rests on: at 4 GPUs the same excess for models of 2.3x the bytes
+    assert abs(cal.excess_s(tf["alexnet", 4]) - cal.excess_s(tf["vgg16", 4])) < 1e-3
+    with pytest.raises(ValueError, match="relative to 8 GPUs"):
+        cal.excess_s(next(r for r in ROWS if r.base_gpus > 1))
+
+
+def test_each_rows_command_projects_what_the_check_predicts() -> None:
+    import importlib.util
+    import shlex
+
+    spec = importlib.util.spec_from_file_location("model_check", REPO / "scripts" / "model_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    spec = importlib.util.spec_from_file_location("simulate_scaling", REPO / "scripts" / "simulate_scaling.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    params = cal.Parameters({"roce25": 0.9}, {"nvlink-p100": 0.5}, 0.2, {"tf-replicated": 0.004, "horovod": 0.006})
+    for row in (r for r in ROWS if r.framework in ("tf-replicated", "horovod") and r.gpus in (8, 128)):
+        args = script.build_parser().parse_args(shlex.split(check.cli_command(row, params))[2:])
+        assert script.check(args) is None
+        setup = script.setup_of(args, row.image_size)
+        assert setup.step_overhead_s == pytest.approx(cal.step_overhead_s(row, params))
+        chosen = cal.strategy(row)
+        projected = pm.speedup(setup.profile(), row.gpus, setup.network(), chosen) / row.gpus
+        assert projected == pytest.approx(cal.predicted_efficiency(row, params, cal.row_profile(row)), abs=0.005)
+
+
 def test_time_to_train_adds_the_dense_warmup_evaluation_and_startup() -> None:
     run = pm.time_to_train(10, 1000, 100, 0.5, dense_epochs=2, dense_step_s=1.0, evaluation_s_per_epoch=3.0,
                            startup_s=7.0)

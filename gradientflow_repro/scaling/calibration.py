@@ -7,7 +7,10 @@ a named term of the model:
   line rate), and the same factor on the nominal rate inside a node (``intra_efficiency``);
 - ``Network.overlap_slowdown``, one value: backward stretched by that fraction of the
   communication time it overlaps;
-- ``ModelProfile.step_overhead_s`` per framework: added to every step on more than one GPU.
+- ``ModelProfile.step_overhead_s`` per framework: added to every step on more than one GPU; for a
+  framework whose one process drives every GPU of its node (``ONE_PROCESS_PER_NODE``) the fitted
+  value is per GPU the process drives beyond the first (``step_overhead_s``), since that host
+  launches and synchronises the work of all of them.
 ``Network.local_work_slowdown`` is not fitted (no published row has local work: CSC, the fp16 wire,
 PowerSGD); ``paper_band`` spans it.
 
@@ -72,6 +75,38 @@ class Parameters:
                           dict(self.step_overhead_s), self.local_work_slowdown)
 
 
+# Frameworks whose one process drives every GPU of its node, with what says so: their host work per
+# step grows with the GPUs it drives (``step_overhead_s``). TF's benchmarks on the DGX-1 show it in
+# the fitted rows themselves: at 4 GPUs AlexNet's and VGG-16's steps exceed their single-GPU steps
+# by the same time within a millisecond, though VGG-16 sends more than twice the bytes (``excess_s``;
+# the table in ``results/model_check.md``). Horovod and PyTorch DDP run one process per GPU: one value per step.
+ONE_PROCESS_PER_NODE = {
+    "tf-replicated": "tf_cnn_benchmarks' replicated variable update: one process, a tower per GPU of the "
+                     "node (TF benchmarks, May 2017); as PyTorch's single-process DataParallel, whose "
+                     "per-step host work its maintainers name as why one process per GPU scales better",
+}
+
+
+def step_overhead_s(row: Published, params: Parameters, gpus: Optional[int] = None) -> float:
+    """``row``'s framework overhead per step at ``gpus`` (default: the row's): the fitted value, or
+    for a framework of ``ONE_PROCESS_PER_NODE`` that value per GPU beyond the first that its process
+    drives (all of the node's, at most the GPUs in use)."""
+    value = params.step_overhead_s.get(row.framework, 0.0)
+    if row.framework in ONE_PROCESS_PER_NODE:
+        value *= max(0, min(gpus or row.gpus, row.gpus_per_node) - 1)
+    return value
+
+
+def excess_s(row: Published) -> float:
+    """Seconds by which the reported step exceeds the single-GPU step (weak scaling: the same
+    images per GPU): what communication and every overhead cost together, from the source alone.
+    For a row of one GPU's base only (``base_gpus`` 1)."""
+    if row.base_gpus != 1:
+        raise ValueError(f"{row.name}: its efficiency is relative to {row.base_gpus} GPUs, not one")
+    single = row.images_per_gpu / row.single_gpu_images_s
+    return single / row.reported - single
+
+
 # A free parameter: (kind, key), kind one of "link", "intra", "slowdown", "overhead"
 Free = tuple[str, str]
 GRIDS: dict[str, tuple[float, ...]] = {
@@ -126,7 +161,7 @@ def setup(row: Published, params: Parameters) -> Setup:
                  latency_us=row.latency_us, strategies=(row.strategy,), nccl=True,
                  link_efficiency=params.link(row.fabric), overlap_slowdown=params.overlap_slowdown,
                  local_work_slowdown=params.local_work_slowdown,
-                 step_overhead_s=params.step_overhead_s.get(row.framework, 0.0))
+                 step_overhead_s=step_overhead_s(row, params))
 
 
 def network(row: Published, params: Parameters) -> pm.Network:
@@ -144,10 +179,13 @@ def strategy(row: Published) -> pm.Strategy:
 
 def predicted_efficiency(row: Published, params: Parameters, profile: pm.ModelProfile) -> float:
     """The model's efficiency for ``row`` (``profile``: the row's model without overhead)."""
-    profile = replace(profile, step_overhead_s=params.step_overhead_s.get(row.framework, 0.0))
     net, chosen = network(row, params), strategy(row)
-    at_n = pm.speedup(profile, row.gpus, net, chosen)
-    base = pm.speedup(profile, row.base_gpus, net, chosen) if row.base_gpus > 1 else 1.0
+
+    def at(gpus: int) -> float:
+        return pm.speedup(replace(profile, step_overhead_s=step_overhead_s(row, params, gpus)), gpus, net, chosen)
+
+    at_n = at(row.gpus)
+    base = at(row.base_gpus) if row.base_gpus > 1 else 1.0
     return at_n / base / (row.gpus / row.base_gpus)
 
 

@@ -125,7 +125,8 @@ class ModelProfile:
     # per-step overhead of a distributed framework beyond the single-GPU step (negotiating which
     # tensors are ready, launching the collectives from the host, waiting for the slowest rank):
     # added to the step for more than one rank only, since the single-GPU step is the measured one
-    # and already holds its own overhead. Fitted per framework (``scaling/calibration.py``); 0: none
+    # and already holds its own overhead. Fitted per framework (``scaling/calibration.py``: per GPU
+    # driven where one process drives a node's GPUs, ``calibration.step_overhead_s``); 0: none
     step_overhead_s: float = 0.0
 
     @property
