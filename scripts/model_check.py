@@ -96,7 +96,8 @@ def excess_section(params: cal.Parameters, checked: list[cal.Checked]) -> list[s
              "the single-GPU step (images per GPU fixed), as reported and as predicted, and the modelled framework "
              "overhead within the predicted one (`calibration.step_overhead_s`). Gradient bytes per step: "
              + ", ".join(f"{name} {cal.row_profile(c.row).elements * 4 / 1e6:,.0f} MB"
-                         for name, c in {c.row.model: c for c in rows}.items()) + ".", "",
+                         for name, c in {c.row.model: c for c in rows}.items()) + ". Why per GPU: "
+             + "; ".join(f"{k}: {why}" for k, why in cal.ONE_PROCESS_PER_NODE.items()) + ".", "",
              "| setup | fitted | reported excess (ms) | predicted excess (ms) | of it, framework overhead (ms) |",
              "|---|---|---|---|---|"]
     for c in sorted(rows, key=lambda c: (c.row.gpus, c.row.model)):
@@ -153,8 +154,8 @@ def why_misses(rows: list[dict]) -> list[str]:
     }
     misses = [r for r in rows if r["subset"] == "test" and not r["within_goal"]]
     lines = ["## Why the test misses remain", "",
-             "Each is over-predicted; for each, what the table shows and why no further term was added (a term is kept "
-             "only if fitted on the fitted subset, it improves the test subset and a source names it):", ""]
+             "Each is over-predicted; for each, what the table shows and why no further term was added (a term "
+             "is kept only if fitted on the fitted subset, it improves the test subset and a source names it):", ""]
     for r in misses:
         reason = next((text for key, text in reasons.items() if r["name"].startswith(key)), "not examined")
         lines.append(f"- {r['name']} ({r['error_points']:+.1f} points): {reason}.")
