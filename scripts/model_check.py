@@ -31,14 +31,14 @@ DENSE_WARMUP_EPOCHS = 5  # configs/experiment/alexnet_512gpu.yaml: optim.warmup_
 
 def cli_command(row: Published, params: cal.Parameters) -> str:
     """``scripts/simulate_scaling.py`` options that project ``row`` with the fitted parameters."""
-    intra = cal.setup(row, params).intra_node_GBps
+    setup = cal.setup(row, params)  # the row as the check prices it: the options say the same
     options = ["--model", row.model, "--image-size", str(row.image_size), "--gpus", str(row.gpus),
                "--gpus-per-node", str(row.gpus_per_node), "--link-gbps", f"{row.link_gbps or 100:g}",
-               "--link-efficiency", f"{params.link(row.fabric):g}", "--intra-node-gbytes-s", f"{intra:g}",
+               "--link-efficiency", f"{setup.link_efficiency:g}", "--intra-node-gbytes-s", f"{setup.intra_node_GBps:g}",
                "--latency-us", f"{row.latency_us:g}", "--images-per-gpu", str(row.images_per_gpu),
                "--single-gpu-images-s", f"{row.single_gpu_images_s:g}",
-               "--overlap-slowdown", f"{params.overlap_slowdown:g}",
-               "--step-overhead-ms", f"{1e3 * cal.step_overhead_s(row, params):g}",
+               "--overlap-slowdown", f"{setup.overlap_slowdown:g}",
+               "--step-overhead-ms", f"{1e3 * setup.step_overhead_s:g}",
                "--strategy", row.strategy]
     return "python scripts/simulate_scaling.py " + " ".join(shlex.quote(o) for o in options)
 
