@@ -4,10 +4,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
 
 import pytest
@@ -33,6 +35,14 @@ def digits_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # Small and quick: 1/8-width AlexNet-BN on the digits, no wandb.
 FAST = ["+experiment=digits_cpu", "model.width=0.125", "logger=jsonl", "logger.log_every=1",
         "threads_per_rank=1", "dist_timeout_s=60"]
+
+
+def script_module(name: str) -> ModuleType:
+    """``scripts/NAME.py`` loaded as a module (the scripts are not a package), for its functions."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def for_this_cpu(overrides: list[str]) -> list[str]:

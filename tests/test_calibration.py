@@ -15,7 +15,7 @@ from gradientflow_repro.scaling import calibration as cal
 from gradientflow_repro.scaling import perfmodel as pm
 from gradientflow_repro.scaling.published import ROWS, Published
 
-from conftest import REPO
+from conftest import REPO, script_module
 
 LAYERS = [(4_000_000, False), (4000, True), (16_000_000, False), (300_000, False), (600_000, False), (1000, True)]
 
@@ -130,15 +130,9 @@ def test_the_steps_excess_is_the_sources_own() -> None:
 
 
 def test_each_rows_command_projects_what_the_check_predicts() -> None:
-    import importlib.util
     import shlex
 
-    spec = importlib.util.spec_from_file_location("model_check", REPO / "scripts" / "model_check.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
-    spec = importlib.util.spec_from_file_location("simulate_scaling", REPO / "scripts" / "simulate_scaling.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    check, script = script_module("model_check"), script_module("simulate_scaling")
     params = cal.Parameters({"roce25": 0.9}, {"nvlink-p100": 0.5}, 0.2, {"tf-replicated": 0.004, "horovod": 0.006})
     for row in (r for r in ROWS if r.framework in ("tf-replicated", "horovod") and r.gpus in (8, 128)):
         args = script.build_parser().parse_args(shlex.split(check.cli_command(row, params))[2:])

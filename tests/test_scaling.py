@@ -3,7 +3,6 @@ command line, the paper's checks and goals, and the sensitivity table."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from gradientflow_repro.scaling.projection import (
     uneven_counts,
 )
 
-from conftest import REPO
+from conftest import REPO, script_module
 
 
 def test_paper_setting_meets_its_goals_and_states_its_inputs() -> None:
@@ -77,18 +76,10 @@ def test_any_setup_from_the_command_line(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ the command line for any cluster
-def _script() -> ModuleType:
-    """scripts/simulate_scaling.py as a module (its ``main`` takes argv)."""
-    spec = importlib.util.spec_from_file_location("simulate_scaling", REPO / "scripts" / "simulate_scaling.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
 def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """The script with its run folder and committed report moved under ``tmp_path``."""
-    module = _script()
+    module = script_module("simulate_scaling")  # its ``main`` takes argv
     monkeypatch.setattr(module, "RUNS", tmp_path / "runs")
     monkeypatch.setattr(module, "REPORT", tmp_path / "committed" / "scaling")
     return module
@@ -184,7 +175,8 @@ def test_runs_go_under_runs_and_only_report_rewrites_the_committed_one(script: M
     script.main(["--report"])
     report = (tmp_path / "committed" / "scaling.md").read_text()
     assert "Command: `python scripts/simulate_scaling.py --report`" in report and "410.2x" in report
-    assert script.REPORT == tmp_path / "committed" / "scaling" and _script().REPORT == REPO / "results" / "scaling"
+    assert script.REPORT == tmp_path / "committed" / "scaling"
+    assert script_module("simulate_scaling").REPORT == REPO / "results" / "scaling"
     bench = (REPO / "Makefile").read_text().split("\nbench:")[1].split("\n\n")[0]
     assert "scripts/simulate_scaling.py --report" in bench
 
