@@ -44,6 +44,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -153,37 +154,105 @@ def save_checkpoint(run_dir: Path, step: int, shared: Optional[dict], per_rank: 
                     world_size: int, barrier: Callable[[], None], keep: int,
                     group: Optional[Group] = None) -> Path:
     """Collective: every rank calls it with its own ``per_rank``; rank 0 also passes ``shared``.
-    ``group`` gathers the digests to rank 0 (default: the process group, if any)."""
+    ``group`` gathers the digests to rank 0 (default: the process group, if any).
+
+    A write that fails on any rank (no space, quota, an I/O error) is agreed before anything else
+    collective: every rank raises the same ``CheckpointError`` naming the first rank at fault and
+    its error, the half-written ``step_N.tmp`` is removed, and the previous checkpoint stays the
+    newest. (``barrier`` is kept for callers; the agreements are the barriers.)"""
     group = group or Group()
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:09d}"
     tmp = root / f"step_{step:09d}.tmp"
+    problem = ""
+    if rank == 0:
+        try:
+            tidy(Path(run_dir))  # what an interrupted save left, this step's .tmp included
+            tmp.mkdir(parents=True)
+        except OSError as error:
+            problem = f"rank 0: cannot create {tmp}: {_why(error)}"
+    _agree(group, problem, step, tmp, rank)
+    written = {}
+    try:
+        written[rank_file(rank)] = _save_file(per_rank, tmp / rank_file(rank), step)
+        if rank == 0:
+            written[SHARED] = _save_file(shared, tmp / SHARED)
+    except OSError as error:
+        problem = f"rank {rank}: cannot write {error.filename or tmp}: {_why(error)}"
+    _agree(group, problem, step, tmp, rank)
+    everyone = group.gather(written)
+    if rank == 0:
+        try:
+            files = {name: facts for each in everyone for name, facts in each.items()}
+            expected = {SHARED, *(rank_file(r) for r in range(world_size))}
+            if set(files) != expected:
+                raise CheckpointError(f"{tmp}: ranks reported {sorted(files)}, expected {sorted(expected)}")
+            manifest = {"step": step, "world_size": world_size,
+                        "sha256": {name: files[name][0] for name in sorted(files)},
+                        "bytes": {name: files[name][1] for name in sorted(files)}}
+            with open(tmp / MANIFEST, "w") as handle:  # last: the completeness marker
+                handle.write(json.dumps(manifest, indent=1))
+                handle.flush()
+                os.fsync(handle.fileno())
+            _replace(tmp, final)
+            _prune(root, keep)
+        except (OSError, CheckpointError) as error:
+            problem = f"rank 0: cannot complete {final}: {_why(error) if isinstance(error, OSError) else error}"
+    _agree(group, problem, step, tmp, rank)
+    return final
+
+
+def _why(error: OSError) -> str:
+    return f"{error.strerror} (errno {error.errno})" if error.strerror else str(error) or type(error).__name__
+
+
+def _agree(group: Group, problem: str, step: int, tmp: Path, rank: int) -> None:
+    """Collective: raise the same ``CheckpointError`` on every rank if any rank has a ``problem``."""
+    failed = [r for r, flag in enumerate(group.flags(int(bool(problem)))) if flag]
+    if not failed:
+        return
+    first = group.all_gather(problem)[failed[0]]
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    written = {rank_file(rank): _save_file(per_rank, tmp / rank_file(rank), step)}
-    if rank == 0:
-        written[SHARED] = _save_file(shared, tmp / SHARED)
-    everyone = group.gather(written)  # also the wait for every rank's file
-    if rank == 0:
-        files = {name: facts for each in everyone for name, facts in each.items()}
-        expected = {SHARED, *(rank_file(r) for r in range(world_size))}
-        if set(files) != expected:
-            raise CheckpointError(f"{tmp}: ranks reported {sorted(files)}, expected {sorted(expected)}")
-        manifest = {"step": step, "world_size": world_size,
-                    "sha256": {name: files[name][0] for name in sorted(files)},
-                    "bytes": {name: files[name][1] for name in sorted(files)}}
-        with open(tmp / MANIFEST, "w") as handle:  # last: the completeness marker
-            handle.write(json.dumps(manifest, indent=1))
-            handle.flush()
-            os.fsync(handle.fileno())
-        if final.exists():  # same step saved again (e.g. final save after a periodic one)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _prune(root, keep)
-    barrier()
-    return final
+    newest = complete_checkpoints(tmp.parent.parent)
+    others = f" (and on {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
+    raise CheckpointError(f"checkpoint of step {step} not written: {first}{others}; the newest checkpoint is "
+                          + (f"{newest[-1]}, intact" if newest else "none"))
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    """Rename the complete ``tmp`` to ``final``. A step saved again (a final save after a periodic
+    one) keeps the old copy as ``step_N.old`` until the new one is in place, so a crash in between
+    leaves one of the two (``tidy`` puts it back)."""
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def tidy(run_dir: Path) -> list[str]:
+    """Remove what interrupted saves left in ``run_dir/checkpoints`` (``step_N.tmp``; a
+    ``step_N.old`` whose new copy is in place), and put back a ``step_N.old`` whose new copy never
+    arrived. Only for the holder of the run directory (``run_dir.Lock``): another job's save in
+    progress would look the same. Returns the names removed."""
+    root = Path(run_dir) / "checkpoints"
+    removed = []
+    if not root.is_dir():
+        return removed
+    for path in sorted(root.iterdir()):
+        if path.name.endswith(".tmp"):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+        elif path.name.endswith(".old"):
+            kept = path.with_name(path.name[:-len(".old")])
+            if kept.exists():
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path.name)
+            else:
+                os.rename(path, kept)
+    return removed
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -191,12 +260,17 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def step_of(checkpoint: Path) -> int:
+    """The step a checkpoint directory ``step_<N>`` holds, from its name."""
+    return int(Path(checkpoint).name.removeprefix("step_"))
+
+
 def complete_checkpoints(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir()
-                  if p.is_dir() and not p.name.endswith(".tmp") and (p / MANIFEST).exists())
+                  if p.is_dir() and re.fullmatch(r"step_\d+", p.name) and (p / MANIFEST).exists())
 
 
 def read_manifest(checkpoint: Path) -> dict:
@@ -210,7 +284,18 @@ def read_manifest(checkpoint: Path) -> dict:
     if missing:
         raise CheckpointError(f"{path} is not a manifest of this checkpoint format (step, world_size, "
                               f"sha256 per file); it lacks {sorted(missing)}")
+    wrong = [key for key, ok in (("step", _count(manifest["step"])), ("world_size", _count(manifest["world_size"])),
+                                 ("sha256", isinstance(manifest["sha256"], dict) and all(
+                                     isinstance(k, str) and isinstance(v, str) for k, v in manifest["sha256"].items())))
+             if not ok]
+    if wrong or manifest["world_size"] < 1:
+        raise CheckpointError(f"{path}: {', '.join(wrong or ['world_size'])} of the wrong type or value "
+                              f"(step and world_size whole numbers, sha256 a map of file names to digests)")
     return manifest
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def sources(rank: int, world_size: int, old_world_size: int) -> list[int]:
@@ -258,15 +343,24 @@ def intact(candidate: Path, group: Optional[Group] = None) -> Optional[str]:
 
 def find_resumable(run_dir: Path, group: Optional[Group] = None) -> Optional[Path]:
     """Collective: the newest checkpoint whose files match their checksums on every rank, each rank
-    checking the files it will read. Damaged ones are skipped by all, with a warning naming them."""
+    checking the files it will read. Damaged ones are skipped by all, with a warning naming them.
+    None when there is no checkpoint at all; when there are some but none is intact,
+    ``CheckpointError`` lists each with what is wrong: starting again from step 0 without a word
+    would lose the run (``resume=never`` sets them aside and starts afresh)."""
     group = group or Group()
     candidates = group.broadcast([p.name for p in reversed(complete_checkpoints(run_dir))])
+    problems = []
     for name in candidates:  # rank 0's list: every rank walks the same one
         candidate = Path(run_dir) / "checkpoints" / name
         problem = intact(candidate, group)
         if problem is None:
             return candidate
         warnings.warn(f"skipping damaged checkpoint {candidate} ({problem})")
+        problems.append(f"{name}: {problem}")
+    if problems:
+        raise CheckpointError(f"no checkpoint in {Path(run_dir) / 'checkpoints'} is intact, so the run cannot "
+                              f"resume: " + "; ".join(problems) + ". Restore them, resume one explicitly "
+                              "with resume=<path>, or set them aside and start afresh with resume=never")
     return None
 
 

@@ -39,6 +39,8 @@ positive = Check(lambda v: _number(v) and v > 0, "must be positive")
 non_negative = Check(lambda v: _number(v) and v >= 0, "must be zero or positive")
 boolean = Check(lambda v: isinstance(v, bool), "must be true or false")
 text = Check(lambda v: isinstance(v, str), "must be a string")
+config_keys = Check(lambda v: not isinstance(v, str) and all(isinstance(k, str) and k for k in v),
+                    "must be a list of dotted config keys, e.g. [optim.base_lr]")
 
 
 def in_range(low: float, high: float, low_open: bool = False, high_open: bool = False) -> Check:

@@ -9,6 +9,7 @@ few seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -16,11 +17,12 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from gradientflow_repro import REPO
 from gradientflow_repro.checks import (
     boolean,
+    config_keys,
     field_problems,
     in_range,
     non_negative,
@@ -144,6 +146,9 @@ class Config:
     device: str = setting("auto", one_of(*DEVICES))
     deterministic: bool = setting(False, boolean)
     resume: str = setting("auto", text)  # auto | never | path to a checkpoint directory
+    # keys allowed to differ from the configuration the run_dir's run recorded (run_dir.py): the
+    # resumed run goes on under the new values and records the change
+    accept_config_change: list[str] = setting(None, config_keys, factory=list)
     # how long ranks wait for each other: the rendezvous at start-up, gloo's collectives (NCCL's are
     # given the later of this and watchdog_s, plus a minute: the watchdog must speak first)
     dist_timeout_s: float = setting(300.0, positive)
@@ -190,6 +195,15 @@ def validate(cfg: Config | DictConfig, world_size: int) -> None:
               f"(nearest valid: {max(world_size, cfg.global_batch_size // world_size * world_size)})")
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_dir():
         _fail("resume", cfg.resume, "must be auto, never, or an existing checkpoint directory")
+    if cfg.accept_config_change:
+        from gradientflow_repro.run_dir import flatten
+
+        known = flatten(OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig)
+                        else dataclasses.asdict(cfg))
+        unknown = [key for key in cfg.accept_config_change if key not in known]
+        if unknown:
+            _fail("accept_config_change", list(cfg.accept_config_change), f"{unknown} name no config key "
+                  f"(keys are dotted, e.g. optim.base_lr)")
     if cfg.data.kind == "folder":
         _validate_image_folder(cfg.data.root)
     _validate_run_dir(cfg.run_dir)

@@ -28,6 +28,7 @@ from gradientflow_repro.optim import build_optimizer, build_schedule, set_lr
 from gradientflow_repro.precise_bn import PreciseBatchNorm
 from gradientflow_repro.precision import Precision
 from gradientflow_repro.preemption import StopRequests
+from gradientflow_repro.run_dir import write_atomically, write_text_atomically
 from gradientflow_repro.state import LocalBuffers, ModelName, ModelWeights, TrainingProgress, TrainState, rng_parts
 from gradientflow_repro.tracking import Phases, Tracker, duration, run_summary
 
@@ -37,14 +38,16 @@ class TrainingError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, world: World, device: torch.device, phases: Optional[Phases] = None) -> None:
+    def __init__(self, cfg: DictConfig, world: World, device: torch.device, phases: Optional[Phases] = None,
+                 early_signal: int = 0) -> None:
         """``phases``: start-up so far (imports, process group); the Trainer adds its own, then
-        starts MLPerf's clock just before the data is first touched."""
+        starts MLPerf's clock just before the data is first touched. ``early_signal``: a stop
+        signal that came before the Trainer listened (``train.EARLY_STOP_SIGNALS``)."""
         phases = phases or Phases()
         self.cfg, self.world, self.device = cfg, world, device
         self.run_dir = Path(cfg.run_dir)
         self.run_name = cfg.logger.name or cfg.comm.strategy  # wandb run and progress-line prefix
-        self.stop = StopRequests()  # before the slow start-up, so an early signal is not lost
+        self.stop = StopRequests(received=early_signal)  # before the slow start-up
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.model = build_model(cfg.model.name, cfg.data.num_classes, cfg.data.image_size,
                                  cfg.model.width, cfg.model.dropout, cfg.model.bn_momentum).to(device)
@@ -84,10 +87,14 @@ class Trainer:
             self._print(f"resumed from {resumed} at step {self.progress.step}")
             if self.state.regrouped:  # another number of ranks: how the per-rank state was mapped
                 self._print(self.state.regrouped)
+            if self.state.set_aside:  # an abandoned lineage, or checkpoints the resume skipped
+                self._print(self.state.set_aside)
         phases.done("resume")
-        self.tracker.start()  # after the resume: a resumed run continues its wandb run
+        # after the resume: a resumed run continues its wandb run, and its metrics.jsonl is cut back
+        # to the checkpoint it resumed from (tracking.Tracker: one lineage)
+        self.tracker.start(self.progress.step)
         if world.is_main:  # the composed configuration, as this run used it
-            OmegaConf.save(cfg, self.run_dir / "config.yaml", resolve=True)
+            write_text_atomically(self.run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         phases.done("tracker")
         # MLPerf's run_start: initialisation is over, no data has been touched
         self.progress.start_clock(init_s=phases.total_s)
@@ -118,6 +125,8 @@ class Trainer:
         p, steps_per_epoch = self.progress, self.data.steps_per_epoch
         self._log({"kind": "start", "resumed_from_step": p.step, "world_size": self.world.world_size,
                    "init_phases_s": self.init_phases.seconds, "data_s": self.data_s})
+        if p.eval_pending:  # the stop that wrote the checkpoint came before this evaluation
+            self.evaluate()
         while p.step < self.total_steps and not p.reached_at and not self.stop.agreed_signal:
             epoch = p.step // steps_per_epoch
             self.mlperf.epoch_start(epoch)
@@ -128,10 +137,16 @@ class Trainer:
             if p.step % steps_per_epoch == 0:  # a whole epoch ended (not a max_steps cut)
                 done_epochs = p.step // steps_per_epoch
                 self.mlperf.epoch_stop(epoch)
-                if done_epochs % self.cfg.eval_every_epochs == 0 or done_epochs == self.cfg.epochs:
+                due = done_epochs % self.cfg.eval_every_epochs == 0 or done_epochs == self.cfg.epochs
+                if self.stop.agreed_signal:  # the stop's checkpoint first: the evaluation waits for
+                    p.eval_pending = due  # the resumed run, instead of spending the preemption window
+                    break
+                if due:
                     self.evaluate()
                 if done_epochs % self.cfg.checkpoint.every_epochs == 0:
                     self.save()
+                    self.stop.agreed(self.device)  # a signal that came during the save stops here,
+                    # not one step later with a second full checkpoint
         self.mlperf.run_stop(reached_target=bool(p.reached_at))  # MLPerf's clock stops here
         self.save()
         mark_progress(None)  # the last collective is behind us: what follows is rank 0's own work
@@ -214,11 +229,14 @@ class Trainer:
                 correct += (logits.argmax(1) == labels).sum()  # counted on the device, read once
                 total += labels.numel()
         self.model.train()
+        # past this rank's data: a rank stuck in its own data loop is the one behind (its mark is older)
+        mark_progress(f"evaluation after step {p.step}: counting")
         correct, total = all_reduce_scalars([correct, total], self.device)
         if int(total) != self.data.num_val:
             raise RuntimeError(f"evaluation saw {int(total)} images, the validation set has "
                                f"{self.data.num_val}: sharding is broken")
         p.evaluated(time.perf_counter() - started)
+        p.eval_pending = False
         top1, target = 100.0 * correct / total, self.cfg.target_top1
         p.last_top1, p.best_top1 = top1, max(top1, p.best_top1 or 0.0)
         self.mlperf.eval_stop(p.step / self.data.steps_per_epoch, accuracy=top1 / 100)
@@ -240,6 +258,7 @@ class Trainer:
         if self.progress.step > self._last_log[0] and self._last_loss_lr:  # steps since the last progress
             self._log_step(*self._last_loss_lr)  # record: log them, so the totals saved and summed are whole
         self.state.save(self.run_dir, self.progress.step, keep=self.cfg.checkpoint.keep)
+        self.tracker.checkpointed(self.progress.step)  # where a resume from it cuts metrics.jsonl
 
     # ---------------------------------------------------------------- reporting
     def _log_step(self, loss: torch.Tensor, lr: float) -> None:
@@ -279,8 +298,9 @@ class Trainer:
                               skipped_steps=self.precision.skipped_steps, stopped_by=self.stop.name,
                               exit_code=self.stop.exit_code, run_id=self.tracker.run_id)
         if self.cfg.save_final_params:
-            torch.save({n: t.detach().cpu() for n, t in self.model.state_dict().items()},
-                       self.run_dir / f"final_params_rank{self.world.rank}.pt")
+            params = {n: t.detach().cpu() for n, t in self.model.state_dict().items()}
+            write_atomically(self.run_dir / f"final_params_rank{self.world.rank}.pt",
+                             lambda handle: torch.save(params, handle))
         self.tracker.finish(summary)
         if reached := self.progress.reached_at:
             self._print(f"target {self.cfg.target_top1}% reached at step {reached['step']}: "

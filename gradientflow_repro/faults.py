@@ -8,7 +8,11 @@ Set ``GFR_INJECT_FAULT`` to ``WHAT@WHERE:rank=R:step=S`` (several separated by `
   ``VANISH_HOLD_S``: a node lost without closing its connections, or a dead peer under NCCL over
   InfiniBand, where the others see no error but a hang), ``nan`` (this rank's loss becomes NaN),
   ``perturb`` (this rank's first parameter is nudged: ranks silently disagree), ``delay`` (this
-  rank sleeps ``DELAY_S``: a straggler, which the others wait for);
+  rank sleeps ``DELAY_S``: a straggler, which the others wait for), ``usr1`` (SIGUSR1 to this
+  process: the scheduler's preemption warning, at a chosen point), ``full`` (an ``OSError``
+  ENOSPC raised here: a full disk or quota while this rank writes its checkpoint), ``hang`` (this
+  rank's main thread sleeps ``HANG_S`` while its heartbeat goes on: a rank alive but stuck outside
+  any collective, as in a data loader that never returns);
 - WHERE: ``forward`` (start of a step), ``comm`` (entering ``synchronize``, while the other ranks
   already wait in the step's collectives), ``checkpoint`` (after this rank's file is half written,
   before the checkpoint is renamed into place), ``loss``, ``params`` (after the optimizer step).
@@ -16,10 +20,15 @@ Set ``GFR_INJECT_FAULT`` to ``WHAT@WHERE:rank=R:step=S`` (several separated by `
 ``GFR_FAULT_LOG`` names a file where each fired fault appends its wall-clock time. Without the
 variable every call is a dictionary lookup that finds nothing. Nothing in a normal run
 sets it; it exists so that tests can reach the failure paths of real multi-process runs.
+
+Faults fire only where ``GFR_ALLOW_FAULTS=1`` is set too (the test suite and the fault report set
+both): a ``GFR_INJECT_FAULT`` left in a user's environment must not sabotage a real run. Then it
+is ignored, and the trainer says so on its first lines (``ignored_warning``).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -31,8 +40,10 @@ from typing import Optional
 import torch
 
 ENV = "GFR_INJECT_FAULT"
+ALLOW = "GFR_ALLOW_FAULTS"
 DELAY_S = 0.5
 VANISH_HOLD_S = 180.0
+HANG_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -45,8 +56,18 @@ class Fault:
 
 def planned() -> tuple[Fault, ...]:
     """The faults ``GFR_INJECT_FAULT`` plans now (read each call: a rank forked from a launcher that
-    had read it before has its own environment)."""
+    had read it before has its own environment); none unless ``GFR_ALLOW_FAULTS=1``."""
+    if os.environ.get(ALLOW) != "1":
+        return ()
     return _parse(os.environ.get(ENV, ""))
+
+
+def ignored_warning() -> Optional[str]:
+    """The warning for faults planned without ``GFR_ALLOW_FAULTS=1`` (None where there are none)."""
+    if os.environ.get(ENV) and os.environ.get(ALLOW) != "1":
+        return (f"warning: {ENV}={os.environ[ENV]!r} is set but ignored: faults are injected only in "
+                f"tests, which also set {ALLOW}=1")
+    return None
 
 
 @lru_cache(maxsize=4)
@@ -98,6 +119,12 @@ def inject(where: str, step: int, tensor: Optional[torch.Tensor] = None) -> Opti
         os.kill(os.getpid(), signal.SIGKILL)
     if fault.what == "freeze":
         os.kill(os.getpid(), signal.SIGSTOP)
+    if fault.what == "usr1":
+        os.kill(os.getpid(), signal.SIGUSR1)
+    if fault.what == "hang":
+        time.sleep(HANG_S)
+    if fault.what == "full":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     if fault.what == "nan" and tensor is not None:
         return tensor * float("nan")
     if fault.what == "delay":

@@ -51,7 +51,8 @@ from gradientflow_repro import checkpoint
 from gradientflow_repro.checkpoint import SHARED, CheckpointError, Group, load_file, rank_file, sources
 from gradientflow_repro.distributed import barrier, mark_progress
 
-FORMAT = 1  # shared: model_name, model, optimizer, precision, wandb_id, progress;
+FORMAT = 1  # shared: model_name, model, optimizer, precision, wandb_id, progress (its eval_pending
+#             added since, read as False where absent);
 #             per rank: buffers, comm, torch_rng, cuda_rng
 MEAN, SAME, OWN = "mean", "same", "own"  # how per-rank state maps onto another number of ranks (above)
 
@@ -77,6 +78,7 @@ class TrainingProgress:
         self.last_top1: Optional[float] = None
         self.best_top1: Optional[float] = None
         self.reached_at: Optional[dict] = None  # the clocks when the target was first reached
+        self.eval_pending = False  # a stop at an epoch's end saved before its evaluation: do it first
         self.comm_totals = {"bytes": 0, "collectives": 0, "wait_s": 0.0}
         # the clocks of earlier (pre-resume) processes
         self._earlier = {"mlperf_s": 0.0, "train_s": 0.0, "eval_s": 0.0, "startup_s": 0.0, "init_s": 0.0}
@@ -126,11 +128,13 @@ class TrainingProgress:
 
     def state_dict(self) -> dict:
         return {"step": self.step, **self.clocks(), "last_top1": self.last_top1, "best_top1": self.best_top1,
-                "reached_at": self.reached_at, "comm_totals": dict(self.comm_totals)}
+                "reached_at": self.reached_at, "comm_totals": dict(self.comm_totals),
+                "eval_pending": self.eval_pending}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.last_top1, self.best_top1 = state["step"], state["last_top1"], state["best_top1"]
         self.reached_at, self.comm_totals = state["reached_at"], dict(state["comm_totals"])
+        self.eval_pending = bool(state.get("eval_pending", False))  # absent from older checkpoints
         # checkpoints from before the clock was split have the first two only
         self._earlier = {key: state.get(key, 0.0) for key in self._earlier}
 
@@ -442,6 +446,7 @@ class TrainState:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.saved_step = -1
         self.regrouped: Optional[str] = None  # after resuming another number of ranks: what was done
+        self.set_aside: Optional[str] = None  # after resuming: newer checkpoints moved aside, in words
 
     @property
     def group(self) -> Group:
@@ -479,7 +484,30 @@ class TrainState:
                 raise CheckpointError(f"{path} is {problem}")
         if path is not None:
             self.load(path)
+            self._set_aside_newer(Path(run_dir), int(checkpoint.read_manifest(path)["step"]))
         return path
+
+    def _set_aside_newer(self, run_dir: Path, step: int) -> None:
+        """Collective: checkpoints in ``run_dir`` newer than the resumed ``step`` (damaged ones the
+        resume skipped, or a lineage abandoned by ``resume=<older path>``) move to ``superseded/``:
+        left in place, pruning would keep them over the new run's and ``resume=auto`` would pick
+        them next time."""
+        from gradientflow_repro.run_dir import set_aside
+
+        problem = ""
+        if self.rank == 0:
+            newer = [p for p in checkpoint.complete_checkpoints(run_dir) if checkpoint.step_of(p) > step]
+            try:
+                moved = set_aside(run_dir, newer)
+            except OSError as error:
+                problem = f"rank 0: cannot move {[p.name for p in newer]} aside: {error}"
+            else:
+                if moved is not None:
+                    self.set_aside = (f"moved {len(newer)} checkpoint(s) newer than step {step} "
+                                      f"({', '.join(p.name for p in newer)}) to {moved}")
+        group = self.group
+        if any(group.flags(int(bool(problem)))):
+            raise CheckpointError(group.broadcast(problem))
 
     def load(self, path: Path) -> None:
         """Collective: restore every part from ``path``; per-rank state of another number of ranks

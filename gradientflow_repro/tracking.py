@@ -8,6 +8,9 @@ for it, so it starts (``start``) after a resume has set the id. Offline, each la
 ``offline-run-*`` piece of that id (wandb records no resume offline); docs/outputs.md gives the
 upload that appends the pieces in order. ``run_summary`` builds the run's
 ``summary.json`` from its progress and the facts of the run.
+
+A resumed run's metrics.jsonl is one lineage (``keep_one_lineage``), and ``read_records`` skips a
+damaged line with one warning instead of failing every reader; the ``Tracker`` docstring says how.
 """
 
 from __future__ import annotations
@@ -15,14 +18,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from gradientflow_repro.config import LoggerConfig
 from gradientflow_repro.provenance import environment_facts
+from gradientflow_repro.run_dir import write_text_atomically
 
 # The wandb config key naming the compared configuration a run belongs to (its run name: the ladder's
 # label under `make reproduce`, e.g. `ring+fp16` or `gradientflow@0.01`, else the strategy). The
@@ -30,9 +35,35 @@ from gradientflow_repro.provenance import environment_facts
 WANDB_LABEL_KEY = "strategy_label"
 
 
+ABANDONED_NAME = "metrics.abandoned.jsonl"  # beside metrics.jsonl: the records a resume cut off
+
+
 class Tracker:
     """Writes nothing until ``start()``; before it, ``load_state_dict`` may set the wandb run id of
-    the run being resumed (``state_dict`` is that id, for the checkpoint)."""
+    the run being resumed (``state_dict`` is that id, for the checkpoint).
+
+    One lineage: ``start(resumed_step)`` is told the step the process starts at (the checkpoint's
+    step after a resume, 0 when nothing was resumed). Whatever metrics.jsonl holds beyond the
+    checkpoint the run resumed from belongs to a segment whose state was lost (trained past it,
+    then crashed or was killed): those records are cut from metrics.jsonl and appended to
+    ``metrics.abandoned.jsonl`` beside it, each with ``abandoned_at_step`` (the step the run went
+    back to), so every reader of metrics.jsonl sees each step once, as the surviving state reached
+    it (a report never picks an evaluation whose state was lost), and nothing is silently deleted.
+    Where the cut falls: each checkpoint is followed by a ``{"kind": "checkpoint", "step": S}``
+    record (``checkpointed``), so the cut keeps exactly what was written before the checkpoint the
+    run resumed from, whatever the order of evaluation and checkpoint at step S (files without such
+    a record: every record up to the first one past step S; a fresh start at step 0: none).
+    metrics.jsonl is rewritten whole (temporary file, fsync, rename), so a crash during the cut
+    leaves the old file or the new one; damaged lines are dropped from it then, their text kept in
+    the side file (``kind: "undecodable"``).
+
+    wandb is not rewritten (it cannot be): it refuses a step lower than the last one it has, so the
+    resumed run's records up to the step where the abandoned segment stopped are dropped there, and
+    its history for those steps shows the abandoned segment's values; past them it follows the
+    lineage. Offline, each launch's piece holds what that launch logged, and the upload that
+    appends the pieces (docs/outputs.md) keeps, likewise, the first piece's values for steps it
+    already has. metrics.jsonl, summary.json and the reports are the lineage; the wandb summary is
+    the finished run's, hence the lineage's too."""
 
     def __init__(self, run_dir: Path, cfg: LoggerConfig, *, enabled: bool, name: str, group: str,
                  config: dict, run_id: Optional[str] = None) -> None:
@@ -42,6 +73,7 @@ class Tracker:
         self.wandb_run = None
         self.run_id = run_id
         self._file: Optional[Any] = None  # metrics.jsonl, open between start and finish
+        self._checkpoint_logged: Optional[int] = None  # the step of the last checkpoint record written
         self._wandb_args = (cfg, name, group, config)
 
     def state_dict(self) -> Optional[str]:
@@ -50,11 +82,17 @@ class Tracker:
     def load_state_dict(self, run_id: Optional[str]) -> None:
         self.run_id = run_id
 
-    def start(self) -> "Tracker":
+    def start(self, resumed_step: Optional[int] = None) -> "Tracker":
+        """Open metrics.jsonl for appending (and wandb). ``resumed_step``: the step this process
+        starts at; the records of an abandoned segment are cut first (class docstring). None: no
+        cut (for a caller that is no training run)."""
         if not self.enabled:
             return self
         cfg, name, group, config = self._wandb_args
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if resumed_step is not None:
+            keep_one_lineage(self.metrics_path, resumed_step)
+        _end_with_newline(self.metrics_path)  # a torn last line must not swallow the next record
         self._file = open(self.metrics_path, "a", buffering=1)
         if cfg.wandb and cfg.mode != "disabled":
             self._start_wandb(cfg, name, group, config, self.run_id)
@@ -89,10 +127,19 @@ class Tracker:
                 warnings.warn(f"wandb is off for this run: {type(error).__name__}: {error}")
                 self.wandb_run = None
 
+    def checkpointed(self, step: int) -> None:
+        """The checkpoint of ``step`` is complete: mark where a resume from it cuts metrics.jsonl.
+        Written once per step by this process (saving a step again writes no checkpoint), to the
+        JSONL only: it is bookkeeping, no metric for wandb."""
+        if not self.enabled or self._file is None or step == self._checkpoint_logged:
+            return
+        self._checkpoint_logged = step
+        self._file.write(json.dumps({"kind": "checkpoint", "step": step}) + "\n")
+
     def finish(self, summary: dict[str, Any]) -> None:
         if not self._close_metrics():
             return
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_text_atomically(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         plot_top1(self.metrics_path, self.run_dir / "top1_vs_time.png", title=summary.get("name", ""))
         self._finish_wandb(summary={k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
 
@@ -214,13 +261,149 @@ def duration(seconds: float) -> str:
 
 
 def read_records(path: Path) -> list[dict]:
-    records = []
-    with open(path) as handle:
-        for line in handle:
-            line = line.strip()
-            if line:
-                records.append(json.loads(line))
-    return records
+    """The records of a metrics.jsonl, in order. A damaged line (torn by a crash mid-write, NUL bytes
+    where a file system lost data after a power loss, anything that is no JSON object) is skipped
+    with one warning naming the file, how many and which lines: one bad line must not fail a
+    finished run or a report."""
+    records, damaged, padded = _read_lines(path)
+    _warn_damaged(path, damaged, padded)
+    return [record for _, _, record in records]
+
+
+# A run of NUL bytes: what a file system leaves where data it had not yet written was lost; treated
+# as a line break, so a record appended after the padding is still read.
+_NULS = re.compile(rb"\x00+")
+
+
+def _read_lines(path: Path) -> tuple[list[tuple[int, bytes, dict]], list[tuple[int, bytes]], list[int]]:
+    """(line number, raw text, record) of each JSON object in ``path``; (line number, raw text) of
+    each piece that is none; the numbers of the lines that held NUL bytes."""
+    records: list[tuple[int, bytes, dict]] = []
+    damaged: list[tuple[int, bytes]] = []
+    padded: list[int] = []
+    with open(path, "rb") as handle:  # bytes: a torn multi-byte character must not stop the reading
+        for number, line in enumerate(handle, start=1):
+            pieces = _NULS.split(line)
+            if len(pieces) > 1:
+                padded.append(number)
+            for piece in pieces:
+                piece = piece.strip()
+                if not piece:
+                    continue
+                try:
+                    record = json.loads(piece.decode("utf-8"))
+                except (UnicodeDecodeError, ValueError):  # JSONDecodeError is a ValueError
+                    record = None
+                if isinstance(record, dict):
+                    records.append((number, piece, record))
+                else:
+                    damaged.append((number, piece))
+    return records, damaged, padded
+
+
+def _warn_damaged(path: Path, damaged: Sequence[tuple[int, bytes]], padded: Sequence[int]) -> None:
+    """One warning for every damaged line of ``path`` (none when there is none)."""
+    skipped = sorted({number for number, _ in damaged} | set(padded))
+    if not skipped:
+        return
+    shown = ", ".join(str(number) for number in skipped[:10]) + (", ..." if len(skipped) > 10 else "")
+    warnings.warn(f"{path}: skipped {len(skipped)} damaged line(s) (torn, NUL bytes, or no JSON object): "
+                  f"line(s) {shown}; the other records are read", stacklevel=3)
+
+
+def lineage(records: Sequence[dict], resumed_step: int) -> tuple[list[dict], list[dict]]:
+    """``records`` (of a metrics.jsonl, in order) split into (kept, abandoned) for a run that
+    resumes at ``resumed_step``. Replayed segment by segment: a start record with
+    ``resumed_from_step`` R first cuts what precedes it back to R's checkpoint (files written before
+    the cut existed hold several lineages), then the whole is cut back to ``resumed_step``; each
+    abandoned record is returned with ``abandoned_at_step`` (the step its run went back to)."""
+    kept: list[dict] = []
+    abandoned: list[dict] = []
+
+    def cut(step: int) -> None:
+        at = _cut_index(kept, step)
+        abandoned.extend({**record, "abandoned_at_step": step} for record in kept[at:])
+        del kept[at:]
+
+    for record in records:
+        if record.get("kind") == "start" and kept:
+            cut(int(record.get("resumed_from_step") or 0))
+        kept.append(record)
+    cut(resumed_step)
+    return kept, abandoned
+
+
+def _cut_index(records: Sequence[dict], step: int) -> int:
+    """How many of ``records`` precede the checkpoint of ``step``: through its last checkpoint
+    record (the checkpoint a resume of ``step`` loads: a later save of the same step replaced an
+    earlier one); without one, up to the first record past ``step`` (written before checkpoint
+    records existed, when an epoch's evaluation preceded its checkpoint); none for step 0 (a fresh
+    start: no state carried over)."""
+    for index in range(len(records) - 1, -1, -1):
+        if records[index].get("kind") == "checkpoint" and records[index].get("step") == step:
+            return index + 1
+    if step <= 0:
+        return 0
+    return next((index for index, record in enumerate(records)
+                 if isinstance(record.get("step"), (int, float)) and record["step"] > step), len(records))
+
+
+def keep_one_lineage(metrics_path: Path, resumed_step: int) -> int:
+    """Cut ``metrics_path`` to the lineage of a run resuming at ``resumed_step`` (``lineage``):
+    the abandoned records, and the text of any damaged line, are appended to ``ABANDONED_NAME``
+    beside it (first, and synced: a crash between the two writes duplicates there, loses nothing),
+    then metrics.jsonl is replaced whole by what it keeps (temporary file, fsync, rename). Kept
+    records keep their exact text. Returns how many records were moved; the file is left as it is
+    when there is nothing to move or drop."""
+    metrics_path = Path(metrics_path)
+    if not metrics_path.is_file():
+        return 0
+    entries, damaged, padded = _read_lines(metrics_path)
+    _warn_damaged(metrics_path, damaged, padded)
+    kept, abandoned = lineage([record for _, _, record in entries], resumed_step)
+    if not abandoned and not damaged and not padded:
+        return 0
+    side = [json.dumps(record) for record in abandoned]
+    side += [json.dumps({"kind": "undecodable", "line": number, "text": raw.decode("utf-8", "replace"),
+                         "abandoned_at_step": resumed_step}) for number, raw in damaged]
+    if side:
+        with open(metrics_path.with_name(ABANDONED_NAME), "a") as handle:
+            handle.write("".join(line + "\n" for line in side))
+            handle.flush()
+            os.fsync(handle.fileno())
+    temporary = metrics_path.with_name(metrics_path.name + ".tmp")
+    kept_ids = {id(record) for record in kept}  # ``lineage`` keeps the records themselves, in order
+    with open(temporary, "wb") as handle:
+        handle.write(b"".join(raw + b"\n" for _, raw, record in entries if id(record) in kept_ids))
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, metrics_path)
+    _sync_directory(metrics_path.parent)
+    return len(abandoned)
+
+
+def _sync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (where the platform allows opening a directory)."""
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def _end_with_newline(path: Path) -> None:
+    """If ``path`` ends in a torn line, end it, so that the next record appended starts a line."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as handle:
+        handle.seek(-1, os.SEEK_END)
+        if handle.read(1) != b"\n":
+            handle.write(b"\n")
 
 
 def plot_top1(metrics_path: Path, out: Path, title: str = "") -> None:

@@ -13,13 +13,29 @@ or launch; 75 stopped by SIGUSR1 after a checkpoint (the Slurm templates requeue
 
 from __future__ import annotations
 
+import signal
 import sys
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
 
-import hydra
-from omegaconf import DictConfig
+# Stop signals that arrive before the trainer listens (imports and start-up take seconds): by
+# default either would kill the rank, which reads as a crash and forfeits the requeue. Remembered
+# here and handed to the trainer's StopRequests, which acts on them after its first step.
+EARLY_STOP_SIGNALS: list[int] = []
 
-from gradientflow_repro.config import ConfigError, register_configs, validate
+
+def _remember_early(signum: int, _frame: Any) -> None:
+    EARLY_STOP_SIGNALS.append(signum)
+
+
+if __name__ == "__main__":  # before the slow imports below
+    for _signum in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(_signum, _remember_early)
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from gradientflow_repro.config import ConfigError, register_configs, validate  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -33,15 +49,33 @@ def main(cfg: DictConfig) -> None:
 
     phases = Phases()  # start-up, phase by phase; MLPerf's clock starts in the Trainer
     from gradientflow_repro import distributed
+    from gradientflow_repro.run_dir import RunDirError, claim
 
     try:
         world = distributed.discover_world()
         validate(cfg, world.world_size)
-    except (ConfigError, distributed.WorldError) as error:
+        # the run directory is this run's (configuration, lock), before any process group starts
+        owned = claim(Path(cfg.run_dir), OmegaConf.to_container(cfg, resolve=True), resume=cfg.resume,
+                      accepted=list(cfg.accept_config_change), rank=world.rank)
+    except (ConfigError, distributed.WorldError, RunDirError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+    from gradientflow_repro.faults import ignored_warning
+
+    for line in [*owned.said, *filter(None, [ignored_warning()] if world.is_main else [])]:
+        # rank 0's first lines: what was adopted, moved aside or taken over; faults left set
+        print(f"[{cfg.experiment}/{cfg.logger.name or cfg.comm.strategy}] {line}", flush=True)
+    try:
+        _train(cfg, world, phases)
+    finally:
+        owned.release()
+
+
+def _train(cfg: DictConfig, world: Any, phases: Any) -> None:
+    """Join the process group and train; exits with the status the module docstring lists."""
     import torch
 
+    from gradientflow_repro import distributed
     from gradientflow_repro.checkpoint import CheckpointError
     from gradientflow_repro.data import DatasetError
     from gradientflow_repro.engine import Trainer, TrainingError
@@ -64,16 +98,19 @@ def main(cfg: DictConfig) -> None:
     configure_backends(device, cfg.deterministic)
     print(distributed.describe_rank(world, device), flush=True)
     phases.done("process group")
-    trainer = None
+    trainer: Optional[Trainer] = None
     try:
-        trainer = Trainer(cfg, world, device, phases)
+        trainer = Trainer(cfg, world, device, phases, early_signal=max(EARLY_STOP_SIGNALS, default=0))
         summary = trainer.fit()
     except agreed_errors as error:  # the same on every rank, and its message says it all: no traceback
         if world.is_main:  # the whole message: a dataset error lists every bad file after its first line
             print(f"error: rank {world.rank}: {type(error).__name__}: {str(error).strip()}", file=sys.stderr,
                   flush=True)
         distributed.destroy_process_group()
-        sys.exit(1)
+        # a stop's checkpoint that could not be written: still the stop's status, so that a
+        # preemption warning is requeued (from the previous checkpoint) rather than read as a crash
+        stopping = isinstance(error, CheckpointError) and trainer is not None and trainer.stop.agreed_signal
+        sys.exit(trainer.stop.exit_code if stopping else 1)
     except Exception as error:  # noqa: BLE001 - one clear line, naming lost ranks
         if distributed.watchdog_fired():  # its line named the lost ranks; it ends this process
             distributed.wait_for_watchdog()

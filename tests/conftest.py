@@ -20,6 +20,9 @@ from gradientflow_repro.cluster.world import free_port, spawn  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
+# faults planned with GFR_INJECT_FAULT fire only where this is set too (gradientflow_repro/faults.py);
+# every process the tests start inherits it
+os.environ["GFR_ALLOW_FAULTS"] = "1"
 
 
 @pytest.fixture(scope="session")

@@ -59,8 +59,20 @@ def test_on_disk_keys_are_those_of_format_1(tmp_path: Path) -> None:
     assert FORMAT == 1 and shared["format"] == 1
     assert set(shared) == {"format", "model_name", "model", "optimizer", "wandb_id", "progress"}
     assert set(mine) == {"buffers", "torch_rng", "cuda_rng"}
+    # eval_pending: added within format 1 (older checkpoints lack it and load as False; older code
+    # reading a newer checkpoint ignores it)
     assert set(shared["progress"]) == {"step", "mlperf_s", "train_s", "eval_s", "startup_s", "init_s",
-                                       "last_top1", "best_top1", "reached_at", "comm_totals"}
+                                       "last_top1", "best_top1", "reached_at", "comm_totals", "eval_pending"}
+
+
+def test_progress_from_before_eval_pending_loads_with_no_evaluation_pending() -> None:
+    from gradientflow_repro.state import TrainingProgress
+
+    progress = TrainingProgress()
+    progress.eval_pending = True
+    old = {key: value for key, value in TrainingProgress().state_dict().items() if key != "eval_pending"}
+    progress.load_state_dict(old)
+    assert progress.eval_pending is False
 
 
 def test_a_checkpoint_written_before_the_format_key_still_loads(tmp_path: Path) -> None:
