@@ -16,6 +16,14 @@ whose beat stops is named within a few beats (about 40 s at the 512-GPU settings
 ``watchdog_s`` says, and a rank that has made no progress for ``watchdog_s`` while every beat moves
 (stuck, not lost) says so. Either way the process ends, after dumping NCCL's flight recorder when
 one is on. Under Slurm a rank whose process exits badly ends the step sooner still (slurm/task.sh).
+
+A rank can also be alive but stuck outside any collective (a data loader that never returns, a
+hang in Python): its heartbeat moves, and the others wait for it in the next collective. Every
+heartbeat also publishes the rank's mark (``mark_progress``: how many marks, where, for how long;
+``Mark``), and every rank makes the same marks, so the stuck rank is the one furthest behind. Its
+peers name it stuck, with where it is, not lost: under gloo when their collective times out
+(``diagnose_failure``: the ranks that do not answer and whose heartbeat still moves), under NCCL
+when their watchdog fires; the stuck rank's own watchdog says that it is the one.
 """
 
 from __future__ import annotations
@@ -227,8 +235,9 @@ def init_process_group(world: World, device: torch.device, timeout_s: float,
                             device_id=device if nccl else None)
     _STORE = store
     # Under NCCL the watchdog must have spoken (limit, beat, diagnosis) within timeout_s. gloo raises
-    # on its own after timeout_s (and describe_failure names the lost ranks): there the watchdog is
-    # only a backstop for a rank stuck outside a collective.
+    # on its own after timeout_s (and describe_failure names the lost and the stuck ranks, within
+    # the longer of LOST_RANK_WAIT_S and two beats): there the watchdog is only a backstop, for the
+    # stuck rank itself.
     limit = watchdog_s or (max(timeout_s / 2, timeout_s - 3 * Liveness.beat_for(timeout_s) - 1) if nccl
                            else timeout_s + LOST_RANK_WAIT_S + 30)
     _LIVENESS = Liveness(store, world, limit, nccl=nccl)
@@ -239,16 +248,22 @@ def mark_progress(where: Optional[str]) -> None:
     """This rank is alive and at ``where`` (a step, evaluation, checkpoint): the watchdog's clock
     starts again; the first mark arms it. ``None`` disarms it, and stops judging the others'
     heartbeats (after the last collective, while rank 0 alone writes the summary and uploads and the
-    other ranks leave). A plain assignment: cheap enough for every step."""
+    other ranks leave). Every rank makes the same marks in the same order, so the number of marks
+    says who is behind when a rank is stuck (the heartbeat publishes it with ``where``). Plain
+    assignments: cheap enough for every step."""
     if _LIVENESS is not None:
-        _LIVENESS.where, _LIVENESS.since = where, time.monotonic()
-        if where is None:
-            _LIVENESS.finishing = True
+        _LIVENESS.mark(where)
 
 
 def watchdog_fired() -> bool:
     """Whether this rank's watchdog has already named the lost ranks and is ending the process."""
     return _LIVENESS is not None and _LIVENESS.fired.is_set()
+
+
+def _watchdog_speaks() -> bool:
+    """Whether this rank's watchdog has spoken or is about to (it is reading why this rank stalled):
+    its line then says it all, and it ends the process."""
+    return _LIVENESS is not None and (_LIVENESS.judging or _LIVENESS.fired.is_set())
 
 
 def wait_for_watchdog() -> None:
@@ -263,6 +278,73 @@ DONE = b"done"  # a rank's heartbeat after it left cleanly: finished, not lost
 # judging at the same moment must not count it among them
 STOPPED = b"stopped"
 LEFT = (DONE, STOPPED)
+FINISHED = b"finished"  # a rank's mark after mark_progress(None): past its last collective
+MARK_CHARS = 64  # of a mark's text, as published: enough for a step, an evaluation, a checkpoint
+
+
+@dataclass(frozen=True)
+class Mark:
+    """Where a rank is, as its heartbeat publishes it next to its count: how many marks it has
+    made (``mark_progress``: the same sequence on every rank), how long ago the last one was, and
+    its text (None before the first). A rank stuck outside a collective stays at its mark while the
+    others make the next one and wait for it there: it is the one furthest behind."""
+
+    progress: int
+    age_s: float
+    where: Optional[str]
+
+    def encode(self) -> str:
+        head = f"{self.progress} {self.age_s:.0f}"
+        return head if self.where is None else f"{head} {self.where[:MARK_CHARS]}"
+
+    @staticmethod
+    def decode(value: bytes) -> Optional["Mark"]:
+        """The mark in ``value``; None for a rank that has finished, or a value that is no mark."""
+        parts = value.decode("utf-8", "replace").split(" ", 2)
+        try:
+            return Mark(int(parts[0]), float(parts[1]), parts[2] if len(parts) > 2 else None)
+        except (ValueError, IndexError):
+            return None
+
+    @property
+    def place(self) -> str:
+        return self.where if self.where is not None else "start-up (before its first step)"
+
+
+def furthest_behind(marks: Mapping[int, Optional[Mark]]) -> list[int]:
+    """The ranks with the fewest marks, when the ranks do not all have the same number (finished
+    ranks and unknown marks aside): the stuck ones, which the others have gone past to wait for them
+    in a collective."""
+    known = {rank: mark.progress for rank, mark in marks.items() if mark is not None}
+    if len(set(known.values())) < 2:
+        return []
+    lowest = min(known.values())
+    return sorted(rank for rank, progress in known.items() if progress == lowest)
+
+
+def _ranks_text(ranks: Sequence[int], most: int = 16) -> str:
+    """A list of ranks for a line: all of them, or the first ``most`` and how many in all."""
+    ranks = list(ranks)
+    return str(ranks) if len(ranks) <= most else f"{str(ranks[:most])[:-1]}, ...] ({len(ranks)} ranks)"
+
+
+def stuck_text(stuck: Sequence[int], marks: Mapping[int, Optional[Mark]], ended: Iterable[int] = ()) -> str:
+    """The part of a line that names stuck ranks and where each is, grouped by place: alive (the
+    heartbeat moves), unlike a lost rank; ``ended``: ranks whose own watchdog has ended them since."""
+    ended, groups = set(ended), {}
+    for rank in stuck:
+        mark = marks.get(rank)
+        groups.setdefault((mark.place if mark else None, rank in ended), []).append(rank)
+    parts = []
+    for (place, gone), ranks in groups.items():
+        ages = [marks[rank].age_s for rank in ranks if marks.get(rank)]
+        where = (f" in {place}" if place else "") + (f" for {max(ages):.0f} s" if ages and not gone else "")
+        one = len(ranks) == 1
+        who = f"rank {ranks[0]} is" if one else f"ranks {_ranks_text(ranks)} are"
+        why = ("its own watchdog has ended it" if one else "their own watchdogs have ended them") if gone else (
+            "alive: its heartbeat moves" if one else "alive: their heartbeats move")
+        parts.append(f"{who} stuck{where} ({why})")
+    return "; ".join(parts)
 
 
 class Liveness:
@@ -273,7 +355,9 @@ class Liveness:
     whose node is gone) stops counting. Every rank also appends its number to one registry key
     when it starts, so a single ``get`` tells who came up at all. A poll is thus a constant number
     of store round trips whatever the world size (the store still sends one count per rank: a few
-    KB at 512 ranks). A rank that leaves cleanly writes ``done`` instead of a count.
+    KB at 512 ranks). A rank that leaves cleanly writes ``done`` instead of a count. With each count,
+    in the same ``multi_set``, the rank writes its ``Mark`` (how many marks it made, how long ago the
+    last one was, its text) under a second key that no poll reads: only a diagnosis does, once.
 
     Another thread watches, and ends the process (exit status 1) after one line naming the lost
     ranks, so that the launcher ends the others, in two cases:
@@ -287,7 +371,10 @@ class Liveness:
     - this rank, armed by its first ``mark_progress`` (start-up work such as listing and checking
       the files can take long and is not judged), has made no progress for ``limit_s``: it is stuck
       in a collective although every heartbeat moves (a rank stuck, not lost). The watchdog then
-      reads everyone's counts twice, a few beats apart, and names the ranks whose count did not move.
+      reads everyone's counts twice, a few beats apart, and names the ranks whose count did not move
+      (lost); then everyone's marks, once, and names the ranks furthest behind (``furthest_behind``)
+      and where they are: stuck outside a collective (a data loader, a hang in Python) while the
+      others wait for them in the next one. When this rank is the one behind, it says so.
 
     Under ``srun`` the store lives in rank 0: if it does not answer, the line says rank 0 is the
     likely loss. Store calls can block when the store's host is frozen, so none of them is made by
@@ -306,10 +393,13 @@ class Liveness:
         self.store.set_timeout(datetime.timedelta(seconds=self.store_timeout_s))
         prefix = f"gradientflow/alive/{_generation()}/"
         self.keys = [f"{prefix}{rank}" for rank in range(world.world_size)]
+        self.mark_keys = [f"gradientflow/mark/{_generation()}/{rank}" for rank in range(world.world_size)]
         self.registry = prefix + "registered"
         self.where: Optional[str] = None  # unarmed until the first mark_progress
         self.since = time.monotonic()
+        self.progress = 0  # marks made (mark_progress with a place): the same sequence on every rank
         self.finishing = False  # mark_progress(None): the others may leave; judge nobody any more
+        self.judging = False  # the watchdog is reading the store to say why this rank stalled
         self.fired = threading.Event()
         self._count = 0
         self._registered: list[int] = []
@@ -334,8 +424,22 @@ class Liveness:
     def window_s(self) -> float:
         return 2 * self.beat_s + 0.5
 
+    def mark(self, where: Optional[str]) -> None:
+        """``mark_progress``: this rank is at ``where`` (None: past its last collective)."""
+        self.where, self.since = where, time.monotonic()
+        if where is None:
+            self.finishing = True
+        else:
+            self.progress += 1
+
+    def published_mark(self) -> bytes:
+        """What this rank's heartbeat publishes as its mark."""
+        if self.finishing:
+            return FINISHED
+        return Mark(self.progress, time.monotonic() - self.since, self.where).encode().encode()
+
     def start(self) -> None:
-        self._beat()  # the key exists before this rank is registered (multi_get waits for keys)
+        self._beat()  # the keys exist before this rank is registered (multi_get waits for keys)
         self.store.append(self.registry, f"{self.world.rank},")
         self._last_read = time.monotonic()
         for thread in self._threads:
@@ -352,7 +456,9 @@ class Liveness:
                 if self.fired.is_set():
                     return False
                 self._count += 1
-                self.store.set(self.keys[self.world.rank], str(self._count))
+                rank = self.world.rank  # the count and the mark in one round trip
+                self.store.multi_set([self.keys[rank], self.mark_keys[rank]],
+                                     [str(self._count).encode(), self.published_mark()])
             return True
         except Exception:  # noqa: BLE001 - the store is gone; judged only when we are stuck
             return False
@@ -411,7 +517,9 @@ class Liveness:
             elif lost:
                 message = self.diagnose(stalled, silent=lost, silent_for_s=self.lost_after_s)
             elif self.where is not None and stalled > self.limit_s:
-                message = self.diagnose(stalled, self.silent_ranks())
+                self.judging = True  # seconds of reads: a collective that breaks meanwhile must wait
+                silent = self.silent_ranks()
+                message = self.diagnose(stalled, silent, marks=self._marks_of_the_others(silent))
             else:
                 continue
             self.fired.set()
@@ -458,20 +566,90 @@ class Liveness:
         reader.join(timeout=self.window_s + 3 * self.store_timeout_s)
         return result[0] if result else None
 
-    def diagnose(self, stalled_s: float, silent: Optional[list[int]],
-                 silent_for_s: Optional[float] = None) -> str:
-        """The line the watchdog prints: who is lost (``silent``: ranks whose heartbeat stopped,
-        None when the store does not answer), where this rank is and for how long."""
+    def marks(self, ranks: Sequence[int], store: Optional[dist.Store] = None
+              ) -> dict[int, tuple[Optional[Mark], bytes]]:
+        """Where each of ``ranks`` is, with its heartbeat's value (a count, or why it left): one
+        ``multi_get``, whatever the number of ranks. Blocks on the store: callers bound it."""
+        ranks = list(ranks)
+        if not ranks:
+            return {}
+        values = (store or self.store).multi_get([self.keys[rank] for rank in ranks]
+                                                 + [self.mark_keys[rank] for rank in ranks])
+        return {rank: (Mark.decode(values[len(ranks) + index]), values[index]) for index, rank in enumerate(ranks)}
+
+    def _marks_of_the_others(self, silent: Optional[list[int]]) -> Optional[dict[int, tuple[Optional[Mark], bytes]]]:
+        """``marks`` of the registered ranks that are not ``silent`` (lost), from a helper thread
+        (the store may be frozen); None when the store does not answer in time."""
         if silent is None:
-            who = "the rendezvous store is unreachable: rank 0 (which hosts it) is probably lost"
+            return None
+        others = [rank for rank in self._registered if rank != self.world.rank and rank not in silent]
+        result: list = []
+        reader = threading.Thread(target=lambda: result.append(self.marks(others)), daemon=True)
+        reader.start()
+        reader.join(timeout=self.store_timeout_s + 1)
+        return result[0] if result else None
+
+    def diagnose(self, stalled_s: float, silent: Optional[list[int]], silent_for_s: Optional[float] = None,
+                 marks: Optional[Mapping[int, tuple[Optional[Mark], bytes]]] = None) -> str:
+        """The line the watchdog prints: who is lost (``silent``: ranks whose heartbeat stopped,
+        None when the store does not answer), who is stuck (given the others' ``marks``: the ranks
+        furthest behind, alive; this rank itself, if it is one of them), where this rank is and for
+        how long."""
+        me, parts = self.world.rank, []
+        if silent is None:
+            parts.append("the rendezvous store is unreachable: rank 0 (which hosts it) is probably lost")
         elif silent:
-            who = f"lost rank(s) {silent} (no heartbeat for {silent_for_s or self.window_s:.0f} s)"
-        else:
-            who = "every rank is still alive (a rank is stuck, not lost)"
+            parts.append(f"lost rank(s) {silent} (no heartbeat for {silent_for_s or self.window_s:.0f} s)")
+        stuck, known, left, ended = [], {}, set(), set()
+        if marks is not None and self.where is not None:
+            known = {rank: mark for rank, (mark, _) in marks.items()}
+            known[me] = Mark(self.progress, stalled_s, self.where)
+            left = {rank for rank, (_, value) in marks.items() if value in LEFT}
+            ended = {rank for rank, (_, value) in marks.items() if value == STOPPED}
+            stuck = furthest_behind(known)
+        if me in stuck:
+            ahead = [rank for rank, mark in known.items() if mark is not None and mark.progress > self.progress]
+            front = max(ahead, key=lambda rank: known[rank].progress)
+            waiting = " and wait for it" if not left.intersection(ahead) else ""
+            parts.append(f"this rank is stuck in {self.where} for {stalled_s:.0f} s (alive: its heartbeat "
+                         f"moves; watchdog after {self.limit_s:.0f} s): the other {len(ahead)} rank(s) have "
+                         f"gone on to {known[front].place}{waiting}")
+            return f"rank {me}: " + "; ".join(parts)
+        if stuck:
+            parts.append(stuck_text(stuck, known, ended))
+        who = "; ".join(parts) or "every rank is still alive (a rank is stuck, not lost)"
         if self.where is None:
-            return f"rank {self.world.rank}: {who}; before the first step: ending this rank"
-        return (f"rank {self.world.rank}: {who}; no progress for {stalled_s:.0f} s in {self.where} "
-                f"(watchdog after {self.limit_s:.0f} s): a collective waits for a rank that is gone")
+            return f"rank {me}: {who}; before the first step: ending this rank"
+        waits = ("a collective waits for a rank that is gone" if not stuck else
+                 "this rank waits in a collective for the stuck rank(s)" if silent == [] else
+                 "a collective waits for ranks that are gone or stuck")
+        return (f"rank {me}: {who}; no progress for {stalled_s:.0f} s in {self.where} "
+                f"(watchdog after {self.limit_s:.0f} s): {waits}")
+
+    def stuck_among(self, missing: Sequence[int], before: Mapping[int, bytes], until: float,
+                    store: dist.Store) -> dict[int, tuple[Optional[Mark], bytes]]:
+        """Of the ``missing`` ranks (they did not answer after a collective failed), those alive:
+        whose count moved after ``before`` was read (after the failure, so a rank that died in it
+        cannot have written since), and those that its own watchdog had already ended (``STOPPED``:
+        a stuck rank's own watchdog can speak first, and its exit is what broke the collective);
+        ``marks`` of them. Polls their counts (one ``multi_get`` a poll) until each has moved or
+        ``until``: a live rank beats every ``beat_s``, so ``before`` plus ``window_s`` (two beats)
+        tells a stopped heartbeat from a moving one, as ``silent_ranks`` does."""
+        moved = [rank for rank in missing if before.get(rank) == STOPPED]
+        pending = [rank for rank in missing if rank in before and rank not in moved]
+        while pending:
+            values = store.multi_get([self.keys[rank] for rank in pending])
+            moved += [rank for rank, value in zip(pending, values) if value != before[rank]]
+            pending = [rank for rank in pending if rank not in moved]
+            if not pending or time.monotonic() >= until:
+                break
+            time.sleep(max(0.1, self.beat_s / 4))
+        return self.marks(sorted(moved), store)
+
+    def counts(self, store: dist.Store) -> dict[int, bytes]:
+        """Every registered rank's heartbeat value now (two store calls, whatever the world size)."""
+        registered = sorted({int(rank) for rank in store.get(self.registry).decode().split(",") if rank})
+        return dict(zip(registered, store.multi_get([self.keys[rank] for rank in registered])))
 
 
 def flight_recorder_file(rank: int) -> str:
@@ -588,13 +766,11 @@ def unresponsive_ranks(world: World, wait_s: float = LOST_RANK_WAIT_S,
                        store: Optional[dist.Store] = None) -> Optional[list[int]]:
     """After a collective failed: which ranks are gone? Every surviving rank appends its number to
     one key of the rendezvous store and waits ``wait_s`` for the others, reading that key back (one
-    ``get`` per poll, whatever the world size); ranks that never appear are lost (or stuck). None
-    when the store itself is unreachable: it lives in rank 0 (or in torchrun's agent), so then
-    rank 0 is the likely loss."""
+    ``get`` per poll, whatever the world size); ranks that never appear are lost (or stuck: alive
+    outside the collective; ``diagnose_failure`` tells them apart). None when the store itself is
+    unreachable: it lives in rank 0 (or in torchrun's agent), so then rank 0 is the likely loss."""
     try:
-        if store is None:
-            store = _STORE.clone() if _STORE is not None and hasattr(_STORE, "clone") else (
-                _STORE or dist.distributed_c10d._get_default_store())
+        store = _own_store() if store is None else store
         store.set_timeout(datetime.timedelta(seconds=wait_s))
         key = f"gradientflow/failed/{_generation()}"
         store.append(key, f"{world.rank},")
@@ -609,6 +785,12 @@ def unresponsive_ranks(world: World, wait_s: float = LOST_RANK_WAIT_S,
         return None
 
 
+def _own_store() -> dist.Store:
+    """A connection of this caller's own to the rendezvous store (the heartbeat thread uses another)."""
+    return _STORE.clone() if _STORE is not None and hasattr(_STORE, "clone") else (
+        _STORE or dist.distributed_c10d._get_default_store())
+
+
 def describe_failure(world: World, error: BaseException) -> str:
     """One message for a failed run: the error, and which ranks were lost if a collective broke."""
     return diagnose_failure(world, error)[0]
@@ -616,19 +798,48 @@ def describe_failure(world: World, error: BaseException) -> str:
 
 def diagnose_failure(world: World, error: BaseException) -> tuple[str, bool]:
     """``describe_failure``'s line, and whether the error is a collective that broke because ranks
-    are gone (or the store with rank 0): then the line says all there is to say, and the traceback,
-    which shows only where this rank waited, is noise repeated by every survivor."""
+    are gone (or the store with rank 0) or stuck: then the line says all there is to say, and the
+    traceback, which shows only where this rank waited, is noise repeated by every survivor.
+
+    The ranks that do not answer ``unresponsive_ranks`` are lost or stuck: a rank hung outside the
+    collective (a data loader, a hang in Python) makes the others' collective time out, and never
+    answers either. Its heartbeat tells: the counts of every rank are read when the diagnosis starts
+    (after the failure), and a missing rank whose count moves since, within two beats, is alive:
+    stuck, named with its mark (``Mark``: where it is and for how long); one whose count does not
+    move is lost. The two waits overlap, so the line comes after the longer of them."""
     first = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
     if world.world_size == 1 or not dist.is_initialized() or not _is_collective_failure(error):
         return f"rank {world.rank}: {first}", False
-    lost = unresponsive_ranks(world, LOST_RANK_WAIT_S)
+    if _watchdog_speaks():  # one line per rank: the watchdog's (a stuck peer that ended broke this one)
+        wait_for_watchdog()
+    liveness, store, before, started = _LIVENESS, None, None, time.monotonic()
+    if liveness is not None and not liveness.finishing:
+        try:
+            store = _own_store()
+            store.set_timeout(datetime.timedelta(seconds=LOST_RANK_WAIT_S))  # a frozen store: as long as
+            before = liveness.counts(store)  # the roll call below would wait for it
+        except Exception:  # noqa: BLE001 - no heartbeats to read: the ranks that do not answer are lost
+            store = None
+    lost = unresponsive_ranks(world, LOST_RANK_WAIT_S, store=store)
+    stuck: dict[int, tuple[Optional[Mark], bytes]] = {}
+    if lost and before is not None:
+        try:
+            store.set_timeout(datetime.timedelta(seconds=liveness.store_timeout_s))
+            stuck = liveness.stuck_among(lost, before, started + liveness.window_s, store)
+        except Exception:  # noqa: BLE001 - the store went with a rank: what it answered stands
+            stuck = {}
+        lost = [rank for rank in lost if rank not in stuck]
     if lost is None:
         who = "the rendezvous store is unreachable: rank 0 (which hosts it) is probably lost"
-    elif lost:
-        who = f"lost rank(s) {lost} (no answer within {LOST_RANK_WAIT_S:.0f} s)"
     else:
-        who = "every rank is still alive"
-    return f"rank {world.rank}: {who}; a collective failed: {first}", lost != []
+        parts = [f"lost rank(s) {lost} (no answer within {LOST_RANK_WAIT_S:.0f} s)"] if lost else []
+        if stuck:
+            parts.append(stuck_text(sorted(stuck), {rank: mark for rank, (mark, _) in stuck.items()},
+                                    [rank for rank, (_, value) in stuck.items() if value == STOPPED]))
+        who = "; ".join(parts) or "every rank is still alive"
+    if _watchdog_speaks():  # it began while this diagnosis waited
+        wait_for_watchdog()
+    return f"rank {world.rank}: {who}; a collective failed: {first}", lost is None or bool(lost or stuck)
 
 
 def _is_collective_failure(error: BaseException) -> bool:
