@@ -9,6 +9,10 @@
 # Before the time limit Slurm sends SIGUSR1; the ranks agree to stop after the same step, write a
 # checkpoint and the job requeues itself; the restarted job resumes in the same run directory
 # (results/runs/alexnet_512gpu/slurm-JOBID) and the same wandb run. Logs: slurm/logs/.
+# The time limit's own SIGTERM, arriving while they save, does not undo the requeue. Requeues are
+# bounded (slurm/launch.sh): at most MAX_REQUEUES restarts per job (default 20), and none after 2
+# requeues in a row that found no newer checkpoint; the job then fails with one line naming the
+# step to resume from.
 #
 # ---- cluster settings: what an admin edits ----------------------------------------------------
 #SBATCH --job-name=gf-alexnet-512
@@ -44,6 +48,7 @@ export DATA=${DATA:-/datasets/imagenet}   # ImageNet with train/ and val/ class 
 export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
 # export SLURM_CPU_BIND=cores          # srun's --cpu-bind=cores (see the binding note above)
+# export MAX_REQUEUES=20              # restarts per job before launch.sh stops requeueing it
 # ------------------------------------------------------------------------------------------------
 
 EXPERIMENT=alexnet_512gpu

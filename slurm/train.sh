@@ -5,7 +5,8 @@
 #   sbatch --nodes=4 slurm/train.sh alexnet_512gpu comm=lazy
 #   sbatch --gpus-per-node=0 --ntasks-per-node=4 --cpus-per-task=1 slurm/train.sh digits_cpu
 #
-# Preemption, requeue and the run directory work as in slurm/alexnet_512gpu.sh.
+# Preemption, requeue (and its bounds: MAX_REQUEUES) and the run directory work as in
+# slurm/alexnet_512gpu.sh.
 #
 # ---- cluster settings: what an admin edits ----------------------------------------------------
 #SBATCH --job-name=gf-train
@@ -41,6 +42,7 @@ ENV_VENV=${ENV_VENV:-.venv}           # otherwise this virtualenv ('make venv')
 export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
 # export SLURM_CPU_BIND=cores          # srun's --cpu-bind=cores (see the binding note above)
+# export MAX_REQUEUES=20              # restarts per job before launch.sh stops requeueing it
 # ------------------------------------------------------------------------------------------------
 
 if [ $# -lt 1 ] || [ ! -f "${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-.}}/configs/experiment/$1.yaml" ]; then

@@ -70,13 +70,6 @@ def _sbatch(env: dict[str, str], options: list[str], overrides: list[str],
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _job_state(env: dict[str, str], job: str) -> str:
-    shown = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True,
-                           timeout=30).stdout
-    state = re.search(r"JobState=(\S+)", shown)
-    return state.group(1) if state else "UNKNOWN"
-
-
 def _slurm_diagnostics(env: dict[str, str], job: str) -> str:
     """What Slurm knows about a job that ended unexpectedly: its record and the daemons' log tails."""
     shown = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True,
@@ -135,11 +128,8 @@ def test_preempted_job_checkpoints_requeues_and_finishes_like_an_uninterrupted_r
     while time.monotonic() < deadline and '"step": 4,' not in (metrics.read_text() if metrics.exists() else ""):
         time.sleep(0.1)
     subprocess.run(["scancel", "--signal=USR1", job], env=slurm, check=True, timeout=30)
-    state = _job_state(slurm, job)
     # The requeued job is held for cred_expire (10 s in the local Slurm), then restarts by itself.
-    while time.monotonic() < deadline and state not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
-        time.sleep(0.5)
-        state = _job_state(slurm, job)
+    state = _ended(slurm, job, deadline - time.monotonic())
     output = log.read_text()
     assert state == "COMPLETED", f"job {job} ended {state}:\n{output[-4000:]}\n{_slurm_diagnostics(slurm, job)}"
     assert "stopped by SIGUSR1" in output and "requeueing" in output, output[-4000:]
@@ -308,3 +298,253 @@ def test_task_wrapper_takes_a_stop_by_sigterm_for_no_crash() -> None:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode == 143 and err.strip() == "", err
+
+
+# --- slurm/launch.sh: requeue bounds, stop signals, the rendezvous port ----------------------------
+
+def _launch_functions(*names: str) -> str:
+    """The named shell functions of slurm/launch.sh, as text to run in bash (the script itself starts
+    a job when sourced)."""
+    text = (REPO / "slurm" / "launch.sh").read_text()
+    found = []
+    for name in names:
+        function = re.search(rf"^{name}\(\) \{{\n.*?^\}}\n", text, re.M | re.S)
+        assert function, f"slurm/launch.sh defines no {name}()"
+        found.append(function.group(0))
+    constants = re.findall(r"^STALLED_MAX=\d+", text, re.M)
+    return "\n".join([*constants, *found])
+
+
+def _bash(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", "set -uo pipefail\n" + script, "bash", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+@pytest.mark.parametrize("range_line, start", [
+    (None, _ephemeral_start()),  # this machine's range, read as a job reads it
+    ("32768\t60999", 32768),     # Linux's default
+    ("15000 64000", 15000),      # a range starting low: the ports go lower too
+    ("49152 65535", 49152),      # IANA's
+    ("", 32768),                 # unreadable: Linux's default assumed
+])
+def test_master_port_is_below_the_ephemeral_range_and_follows_the_job_id(tmp_path: Path, range_line: str | None,
+                                                                        start: int) -> None:
+    """The rendezvous port of slurm/launch.sh: above 1024 and below where the kernel picks the local
+    ports of outgoing connections, for job ids small and large; the same for a requeued job (same
+    id), different for jobs submitted one after another (which may share a node)."""
+    range_file = tmp_path / "ip_local_port_range"
+    if range_line is not None:
+        range_file.write_text(range_line + "\n")
+    ids = [*range(1, 4001), *range(99_990, 100_010), 2**31 - 1, 4_294_967_294]
+    script = _launch_functions("master_port") + '\nfor id in "${@:2}"; do master_port "$id" $1; done'
+    where = str(range_file) if range_line is not None else ""
+    result = _bash(script, where, *map(str, ids))
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    ports = [int(p) for p in result.stdout.split()]
+    assert len(ports) == len(ids)
+    outside = {i: p for i, p in zip(ids, ports) if not 1024 < p < start}
+    assert not outside, f"ports inside the ephemeral range from {start} or below 1025: {list(outside.items())[:5]}"
+    assert all(a != b for a, b in zip(ports, ports[1:])), "neighbouring job ids share a port"
+    again = _bash(script, where, "3999", "3999")  # a requeued job: the same id
+    assert again.stdout.split() == [str(ports[3998])] * 2
+
+
+def _checkpoint(run_dir: Path, step: int, complete: bool = True, suffix: str = "") -> None:
+    path = run_dir / "checkpoints" / f"step_{step:09d}{suffix}"
+    path.mkdir(parents=True)
+    if complete:
+        (path / "manifest.json").write_text("{}")
+
+
+def test_requeue_bounds_stop_a_job_that_makes_no_progress_or_restarts_too_often(tmp_path: Path) -> None:
+    """slurm/launch.sh's decision before each 'scontrol requeue' (no Slurm needed): requeue while a
+    newer checkpoint appears; after 2 requeues in a row without one, or once the job has restarted
+    MAX_REQUEUES times, refuse with one line naming the step to resume from."""
+    run = tmp_path / "run"
+    _checkpoint(run, 10)
+    _checkpoint(run, 20, complete=False)       # a checkpoint being written: no manifest yet
+    _checkpoint(run, 30, suffix=".tmp")        # an interrupted one
+    script = _launch_functions("newest_checkpoint_step", "may_requeue") + '\nmay_requeue "$@"'
+
+    def decide(job: str, restarts: int, max_requeues: int = 20) -> subprocess.CompletedProcess:
+        return _bash(script, str(run), job, str(restarts), str(max_requeues))
+
+    newest = _bash(_launch_functions("newest_checkpoint_step") + '\nnewest_checkpoint_step "$1"', str(run))
+    assert newest.stdout.strip() == "10"
+    assert _bash(_launch_functions("newest_checkpoint_step") + '\nnewest_checkpoint_step "$1"',
+                 str(tmp_path / "empty")).stdout.strip() == "-1"
+
+    first = decide("7", 0)
+    assert first.returncode == 0 and first.stderr == "", first.stderr
+    assert "step=10\nstalled=0" in (run / "requeue.state").read_text()
+    assert decide("7", 1).returncode == 0               # no newer checkpoint: once is allowed
+    stuck = decide("7", 2)
+    assert stuck.returncode == 1
+    lines = stuck.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: job 7: not requeued: no checkpoint newer than step 10"), lines
+    assert f"resubmit with run_dir={run} to resume from step 10" in lines[0]
+
+    _checkpoint(run, 40)                                # progress: the count starts again
+    assert decide("7", 3).returncode == 0
+    assert "step=40\nstalled=0" in (run / "requeue.state").read_text()
+    assert decide("7", 4).returncode == 0
+    # a new job resumed in the same directory counts its own requeues without progress
+    assert decide("8", 0).returncode == 0
+
+    _checkpoint(run, 50)
+    bounded = decide("8", 5, max_requeues=5)
+    assert bounded.returncode == 1
+    lines = bounded.stderr.strip().splitlines()
+    assert len(lines) == 1 and "restarted 5 times (MAX_REQUEUES=5)" in lines[0] and "step 50" in lines[0], lines
+
+
+def _stand_in_trainer(tmp_path: Path, behaviour: str) -> dict[str, str]:
+    """Environment variables under which the templates run ``behaviour`` (Python) in place of the
+    trainer: slurm/launch.sh runs ``python -m gradientflow_repro.train ... run_dir=...`` from the
+    environment it activates (ENV_VENV), here one whose ``python`` is this script. ``behaviour``
+    sees ``run_dir``, ``rank``, ``restart`` (SLURM_RESTART_COUNT) and ``checkpoint(step)``, which
+    writes a complete checkpoint directory as the trainer does. For the tests about launch.sh:
+    seconds where a real run takes a minute, and a stop-save as long as the test needs."""
+    import sys
+    import textwrap
+
+    venv = tmp_path / "stand-in-env"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text(f'export PATH="{venv / "bin"}:$PATH"\n')
+    trainer = venv / "bin" / "python"
+    trainer.write_text(f"#!{sys.executable}\n" + textwrap.dedent("""\
+        import os, signal, sys, time
+        from pathlib import Path
+        run_dir = Path(next(a for a in sys.argv if a.startswith("run_dir=")).split("=", 1)[1])
+        rank, restart = int(os.environ["SLURM_PROCID"]), int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+
+        def checkpoint(step):
+            path = run_dir / "checkpoints" / f"step_{step:09d}"
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "manifest.json").write_text("{}")
+        """) + textwrap.dedent(behaviour))
+    trainer.chmod(0o755)
+    return {"ENV_VENV": str(venv), "ENV_CONDA": ""}
+
+
+def _wait_for(condition, what: str, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {seconds:.0f} s"
+        time.sleep(0.1)
+
+
+def _ended(env: dict[str, str], job: str, seconds: float) -> str:
+    """The job's state once it has ended, through its requeues, or the last one seen at the deadline.
+
+    A requeued job is held for cred_expire (10 s in the local Slurm), and then waits for the
+    scheduler's next pass over held jobs (backfill's, up to 30 s later). Once its EligibleTime has
+    passed, a job update (its comment) makes the scheduler run at once: the job starts when its hold
+    ends, as under a scheduler that passes often, not earlier (an earlier start fails it: "Job
+    credential revoked")."""
+    import datetime
+
+    deadline = time.monotonic() + seconds
+    while True:
+        shown = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True,
+                               timeout=30).stdout
+        state = re.search(r"JobState=(\S+)", shown)
+        state = state.group(1) if state else "UNKNOWN"
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") or time.monotonic() > deadline:
+            return state
+        eligible = re.search(r"EligibleTime=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)", shown)
+        if state == "PENDING" and eligible and datetime.datetime.now() > (
+                datetime.datetime.fromisoformat(eligible.group(1)) + datetime.timedelta(seconds=1)):
+            subprocess.run(["scontrol", "update", f"JobId={job}", "Comment=eligible"], env=env,
+                           capture_output=True, timeout=30)
+        time.sleep(0.5)
+
+
+def test_sigterm_during_the_stop_save_still_requeues_and_reaches_the_ranks(slurm, tmp_path: Path) -> None:
+    """The preemption warning came, the ranks agreed to stop and save, and a SIGTERM reaches the
+    batch script while they save (the time limit sends one to it). Here it is sent to that shell
+    alone (scancel --batch), so the ranks hear of it only if the script passes it on. The script
+    survives it, passes it on (the trainer's handler must see it), waits for the ranks' status (75:
+    the agreed requeue stands), requeues, and the job resumes in the same run directory."""
+    run, log = tmp_path / "run", tmp_path / "job.out"
+    env = {**slurm, **_stand_in_trainer(tmp_path, """\
+        if restart:
+            print(f"rank {rank}: resumed", flush=True)
+            sys.exit(0)
+        received = []
+        for signum in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(signum, lambda signum, frame: received.append(signum))
+        (run_dir / f"ready{rank}").touch()
+        while signal.SIGUSR1 not in received:
+            time.sleep(0.05)
+        (run_dir / f"saving{rank}").touch()  # the agreed stop: a SIGTERM from now on changes nothing
+        deadline = time.monotonic() + 20  # the save lasts until the SIGTERM came (or 20 s)
+        while signal.SIGTERM not in received and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        if rank == 0:
+            checkpoint(7)
+        print(f"rank {rank}: {'SIGTERM' if signal.SIGTERM in received else 'no SIGTERM'} during the save",
+              flush=True)
+        sys.exit(75)
+        """)}
+    submitted = _sbatch(env, ["--nodes=1", "--ntasks-per-node=2", *SCALED_DOWN, f"--output={log}"],
+                        [f"run_dir={run}"])
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    try:
+        _wait_for(lambda: (run / "ready0").exists() and (run / "ready1").exists(), "ranks ready")
+        subprocess.run(["scancel", "--signal=USR1", job], env=slurm, check=True, timeout=30)
+        _wait_for(lambda: (run / "saving0").exists() and (run / "saving1").exists(), "stop-save")
+        subprocess.run(["scancel", "--signal=TERM", "--batch", job], env=slurm, check=True, timeout=30)
+        state = _ended(slurm, job, 60)
+    finally:
+        subprocess.run(["scancel", job], env=slurm, timeout=30)
+    output = log.read_text() if log.exists() else ""
+    assert state == "COMPLETED", f"job {job} ended {state}:\n{output[-4000:]}\n{_slurm_diagnostics(slurm, job)}"
+    assert re.search(rf"^job {job}: SIGTERM to the batch script .*passing SIGTERM on to the ranks", output,
+                     re.M), output[-3000:]
+    assert "rank 0: SIGTERM during the save" in output and "rank 1: SIGTERM during the save" in output, output[-3000:]
+    assert re.search(rf"^job {job}: checkpointed after a preemption warning .*requeueing", output, re.M), output
+    starts = re.findall(rf"^job {job} \(restart (\d)\) .* run_dir (\S+)$", output, re.M)
+    assert starts == [("0", str(run)), ("1", str(run))], output[-3000:]
+    assert "rank 0: resumed" in output and not re.search(r"^error", output, re.M), output[-3000:]
+    assert "step=7" in (run / "requeue.state").read_text()
+
+
+def test_a_job_whose_runs_make_no_progress_stops_requeueing(slurm, tmp_path: Path) -> None:
+    """Every run asks for a requeue (exit 75) without a checkpoint newer than the first one: after
+    two such requeues in a row the job is not requeued again, fails, and says so in one line naming
+    the step to resume from."""
+    run, log = tmp_path / "run", tmp_path / "job.out"
+    env = {**slurm, **_stand_in_trainer(tmp_path, """\
+        if restart == 0 and rank == 0:
+            checkpoint(5)
+        print(f"rank {rank}: asking for a requeue", flush=True)
+        sys.exit(75)
+        """)}
+    submitted = _sbatch(env, ["--nodes=1", "--ntasks-per-node=2", *SCALED_DOWN, f"--output={log}"],
+                        [f"run_dir={run}"])
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    try:
+        state = _ended(slurm, job, 90)
+    finally:
+        subprocess.run(["scancel", job], env=slurm, timeout=30)
+    output = log.read_text() if log.exists() else ""
+    assert state == "FAILED", f"job {job} ended {state}:\n{output[-4000:]}\n{_slurm_diagnostics(slurm, job)}"
+    assert re.findall(rf"^job {job} \(restart (\d)\)", output, re.M) == ["0", "1", "2"], output[-3000:]
+    assert output.count("requeueing") == 2, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: job {job}: not requeued: no checkpoint newer than step 5 since 2 requeues in a row"
+                      f" (the runs stop before they save anything new: see their lines above, e.g. a preemption"
+                      f" warning earlier than the start-up takes, or a checkpoint that cannot be written); fix"
+                      f" that, then resubmit with run_dir={run} to resume from step 5"], errors
