@@ -43,8 +43,9 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 class StopRequests:
     """Records stop signals; ``agreed()`` is the collective decision (0 when nobody got one)."""
 
-    def __init__(self, signals: Iterable[signal.Signals] = STOP_SIGNALS) -> None:
-        self.received: int = 0
+    def __init__(self, signals: Iterable[signal.Signals] = STOP_SIGNALS, received: int = 0) -> None:
+        """``received``: a signal that came before these handlers were installed (acted on alike)."""
+        self.received: int = received
         self.agreed_signal: int = 0
         self._previous = {}
         for signum in signals:
