@@ -4,6 +4,7 @@
 - Docstrings and comments of the code say what and why; they never carry a commit hash. A commit
   names evidence (a measurement, a result), and evidence belongs in docs/notes/ or results/, where
   it can be dated and reproduced; in the code it goes stale at the next commit.
+- Every ``torch.load`` says ``weights_only=True``: a file that unpickles code never runs it.
 """
 
 from __future__ import annotations
@@ -83,3 +84,25 @@ def test_docstrings_and_comments_are_both_read(tmp_path: Path) -> None:
                       '    return "not a docstring 5678def"  # but this comment: 9abc012\n')
     texts = [commit_hashes(text) for _, text in docstrings_and_comments(module)]
     assert sorted(word for words in texts for word in words) == ["1234abc", "97760f4", "9abc012"]
+
+
+def torch_loads_without_weights_only(path: Path) -> list[int]:
+    """The lines of ``path`` that call ``torch.load`` without ``weights_only=True``."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load" \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
+            safe = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                       for k in node.keywords)
+            if not safe:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_every_torch_load_refuses_pickled_code(tmp_path: Path) -> None:
+    found = {str(path.relative_to(REPO)): lines for path in python_files()
+             if (lines := torch_loads_without_weights_only(path))}
+    assert found == {}, f"torch.load without weights_only=True: {found}"
+    sample = tmp_path / "sample.py"
+    sample.write_text("import torch\ntorch.load('a')\ntorch.load('b', weights_only=True)\n")
+    assert torch_loads_without_weights_only(sample) == [2]

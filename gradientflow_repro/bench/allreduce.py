@@ -161,7 +161,7 @@ def bench_allreduce(out: Path, worlds: Sequence[int] = (2, 4), max_mb: int = 256
     for world in worlds:
         spawn(_measure, world, backend, max_mb, ranks_per_node, str(out.parent), budget_s, repeats, segment_kbs,
               backend=backend, timeout_s=600)
-        rows += torch.load(out.parent / f"world{world}.pt")
+        rows += torch.load(out.parent / f"world{world}.pt", weights_only=True)
         os.remove(out.parent / f"world{world}.pt")
     with open(out.with_suffix(".csv"), "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))

@@ -82,7 +82,7 @@ def bench_comm(out: Path, world: int = 4, steps: int = 3, image: int = 64,
     models = list(models)
     out.parent.mkdir(parents=True, exist_ok=True)
     spawn(_measure, world, models, steps, image, str(out.parent), timeout_s=900)
-    rows = torch.load(out.parent / "comm_rows.pt")
+    rows = torch.load(out.parent / "comm_rows.pt", weights_only=True)
     (out.parent / "comm_rows.pt").unlink()
     facts = environment_facts()
     lines = ["# Communication strategies on AlexNet and ResNet-50 gradients", "",

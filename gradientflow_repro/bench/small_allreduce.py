@@ -113,7 +113,7 @@ def bench_small(out: Path, worlds: Sequence[int] = (2, 4, 8), max_bytes: int = 4
     rows = []
     for world in worlds:
         spawn(_measure, world, str(out.parent), max_bytes, budget_s, rounds, min_calls, max_calls, timeout_s=600)
-        rows += torch.load(out.parent / f"world{world}.pt")
+        rows += torch.load(out.parent / f"world{world}.pt", weights_only=True)
         os.remove(out.parent / f"world{world}.pt")
     elapsed = time.perf_counter() - started
     facts = environment_facts()

@@ -68,20 +68,34 @@ def check_split(split_dir: Path, workers: int) -> tuple[Counter, list[tuple[str,
 
 
 def read_val_labels(label_file: Path) -> dict[str, str]:
-    """Image file stem -> wnid, from the Kaggle CSV or ``<file name> <wnid>`` lines."""
+    """Image file stem -> wnid, from the Kaggle CSV or ``<file name> <wnid>`` lines. A file name or
+    class that is not a plain name (``../``, a path, ``.``) is refused naming its line: the class
+    becomes a folder and the file is moved into it, so either could otherwise reach outside ``val/``."""
     labels: dict[str, str] = {}
     text = label_file.read_text()
     if text.startswith("ImageId"):
-        for row in csv.DictReader(text.splitlines()):
-            labels[row["ImageId"]] = row["PredictionString"].split()[0]
+        rows = [(number, row["ImageId"], (row["PredictionString"] or "").split()[:1])
+                for number, row in enumerate(csv.DictReader(text.splitlines()), 2)]
     else:
+        rows = []
         for number, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 parts = line.split()
                 if len(parts) < 2:
                     raise SystemExit(f"{label_file}:{number}: expected '<file name> <wnid>'")
-                labels[Path(parts[0]).stem] = parts[1]
+                rows.append((number, parts[0], parts[1:2]))
+    for number, name, wnid in rows:
+        for value in (name, *wnid):
+            if not _plain_name(value):
+                raise SystemExit(f"{label_file}:{number}: {value!r} is not a plain file or class name")
+        if not wnid:
+            raise SystemExit(f"{label_file}:{number}: no class for {name!r}")
+        labels[Path(name).stem] = wnid[0]
     return labels
+
+
+def _plain_name(value: str) -> bool:
+    return bool(value) and value not in (".", "..") and "/" not in value and "\\" not in value and "\0" not in value
 
 
 def arrange_val(val_dir: Path, label_file: Path) -> int:
