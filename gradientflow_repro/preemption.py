@@ -19,7 +19,8 @@ interrupt the write; the checkpoint itself is renamed into place only when compl
 Only the trainer decides. Slurm's ``--signal`` without ``B:`` (and its SIGTERM) reaches every
 process of the step, the data loaders' worker processes included, whose default action for both
 signals is to die; a dead worker ends the next batch with an error and the run with no checkpoint.
-So workers are started inside ``workers_ignore_stop_signals()`` and run ``ignore_stop_signals``.
+So workers are started inside ``workers_ignore_stop_signals()`` and run ``ignore_stop_signals``;
+where a fork server forks them (the torchvision loader's), the server is started inside the block.
 """
 
 from __future__ import annotations
@@ -90,35 +91,51 @@ class StopRequests:
 
 def ignore_stop_signals(*_: object) -> None:
     """In a data worker process, first thing: the stop signals no longer end it, except a SIGTERM
-    from its parent (the trainer's ``Process.terminate()``, the loaders' and ``multiprocessing``'s
-    last resort at shutdown: a worker deaf to it would hang the trainer's exit in ``join()``).
+    from the process that started it (the trainer's ``Process.terminate()``, the loaders' and
+    ``multiprocessing``'s last resort at shutdown: a worker deaf to it would hang the trainer's exit
+    in ``join()``).
 
     SIGUSR1 is ignored (``SIG_IGN``). SIGTERM stays blocked in every thread (as the worker was born,
     ``workers_ignore_stop_signals``; blocked here too for this thread and the threads it starts),
-    and a daemon thread takes each one with ``sigwaitinfo``, which says who sent it: the parent's
-    ends the worker (exit status 0, as PyTorch's own worker handler does: the DataLoader, watching its
-    workers with a SIGCHLD handler, reports any other status as a crash), anyone else's is dropped.
+    and a daemon thread takes each one with ``sigwaitinfo``, which says who sent it: the starter's
+    ends the worker (exit status 0, as PyTorch's own worker handler does: the DataLoader reports any
+    other status as a crash), anyone else's is dropped. The starter is the trainer: the worker's
+    parent, or, for a worker forked by a fork server (the server is its parent), the process that
+    asked the server for it (``multiprocessing.parent_process()``); a SIGTERM from the parent is
+    taken too. Such a worker also ends when the trainer is gone (a second daemon thread waits on the
+    trainer's end of a pipe): the DataLoader's own check in the worker watches the parent, which is
+    the server, and the server lives as long as any of its workers, so both would be left behind.
     Takes and ignores arguments, so that it serves as a DataLoader ``worker_init_fn``; must run in
     the worker's main thread (Python sets dispositions there only)."""
+    from multiprocessing import parent_process
+
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     if not hasattr(signal, "sigwaitinfo"):  # no sender to tell (not Linux): ignore both
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
-    parent = os.getppid()
+    parent, starter = os.getppid(), parent_process()  # starter: None in DALI's workers at this point
+    senders = {parent} if starter is None else {parent, starter.pid}
 
-    def end_when_the_parent_asks() -> None:
-        while signal.sigwaitinfo([signal.SIGTERM]).si_pid != parent:
+    def end_when_the_starter_asks() -> None:
+        while signal.sigwaitinfo([signal.SIGTERM]).si_pid not in senders:
             pass
         os._exit(0)
 
-    threading.Thread(target=end_when_the_parent_asks, name="stop-signals", daemon=True).start()
+    threading.Thread(target=end_when_the_starter_asks, name="stop-signals", daemon=True).start()
+    if starter is not None and starter.pid != parent:
+        def end_with_the_starter() -> None:
+            starter.join()  # returns when the trainer's end of the pipe closes: it has exited
+            os._exit(0)
+
+        threading.Thread(target=end_with_the_starter, name="starter-watch", daemon=True).start()
 
 
 @contextmanager
-def workers_ignore_stop_signals() -> Iterator[None]:
+def workers_ignore_stop_signals(processes: bool = False) -> Iterator[None]:
     """Start data worker processes inside this block: they are born deaf to the stop signals, and
-    the trainer still gets every one of them.
+    the trainer still gets every one of them. ``processes``: whether the block starts processes
+    through ``multiprocessing`` (DALI's reader workers, a DataLoader's, a fork server); see below.
 
     How: the calling thread blocks SIGUSR1 and SIGTERM (``pthread_sigmask``) for the duration. A
     child inherits its parent thread's signal mask through fork and keeps it through exec, so the
@@ -139,11 +156,28 @@ def workers_ignore_stop_signals() -> Iterator[None]:
     block (DALI's, the DataLoader's pin-memory thread) keep both blocked, which only steers the
     signals to other threads.
 
-    Not covered: workers forked by a ``forkserver`` started outside the block do not inherit the
-    mask; only ``ignore_stop_signals`` protects them, once it runs.
+    Workers forked by a fork server (multiprocessing's ``forkserver``: the torchvision loader's, so
+    that none is a fork of the threaded trainer) inherit the server's mask, not the trainer's: the
+    server is started inside the block (``data.folder.start_fork_server``; fork and exec, so it
+    keeps the mask) and keeps both signals blocked for its whole life, so its workers are born with
+    them blocked whenever they start (and a signal sent to the server waits, harmless: it exits when
+    the trainer and its workers are gone). Not covered: a fork server that other code of the same
+    process started outside the block (none in the trainer) forks workers with the signals
+    unblocked; only ``ignore_stop_signals`` protects those, once it runs.
+
+    With ``processes``, multiprocessing's resource tracker (which every such process start needs)
+    is started first, under the mask, and the mask is set again after it: starting the tracker
+    unblocks SIGINT and SIGTERM in the calling thread (CPython's guard for the tracker's own start),
+    so the first worker, or the fork server, started after it would be born with SIGTERM unblocked.
+    Born under the mask, the tracker is deaf to SIGUSR1 too (it ignores SIGTERM itself).
     """
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
+        if processes:
+            from multiprocessing import resource_tracker
+
+            resource_tracker.ensure_running()
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)

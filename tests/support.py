@@ -4,6 +4,7 @@ the communication tests' rank workers, comm_workers')."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,3 +48,15 @@ def needs_netemu() -> None:
         if os.environ.get("REQUIRE_NETEMU_TESTS") == "1":
             pytest.fail(f"REQUIRE_NETEMU_TESTS=1 but {reason}")
         pytest.skip(reason)
+
+
+def process_group(pgid: int) -> list[int]:
+    """The processes of process group ``pgid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                found.append(int(entry.name))
+        except OSError:
+            pass
+    return found

@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +21,9 @@ from gradientflow_repro.data.dali import DaliSource
 from gradientflow_repro.data.digits import build_digits
 from gradientflow_repro.data.folder import TorchvisionSource
 from gradientflow_repro.data.listing import DatasetError, ImageOptions, Listing, list_image_folder
+
+from conftest import REPO
+from support import process_group
 
 CPU = torch.device("cpu")
 
@@ -168,3 +180,207 @@ def test_reader_processes_give_the_same_batches(digits_root: Path) -> None:
     for epoch in range(2):
         pairs = zip(workers.train_batches(epoch), inline.train_batches(epoch), strict=True)
         assert all(torch.equal(x, xi) and torch.equal(y, yi) for (x, y), (xi, yi) in pairs)
+
+
+# The torchvision loader's workers, in a process of their own (the fork server is one per process:
+# the test process's is left alone). A thread runs, as gloo's do in a trainer. The script reads part
+# of an epoch with workers and without, makes two validation passes, sends one validation worker
+# the SIGTERM that Process.terminate() sends, and exits with the other still running.
+FORK_SERVER_SCENARIO = r"""
+import json, os, signal, sys, threading, time
+from pathlib import Path
+import torch
+from gradientflow_repro.data.folder import TorchvisionSource
+from gradientflow_repro.data.listing import ImageOptions, list_image_folder
+
+def children(pid):
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+def blocked(pid):
+    line = next(l for l in Path(f"/proc/{pid}/status").read_text().splitlines() if l.startswith("SigBlk:"))
+    return [s for s in (signal.SIGUSR1, signal.SIGTERM) if int(line.split()[1], 16) >> (s - 1) & 1]
+
+threading.Thread(target=threading.Event().wait, daemon=True).start()
+root = Path(sys.argv[1])
+train = list_image_folder(root / "train")
+val = list_image_folder(root / "val", train.classes)
+options = ImageOptions(image_size=32, val_resize=32, min_crop_scale=0.5, flip=True, mean=(0.0,) * 3,
+                       std=(255.0,) * 3, num_threads=1, prefetch=2)
+shard = dict(device=torch.device("cpu"), local_batch=32, global_batch=64, rank=1, world_size=2, seed=3)
+src = TorchvisionSource(train, val, options, reader_workers=2, **shard)
+inline = TorchvisionSource(train, val, options, reader_workers=0, **shard)
+epoch = src.train_batches(1)
+first = [next(epoch) for _ in range(3)]
+server = [c for c in children(os.getpid())  # started as python -c "from multiprocessing.forkserver import main; ..."
+          if any(arg.startswith(b"from multiprocessing.forkserver")
+                 for arg in Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0"))]
+train_workers = sorted(w for s in server for w in children(s))
+report = {"method": src.loader_args["multiprocessing_context"].get_start_method(), "server": server,
+          "children": children(os.getpid()), "train_workers": train_workers,
+          "server_threads": [len(os.listdir(f"/proc/{s}/task")) for s in server],
+          "blocked": {p: blocked(p) for p in server + train_workers},
+          "same_batches": all(torch.equal(x, xi) and torch.equal(y, yi)
+                              for (x, y), (xi, yi) in zip(first, inline.train_batches(1)))}
+epoch.close()
+passes, val_workers = [], []
+for _ in range(2):
+    batches = src.val_batches()
+    passes.append([next(batches)])
+    val_workers.append(sorted(w for s in server for w in children(s)))
+    passes[-1] += list(batches)
+report["val_workers"] = val_workers
+report["same_passes"] = all(torch.equal(x, xo) and torch.equal(y, yo)
+                            for (x, y), (xo, yo) in zip(passes[0], passes[1], strict=True))
+report["terminated"] = None
+for victim in [w for w in val_workers[-1] if Path(f"/proc/{w}").exists()][:1]:
+    os.kill(victim, signal.SIGTERM)  # what Process.terminate() does: the trainer's SIGTERM
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{victim}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    report["terminated"] = not Path(f"/proc/{victim}").exists()
+print(json.dumps(report), flush=True)
+"""
+
+
+def _gone(pgid: int, within_s: float) -> list[int]:
+    """What is left of process group ``pgid`` after waiting up to ``within_s`` for it to empty."""
+    deadline = time.monotonic() + within_s
+    while process_group(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return process_group(pgid)
+
+
+def _scenario(script: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_torchvision_workers_come_from_a_fork_server_and_validation_keeps_its_workers(digits_root: Path) -> None:
+    """No worker is a fork of the (threaded) training process: they are the fork server's children,
+    born with the stop signals blocked (the server too), and give the batches the training process
+    reads itself. Validation starts its workers once for every pass. A worker ends at the trainer's
+    SIGTERM (its parent is the server), and the trainer exits with one still running, leaving
+    nothing behind."""
+    job = _scenario(FORK_SERVER_SCENARIO, str(digits_root))
+    try:
+        output = job.communicate(timeout=90)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        raise AssertionError(f"no exit within 90 s:\n{job.communicate()[0][-3000:]}") from None
+    assert job.returncode == 0, output[-3000:]
+    left = _gone(job.pid, 10)
+    assert not left, f"left running after the trainer exited: {left}"
+    report = json.loads(output.strip().splitlines()[-1])
+    assert report["method"] == "forkserver", report
+    assert len(report["server"]) == 1 and report["server_threads"] == [1], report
+    assert len(report["train_workers"]) == 2, report
+    assert not set(report["train_workers"]) & set(report["children"]), report  # not the trainer's forks
+    assert all(got == [signal.SIGUSR1, signal.SIGTERM] for got in report["blocked"].values()), report
+    assert report["same_batches"], report
+    assert report["val_workers"][0] == report["val_workers"][1] and len(report["val_workers"][0]) == 2, report
+    assert not set(report["val_workers"][0]) & set(report["train_workers"]), report
+    assert report["same_passes"], report
+    assert report["terminated"], report
+
+
+# Files that deliver late or never (FIFOs: as on a file system that is slow or stopped answering).
+# Training, with the loader looking at its workers every 0.3 s: the first file of the epoch arrives
+# 1.5 s after a worker starts reading it (a thread writes a real image into it), and the batch must
+# be the one read in the process. Validation, limit 2 s: the shard's first file never delivers a
+# byte. The test then kills the script.
+STUCK_SCENARIO = r"""
+import json, os, sys, threading, time
+from pathlib import Path
+import torch
+import gradientflow_repro.data.folder as folder
+from gradientflow_repro.data.folder import LoaderError, TorchvisionSource
+from gradientflow_repro.data.listing import ImageOptions, Listing, epoch_permutation, list_image_folder
+
+root, stuck, late = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+folder.POLL_S = 0.3
+train = list_image_folder(root / "train")
+val = list_image_folder(root / "val", train.classes)
+options = ImageOptions(image_size=32, val_resize=32, min_crop_scale=0.5, flip=True, mean=(0.0,) * 3,
+                       std=(255.0,) * 3, num_threads=1, prefetch=2)
+shard = dict(device=torch.device("cpu"), reader_workers=2, local_batch=32, global_batch=32, rank=0, world_size=1,
+             seed=0)
+first = epoch_permutation(len(train), 0, 0)[0]
+slow = Listing(train.classes, [late if i == first else f for i, f in enumerate(train.files)], train.labels)
+image = Path(train.files[first]).read_bytes()
+
+def write_late():
+    with open(late, "wb") as fifo:  # returns once a worker opens the file to read it
+        time.sleep(1.5)
+        fifo.write(image)
+
+threading.Thread(target=write_late, daemon=True).start()
+started = time.monotonic()
+late_batch = next(TorchvisionSource(slow, val, options, worker_timeout_s=30, **shard).train_batches(0))
+report = {"late_s": time.monotonic() - started}
+inline = next(TorchvisionSource(train, val, options, **{**shard, "reader_workers": 0}).train_batches(0))
+report["late_same"] = all(torch.equal(a, b) for a, b in zip(late_batch, inline))
+val = Listing(val.classes, [stuck] + val.files[1:], val.labels)
+batches = TorchvisionSource(train, val, options, worker_timeout_s=2, **shard).val_batches()
+started = time.monotonic()
+try:
+    next(batches)
+    report["error"] = None
+except LoaderError as error:
+    report.update(error=str(error), after_s=time.monotonic() - started)
+print(json.dumps(report), flush=True)
+sys.stdin.readline()  # the test kills this process meanwhile
+"""
+
+
+def test_a_stuck_torchvision_worker_is_named_and_nothing_outlives_a_killed_trainer(digits_root: Path,
+                                                                                   tmp_path: Path) -> None:
+    """A worker slower than the loader's looks at its workers still delivers; one that delivers
+    nothing within the limit ends the wait with a one-line error naming the loader, the worker and
+    the limit. When the trainer is killed, its workers and their server end too."""
+    stuck, late = tmp_path / "never.JPEG", tmp_path / "late.JPEG"
+    os.mkfifo(stuck)
+    os.mkfifo(late)
+    job = _scenario(STUCK_SCENARIO, str(digits_root), str(stuck), str(late))
+    lines: queue.Queue = queue.Queue()  # the script's output, read with a deadline (a hang is a failure)
+    threading.Thread(target=lambda: [*map(lines.put, job.stdout), lines.put("")], daemon=True).start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not seen or not seen[-1].startswith("{"):
+            try:
+                seen.append(lines.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                raise AssertionError("no batch and no error within 60 s:\n" + "".join(seen)[-3000:]) from None
+            assert seen[-1], "the script ended early:\n" + "".join(seen)[-3000:]
+        report = json.loads(seen[-1])
+        assert 1.5 <= report["late_s"] < 20 and report["late_same"], report  # late, not lost
+        assert report["error"] is not None, "a batch came from a file that never delivers a byte"
+        assert re.fullmatch(r"torchvision loader, validation: no batch from worker 0 \(pid \d+\) for 2 s "
+                            r"\(the loader's limit\): .*data\.reader_workers=0.*", report["error"]), report
+        assert 2 <= report["after_s"] < 10, report
+        # the script, the tracker, the server, the workers
+        assert len(process_group(job.pid)) >= 4, process_group(job.pid)
+        os.kill(job.pid, signal.SIGKILL)  # the trainer dies: its workers, and their server, must follow
+        job.wait(timeout=10)
+        left = _gone(job.pid, 15)
+        assert not left, f"left running after the trainer was killed: {left}"
+    finally:
+        if process_group(job.pid):
+            os.killpg(job.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("line", ["x.JPEG ../../outside", "../x.JPEG n01", "x.JPEG .", "sub/x.JPEG n01"])
+def test_a_validation_label_that_is_not_a_plain_name_is_refused_naming_its_line(line: str, tmp_path: Path) -> None:
+    from gradientflow_repro.data.imagenet import read_val_labels
+
+    labels = tmp_path / "labels.txt"
+    labels.write_text(f"ok.JPEG n02\n{line}\n")
+    with pytest.raises(SystemExit, match=r"labels\.txt:2: .* is not a plain file or class name"):
+        read_val_labels(labels)
+    (tmp_path / "kaggle.csv").write_text("ImageId,PredictionString\nv1,../up 1 2 3 4\n")
+    with pytest.raises(SystemExit, match=r"kaggle\.csv:2: '\.\./up'"):
+        read_val_labels(tmp_path / "kaggle.csv")

@@ -22,6 +22,7 @@ from gradientflow_repro.preemption import EXIT_REQUEUE, StopRequests
 from gradientflow_repro.tracking import read_records
 
 from conftest import FAST, REPO, final_params, torchrun, torchrun_command, train
+from support import process_group
 
 
 def _children(pid: int) -> list[int]:
@@ -97,7 +98,7 @@ print(json.dumps({"workers": workers, "after": children(), "received": received}
 
 
 @pytest.mark.parametrize("loader", ["dali", "torchvision"])
-def test_data_workers_ignore_stop_signals_sent_to_the_whole_process_group(
+def test_data_workers_ignore_stop_signals_sent_to_the_whole_processprocess_group(
         loader: str, digits_root: Path) -> None:
     job = subprocess.Popen([sys.executable, "-c", WORKERS_SCENARIO, loader, str(digits_root)], cwd=REPO,
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -135,18 +136,6 @@ def test_data_workers_ignore_stop_signals_sent_to_the_whole_process_group(
     assert len(report["workers"]) >= 2, report  # the workers were there to be signalled
     assert set(report["workers"]) <= set(report["after"]), report  # and none of them died
     assert report["received"] == [signal.SIGUSR1, signal.SIGTERM], report  # the trainer heard both
-
-
-def _group(pgid: int) -> list[int]:
-    """The processes of process group ``pgid``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
-                found.append(int(entry.name))
-        except OSError:
-            pass
-    return found
 
 
 def _overrides(digits_root: Path) -> list[str]:
@@ -204,12 +193,12 @@ def test_stop_signal_checkpoints_every_rank_and_resumes_exactly(
             time.sleep(0.05)
         ranks = _children(job.pid)
         assert len(ranks) == world, f"expected {world} rank processes, found {ranks}"
-        assert all(len(_group(rank)) >= 1 + workers for rank in ranks), [_group(rank) for rank in ranks]
+        assert all(len(process_group(rank)) >= 1 + workers for rank in ranks), [process_group(rank) for rank in ranks]
         if signalled == "rank 1":
             send(ranks[1:])  # rank 0 must follow rank 1
         else:  # Slurm signals the processes one by one: here the data workers first, while the ranks
             for rank in ranks:  # still train and read batches for a moment, which must not fail
-                for worker in set(_group(rank)) - {rank}:
+                for worker in set(process_group(rank)) - {rank}:
                     os.kill(worker, signum)
             time.sleep(1.0)
             send(ranks)
@@ -239,3 +228,19 @@ def test_stop_signal_checkpoints_every_rank_and_resumes_exactly(
         a, b = final_params(straight(loader), rank), final_params(run_dir, rank)
         for key in a:
             assert torch.equal(a[key], b[key]), f"{key} differs on rank {rank}"
+
+
+def test_the_worker_block_keeps_both_signals_blocked_after_the_resource_tracker_starts() -> None:
+    """multiprocessing unblocks SIGINT and SIGTERM in the calling thread once it has started its
+    resource tracker, which the first worker start of a process does: inside the block the mask is
+    set again, so that worker (or the fork server) is still born with both stop signals blocked. In
+    a fresh process: the tracker is one per process, and the test process's may run already."""
+    code = ("import signal\n"
+            "from multiprocessing import resource_tracker\n"
+            "from gradientflow_repro.preemption import workers_ignore_stop_signals\n"
+            "assert resource_tracker._resource_tracker._fd is None  # not started yet\n"
+            "with workers_ignore_stop_signals(processes=True):\n"
+            "    print(sorted(s.name for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[0] == "['SIGTERM', 'SIGUSR1']", done.stdout

@@ -188,11 +188,15 @@ class DaliSource(ShardedFolder):
         source = EpochBatches(self.train, self.seed, epoch, skip, self.rank, self.world_size,
                               self.local_batch, self.steps_per_epoch, self.options.min_crop_scale,
                               self.options.flip)
+        # "spawn": each reader worker is a fresh interpreter, started by fork and exec with no Python
+        # run in between (multiprocessing's spawn, CPython's _posixsubprocess): the threads of the
+        # trainer (gloo's, DALI's) cannot leave it holding a lock, as a plain fork of the trainer can
+        # (CPython issue 112275; why the torchvision loader's workers come from a fork server)
         pipe = train_pipeline(source=source, seed=self.epoch_seed(epoch), parallel=self.reader_workers > 0,
                               py_num_workers=max(1, self.reader_workers), py_start_method="spawn",
                               source_depth=self.source_depth,
                               **self.common)
-        with workers_ignore_stop_signals():  # build() starts the reader workers
+        with workers_ignore_stop_signals(processes=self.reader_workers > 0):  # build() starts the workers
             pipe.build()
         self.pipelines_built += 1
         iterator = DALIGenericIterator(pipe, ["images", "labels"], auto_reset=False)
