@@ -301,3 +301,16 @@ def test_checkpoints_newer_than_the_one_resumed_are_set_aside_not_pruned_over_th
         assert again.resume(tmp_path, "auto").name == "step_000000002"  # the damaged newest is set aside
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_000000001", "step_000000002"]
     assert len(list((tmp_path / "superseded").iterdir())) == 2
+
+
+def test_a_file_written_atomically_is_the_old_one_or_the_new_one_whole(tmp_path: Path) -> None:
+    target = tmp_path / "summary.json"
+    run_dir.write_text_atomically(target, '{"old": 1}\n')
+
+    def torn(handle) -> None:  # noqa: ANN001 - a binary file
+        handle.write(b'{"new": ')
+        raise OSError("No space left on device")
+
+    with pytest.raises(OSError):
+        run_dir.write_atomically(target, torn)
+    assert target.read_text() == '{"old": 1}\n' and [p.name for p in tmp_path.iterdir()] == ["summary.json"]

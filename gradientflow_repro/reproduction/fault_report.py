@@ -22,6 +22,7 @@ from pathlib import Path
 from gradientflow_repro import REPO
 from gradientflow_repro.checkpoint import complete_checkpoints
 from gradientflow_repro.provenance import environment_facts
+from gradientflow_repro.reproduction import fault_sequences
 
 BASE = ["+experiment=digits_cpu", "model.width=0.125", "logger=jsonl", "threads_per_rank=1",
         "global_batch_size=96", "epochs=3", "optim.warmup_epochs=1", "eval_every_epochs=1",
@@ -37,6 +38,8 @@ SCENARIOS = [
      "kill@forward:rank=0:step=20", [], None),
     ("rank 1 frozen (SIGSTOP) entering communication: a hang, as a lost peer is under NCCL", 3,
      "freeze@comm:rank=1:step=20", ["watchdog_s=6"], None),
+    ("rank 1 hung in the forward pass, outside any collective (alive: its heartbeat moves)", 3,
+     "hang@forward:rank=1:step=20", [], None),
     ("one rank's parameters silently changed", 2, "perturb@params:rank=1:step=4",
      ["consistency_every_steps=2"], None),
     ("NaN loss on one rank (bf16)", 2, "nan@loss:rank=1:step=5", ["precision=bf16"], None),
@@ -107,7 +110,7 @@ def fault_report(out: Path, digits: Path = REPO / "data" / "digits") -> None:
             run_dir = work / ("a_file/run" if kind == "blocked_run_dir" else "run")
             if kind == "blocked_run_dir":
                 (work / "a_file").write_text("x")
-            env = {"GFR_INJECT_FAULT": inject, "GFR_FAULT_LOG": str(work / "fired.jsonl")}
+            env = {"GFR_INJECT_FAULT": inject, "GFR_ALLOW_FAULTS": "1", "GFR_FAULT_LOG": str(work / "fired.jsonl")}
             root, note = prepare(kind, work, digits, run_dir, env)
             code, output, seconds = torchrun(world, [*BASE, f"data.root={root}", *extra], run_dir, env)
             ended = time.time()
@@ -145,6 +148,13 @@ def fault_report(out: Path, digits: Path = REPO / "data" / "digits") -> None:
             rows.append((fault, world, action, detection, lost if kind != "truncate" else f"nothing: {note}, named "
                          "before training"))
             print(f"    -> {action[:150]} | {detection} | {rows[-1][4][:100]}", flush=True)
+    for index, scenario in enumerate(fault_sequences.SCENARIOS, len(SCENARIOS) + 1):
+        print(f"[{index}/{len(SCENARIOS) + len(fault_sequences.SCENARIOS)}] {scenario.__name__}", flush=True)
+        with tempfile.TemporaryDirectory() as scratch:
+            rows.append(scenario(Path(scratch), digits))
+        print(f"    -> {rows[-1][2][:150]} | {rows[-1][3]} | {rows[-1][4][:100]}", flush=True)
+    print("[slurm] the templates' faults under the local Slurm", flush=True)
+    rows += fault_sequences.slurm_rows()
     facts = environment_facts()
     lines = ["# Reliability under injected faults", "",
              f"Machine: {facts['cpu']}, {facts['cpu_count']} cores, no GPU; torch {facts['torch']}, gloo, torchrun; "
