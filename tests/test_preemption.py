@@ -98,7 +98,7 @@ print(json.dumps({"workers": workers, "after": children(), "received": received}
 
 
 @pytest.mark.parametrize("loader", ["dali", "torchvision"])
-def test_data_workers_ignore_stop_signals_sent_to_the_whole_processprocess_group(
+def test_data_workers_ignore_stop_signals_sent_to_the_whole_process_group(
         loader: str, digits_root: Path) -> None:
     job = subprocess.Popen([sys.executable, "-c", WORKERS_SCENARIO, loader, str(digits_root)], cwd=REPO,
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
