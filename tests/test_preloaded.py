@@ -87,6 +87,25 @@ def test_a_forked_rank_starts_its_own_multiprocessing_resource_tracker(tmp_path:
     assert rank.wait(timeout=60) == 0 and "LOCKED" in output, output
 
 
+def test_a_forked_rank_starts_its_own_fork_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launcher that has used the fork server (``cluster.world.spawn`` does) runs one, which is
+    not the rank's child; the rank's first worker from a fork server (the torchvision loader's)
+    must still start."""
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()  # as an earlier spawn in the launcher leaves it
+    assert forkserver._forkserver._forkserver_pid is not None
+    (tmp_path / "server_probe.py").write_text(
+        "import multiprocessing\n"
+        "if __name__ == '__main__':\n"
+        "    worker = multiprocessing.get_context('forkserver').Process(target=print, args=('WORKER',))\n"
+        "    worker.start()\n    worker.join(60)\n    print('EXIT', worker.exitcode)\n")
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path)])
+    rank = preloaded.fork_rank("server_probe", [], {"PATH": os.environ["PATH"]}, subprocess.PIPE, tmp_path)
+    output = rank.stdout.read()
+    assert rank.wait(timeout=60) == 0 and "EXIT 0" in output, output
+
+
 def test_errors_and_signals_end_a_forked_rank_as_they_end_an_interpreter(probe_module: str, tmp_path: Path) -> None:
     log = tmp_path / "rank.log"
     with open(log, "w") as out:

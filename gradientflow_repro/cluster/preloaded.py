@@ -298,6 +298,13 @@ def _fresh_interpreter_state(env: dict[str, str]) -> None:
 
         tracker = resource_tracker._resource_tracker
         tracker._fd, tracker._pid = None, None
+    if "multiprocessing.forkserver" in sys.modules:
+        # likewise the launcher's fork server: not the rank's child, so the rank's first worker start
+        # (the torchvision loader's) would fail waiting for it (ChildProcessError). Forgotten, the
+        # rank starts its own, with the stop signals blocked as its loader asks.
+        from multiprocessing import forkserver
+
+        forkserver._forkserver.__init__()
     faulthandler.disable()
     try:
         signal.set_wakeup_fd(-1)
