@@ -20,6 +20,7 @@ ARGS ?=
 REPRO_ARGS ?=
 CONVERGENCE_ARGS ?=
 DIGITS := data/digits
+PATTERNS := data/patterns
 
 .PHONY: venv data reproduce convergence train test lint bench reliability gpu-check clean
 
@@ -37,7 +38,10 @@ venv: $(STAMP)
 $(DIGITS)/train: | $(STAMP)
 	$(PY) -m gradientflow_repro.data.digits $(DIGITS)
 
-data: $(DIGITS)/train
+$(PATTERNS)/train: | $(STAMP)
+	$(PY) -m gradientflow_repro.data.patterns $(PATTERNS)
+
+data: $(DIGITS)/train $(PATTERNS)/train
 
 reproduce: venv $(if $(DATA),,data)
 	$(PY) scripts/reproduce.py --experiment $(EXPERIMENT) --world $(NPROC) $(REPRO_ARGS) -- \
