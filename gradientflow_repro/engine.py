@@ -275,7 +275,7 @@ class Trainer:
                   "sync_wait_s_per_step": comm["wait_s"] / steps, "density": self.comm.density_now,
                   **({"behind_slowest_s_per_step": self._behind_s / steps} if self._times_ranks else {}),
                   "loss_scale": self.precision.loss_scale, "skipped_steps": self.precision.skipped_steps,
-                  "epoch": p.step / self.data.steps_per_epoch}
+                  "epoch": p.step / self.data.steps_per_epoch, **self.comm.sparsity_stats()}
         self._behind_s = 0.0
         self._log(record)
         eta = (self.total_steps - p.step) * interval / steps

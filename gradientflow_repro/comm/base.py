@@ -161,6 +161,12 @@ class Communicator(abc.ABC):
         """After the optimizer decision: ``applied`` is False when the step was skipped on every
         rank (non-finite gradients), so stateful strategies can discard what this step added."""
 
+    def sparsity_stats(self) -> dict:
+        """What sparsification did since the last call, for the run's metrics (``{}``: nothing to say;
+        CSC's: ``CSCCommunicator.sparsity_stats``). Called at the trainer's progress records, so a
+        GPU is waited for there only."""
+        return {}
+
     def state_dict(self) -> dict:
         return {}
 

@@ -122,6 +122,14 @@ class CommConfig:
     density_ramp_epochs: int = setting(0, non_negative)  # csc: epochs over which density falls
     momentum_correction: bool = setting(True, boolean)
     momentum_masking: bool = setting(True, boolean)
+    # csc: with momentum_masking, mask only the sent chunks that waited more than this many steps since
+    # their last send; 0: every sent chunk (DGC's rule). Masking erases the momentum still due to a
+    # chunk's last sends, which DGC meant for chunks sent every ~1,000 steps, not every ~1/density
+    masking_min_wait: float = setting(0.0, non_negative)
+    # csc under momentum correction and LARS: rank chunks by the norm of the trust-rescaled velocity
+    # ("rescaled": what is sent) or of the same divided by its layer's trust ratio ("raw": the gradients
+    # that built it up; what is sent is unchanged)
+    rank_by: str = setting("rescaled", one_of("rescaled", "raw"))
     # csc: a chosen chunk sends at most this many times the norm of what the step added to it (its
     # velocity under momentum correction), the rest staying in the residual; 0: no cap (DGC's rule)
     release_cap: float = setting(0.0, in_range(0, math.inf, high_open=True))

@@ -110,7 +110,7 @@ def sparsify_work(elements: int, chunk: int = 32768, density: float = 0.1, noise
             sketch_into(sketch, gradient, signs, state.scratch.view(-1))
         lars_rescale_([gradient], [weight], [lars])
         moved = state.add_momentum(gradient, 0.9)
-        sent = state.sparsify(moved.view(chunks, chunk), density, nothing, nothing, CommStats(), mask_velocity=True,
+        sent = state.sparsify(moved.view(chunks, chunk), density, nothing, nothing, CommStats(), mask_after=0.0,
                               release_cap=release_cap)
         pool.zero_().index_copy_(0, sent.chosen, sent.summed)
         state.commit()

@@ -53,16 +53,21 @@ class CSCCommunicator(LazyAllreduce):
                  chunk_size: int, density: float, warmup_epochs: float,
                  momentum_correction: bool = True, momentum_masking: bool = True,
                  density_ramp_epochs: int = 0, release_cap: float = 0.0,
-                 trust_noise_correction: bool = True) -> None:
+                 trust_noise_correction: bool = True, masking_min_wait: float = 0.0,
+                 rank_by: str = "rescaled") -> None:
         check_settings(chunk_size=chunk_size, density=density, density_ramp_epochs=density_ramp_epochs,
                        release_cap=release_cap, momentum_correction=momentum_correction,
-                       momentum_masking=momentum_masking, trust_noise_correction=trust_noise_correction)
+                       momentum_masking=momentum_masking, trust_noise_correction=trust_noise_correction,
+                       masking_min_wait=masking_min_wait, rank_by=rank_by)
         super().__init__(device, sum_fn, bucket_bytes, overlap)
         self.chunk_size, self.density, self.warmup_epochs = chunk_size, density, warmup_epochs
         self.density_ramp_epochs = density_ramp_epochs
         self.density_now = 1.0
         self.momentum_correction, self.momentum_masking = momentum_correction, momentum_masking
         self.trust_noise_correction = trust_noise_correction
+        self.masking_min_wait, self.rank_by = masking_min_wait, rank_by
+        self._chunk_entry: list[torch.Tensor] = []  # per part: the bucket entry each chunk starts in
+        self._layer_names: list[list[str]] = []  # per part: each entry's parameter name
         self.release_cap = release_cap
         self.norm_sum = small_sum()  # the norms (and the fp16 peak): a small message, log2(N) steps
         self.sparse_now = False
@@ -102,7 +107,18 @@ class CSCCommunicator(LazyAllreduce):
                                         velocity_elements=bucket.flat.numel() if self.momentum_correction else 0,
                                         noise_layers=step.noise_layers(bucket.index) if step else 0)
                       for bucket in self.buckets]
+        names = {param: name for name, param in model.named_parameters()}
+        self._layer_names = [[names.get(param, "?") for param in bucket.params] for bucket in self.buckets]
+        self._chunk_entry = [self._entry_of_chunks(bucket) for bucket in self.buckets]
         return model
+
+    def _entry_of_chunks(self, bucket: Bucket) -> torch.Tensor:
+        """For each chunk of the part's sparse section, the index (in ``bucket.params``) of the
+        parameter its first element belongs to."""
+        chunks = bucket.sparse_elements // self.chunk_size
+        starts = torch.tensor([o for o in bucket.offsets], dtype=torch.long)
+        first = torch.arange(chunks, dtype=torch.long) * self.chunk_size
+        return (torch.searchsorted(starts, first, right=True) - 1).to(bucket.flat.device)
 
     # per-part state by part index, as tests, gpu_check and checkpoints see it
     @property
@@ -187,8 +203,9 @@ class CSCCommunicator(LazyAllreduce):
             if gradient is not flat:
                 tail.copy_(gradient[bucket.sparse_elements:])
             sent = part.sparsify(gradient[:bucket.sparse_elements].view(-1, self.chunk_size), self.density_now,
-                                 self.sum_fn, self.norm_sum, self.stats, mask_velocity=self.momentum_masking,
-                                 dense=tail, release_cap=self.release_cap, extra=sketch)
+                                 self.sum_fn, self.norm_sum, self.stats, mask_after=self._mask_after(),
+                                 dense=tail, release_cap=self.release_cap, extra=sketch,
+                                 rank_weights=self._rank_weights(bucket))
             if sketch is not None:
                 self.local_step.noise.observe(bucket, part, sent.extra)
             self.chunks(bucket).zero_().index_copy_(0, sent.chosen, sent.summed)
@@ -196,6 +213,49 @@ class CSCCommunicator(LazyAllreduce):
             flat.mul_(self.grad_scale)
         if part.residual is None:
             super().reduce_bucket(bucket)
+
+    def _mask_after(self) -> Optional[float]:
+        """``BucketState.sparsify``'s ``mask_after``: None without masking (or without momentum
+        correction, which masking acts on), else ``comm.masking_min_wait``."""
+        return self.masking_min_wait if self.momentum_masking and self.uses_velocity else None
+
+    def _rank_weights(self, bucket: Bucket) -> Optional[torch.Tensor]:
+        """Under ``comm.rank_by=raw``, each chunk's 1 / trust ratio of its layer this step (the
+        velocity's content is in trust-rescaled units, so its norm measures a layer's weights; divided
+        by the ratio it measures the gradients that built it up); None otherwise."""
+        if self.rank_by != "raw" or not self.uses_velocity or self.local_step is None:
+            return None
+        ratios = self.local_step.ratios.get(bucket.index)
+        return None if ratios is None else ratios.reciprocal()[self._chunk_entry[bucket.index]]
+
+    def sparsity_stats(self) -> dict:
+        """Since the last call: ``csc_send_interval_median`` (per layer, named by its parameter, the
+        median number of steps between two sends of its chunks; a layer none of whose chunks was sent
+        is absent), ``csc_chunks_sent`` (sends counted) and ``csc_masked_momentum_share`` (the share of
+        the chunks' velocity, in L1 norm, that momentum factor masking erased). ``{}`` when no sparse
+        step ran."""
+        intervals: dict[str, list[torch.Tensor]] = {}
+        velocity_l1 = masked_l1 = None
+        sends = 0
+        for bucket, part in zip(self.buckets, self.parts):
+            chosen, waited, velocity, masked = part.sends.take()
+            if chosen is None:
+                continue
+            sends += chosen.numel()
+            entries = self._chunk_entry[bucket.index][chosen].tolist()
+            for entry, wait in zip(entries, waited.tolist()):
+                intervals.setdefault(self._layer_names[bucket.index][entry], []).append(wait)
+            if velocity is not None:
+                velocity_l1 = velocity if velocity_l1 is None else velocity_l1 + velocity
+                masked_l1 = masked if masked_l1 is None else masked_l1 + masked
+        if not sends:
+            return {}
+        stats: dict = {"csc_send_interval_median": {name: float(torch.tensor(waits).median())
+                                                    for name, waits in intervals.items()},
+                       "csc_chunks_sent": sends}
+        if velocity_l1 is not None:
+            stats["csc_masked_momentum_share"] = float(masked_l1 / velocity_l1.clamp_min(1e-30))
+        return stats
 
     def end_step(self, applied: bool) -> None:
         for part in self.parts:

@@ -106,6 +106,9 @@ class LocalStep:
                          if param in group_of] for bucket in buckets]
         self.noise = (TrustNoise(self.entries, optimizer.param_groups, buckets, world)
                       if noise_correction and world > 1 else None)
+        # per bucket, this step's trust ratio of each entry (1 where Lars does not adapt): what
+        # ``comm.rank_by=raw`` divides the chunk norms by
+        self.ratios: dict[int, torch.Tensor] = {}
 
     def noise_layers(self, bucket_index: int) -> int:
         """How many layers of the bucket have their trust ratio corrected for noise."""
@@ -121,13 +124,17 @@ class LocalStep:
         noise = self.noise if state is not None and state.noise is not None else None
         sketch = noise.sketch(bucket, gradient, state) if noise is not None else None
         factors = noise.factors(bucket, state) if noise is not None else {}
-        rescaled = []
+        rescaled, adapted = [], []
         for index, (param, offset, group) in enumerate(self.entries[bucket.index]):
             own, view = settings[group], gradient[offset:offset + param.numel()]
             if adapts(own):
                 rescaled.append((view, param.detach().reshape(-1), own, factors.get(index, 1.0)))
+                adapted.append(index)
             elif own.get("weight_decay", 0.0):
                 view.add_(param.detach().reshape(-1), alpha=own["weight_decay"])
+        ratios = torch.ones(len(self.entries[bucket.index]), dtype=torch.float32, device=gradient.device)
         if rescaled:
-            lars_rescale_(*map(list, zip(*rescaled)))
+            found = lars_rescale_(*map(list, zip(*rescaled)))
+            ratios[adapted] = torch.stack(found).to(torch.float32)
+        self.ratios[bucket.index] = ratios
         return sketch

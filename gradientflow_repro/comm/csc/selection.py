@@ -40,15 +40,19 @@ class Agreed(NamedTuple):
 
 
 def agree_on_norms(rows: torch.Tensor, norm_sum: SumFn, stats: CommStats, bounded: bool,
-                   dense: Optional[torch.Tensor] = None, extra: Optional[torch.Tensor] = None) -> Agreed:
+                   dense: Optional[torch.Tensor] = None, extra: Optional[torch.Tensor] = None,
+                   weights: Optional[torch.Tensor] = None) -> Agreed:
     """Sum the chunk norms of ``rows`` ([chunks, chunk_size]) over ranks with ``norm_sum`` (a small
     message: recursive doubling or NCCL's tree), so every rank ranks the chunks alike. Riding in the
     same message: ``extra`` (a flat fp32 vector: the trust ratio's noise sketches) and, when
     ``bounded`` (the payload goes over an fp16 wire), this rank's largest magnitude in the payload
     (``rows`` and the ``dense`` tail). The sum of the ranks' peaks bounds every partial and final sum
     of the payload, so the wire's shared power-of-two scale chosen from it cannot overflow and no
-    separate max-allreduce is needed (``compression.Fp16Wire.sum_bounded``)."""
+    separate max-allreduce is needed (``compression.Fp16Wire.sum_bounded``). ``weights`` ([chunks]):
+    each rank's norms are multiplied by them before the sum (``comm.rank_by=raw``)."""
     norms = chunk_l1_norms(rows)
+    if weights is not None:
+        norms.mul_(weights)
     chunks = norms.numel()
     riders = [] if extra is None else [extra]  # what rides in the norms' small message
     if bounded:

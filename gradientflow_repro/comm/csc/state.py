@@ -1,8 +1,9 @@
 """One bucket's CSC state on one rank, the step that updates it, and how it is saved and resharded.
 
-The state is what CSC holds back: the residual of each chunk (error feedback), under momentum
-correction the velocity of the whole bucket, and the running means of the trust ratio's noise
-(``trust.TrustNoise``). A step only *stages* its update; ``commit`` makes it the state, so a step
+The state is what CSC holds back: the residual of each chunk (error feedback), each chunk's age
+(steps since it was last sent: the same on every rank, since every rank sends the same chunks), under
+momentum correction the velocity of the whole bucket, and the running means of the trust ratio's
+noise (``trust.TrustNoise``). A step only *stages* its update; ``commit`` makes it the state, so a step
 skipped on every rank (an fp16 overflow) leaves the state as it was. Each state tensor has a spare
 of the same size that the step's update is written into and that ``commit`` swaps in, so no step
 allocates: on a CPU a fresh allocation of this size page-faults on every step, which costs more
@@ -10,7 +11,8 @@ than CSC's arithmetic. Residuals are kept in unscaled units (the caller divides 
 out on the way in and multiplies it back on the way out), so a changing loss scale never corrupts
 them.
 
-Checkpoints keep the keys ``residual``, ``velocity`` and ``noise`` per bucket (``STATE``); resumed on
+Checkpoints keep the keys ``residual``, ``age``, ``velocity`` and ``noise`` per bucket (``STATE``; a
+state saved before ``age`` existed starts its chunks at age 0); resumed on
 another number of ranks, each new rank takes the mean over the old ranks (``rank_rules``).
 """
 
@@ -47,11 +49,15 @@ class BucketState:
     DDP hook). Used by ``CSCCommunicator`` (one per pool part) and ``csc_hook`` (one per DDP
     bucket)."""
 
-    STATE = ("residual", "velocity", "noise")  # what is staged, committed and saved
+    STATE = ("residual", "age", "velocity", "noise")  # what is staged, committed and saved
 
     def __init__(self, residual: Optional[torch.Tensor] = None,
-                 velocity: Optional[torch.Tensor] = None, noise: Optional[torch.Tensor] = None) -> None:
+                 velocity: Optional[torch.Tensor] = None, noise: Optional[torch.Tensor] = None,
+                 age: Optional[torch.Tensor] = None) -> None:
         self.residual = residual  # [chunks, chunk_size], fp32; None for a part always sent densely
+        # [chunks], fp32: steps since each chunk was last sent (0 after a dense step)
+        self.age = age if age is not None or residual is None else torch.zeros(
+            residual.shape[0], dtype=torch.float32, device=residual.device)
         self.velocity = velocity  # momentum correction's u, flat over the bucket; None without it
         # [2, layers]: running means of the ranks' own and of their mean's sketched squared norms,
         # for each layer whose trust ratio is corrected for noise (``TrustNoise``); None without
@@ -61,6 +67,7 @@ class BucketState:
             setattr(self, f"_spare_{name}", None if tensor is None else torch.empty_like(tensor))
             setattr(self, f"_staged_{name}", None)  # a spare holding this step's update
         self.last_selection: Optional[torch.Tensor] = None  # chunks sent by the last sparsify (tests)
+        self.sends = SendLog()  # what the sparse steps sent, for the run's metrics
         self._payload: Optional[torch.Tensor] = None  # chosen chunks + dense tail, kept between steps
 
     @classmethod
@@ -90,9 +97,10 @@ class BucketState:
         return self._staged_velocity
 
     def sparsify(self, gradient: torch.Tensor, density: float, sum_fn: SumFn, norm_sum: SumFn,
-                 stats: CommStats, always: Optional[torch.Tensor] = None, mask_velocity: bool = False,
+                 stats: CommStats, always: Optional[torch.Tensor] = None, mask_after: Optional[float] = None,
                  guard_overflow: bool = False, dense: Optional[torch.Tensor] = None,
-                 release_cap: float = 0.0, extra: Optional[torch.Tensor] = None) -> Sent:
+                 release_cap: float = 0.0, extra: Optional[torch.Tensor] = None,
+                 rank_weights: Optional[torch.Tensor] = None) -> Sent:
         """Steps 2-5 of CSC, in two collectives. ``gradient``: a [chunks, chunk_size] matrix like the
         residual, or a flat tensor of at most chunks * chunk_size elements (a DDP bucket: the rest
         counts as zeros). ``dense``: a flat tensor (the part's dense tail) sent whole in the same
@@ -101,8 +109,12 @@ class BucketState:
         magnitude as one more summed element when ``sum_fn`` is an fp16 wire (its shared scale);
         the top ``density`` of the chunks plus those in ``always`` are packed, followed by the dense
         tail, and summed over ranks by ``sum_fn``; the sent chunks are cleared in the new
-        residual, which is staged. With ``mask_velocity``, the sent chunks of the staged velocity
-        are cleared too (DGC's momentum factor masking). With ``release_cap`` c > 0, a chosen chunk
+        residual, which is staged. With ``mask_after`` (not None), the sent chunks of the staged
+        velocity that waited more than ``mask_after`` steps since their last send are cleared too
+        (momentum factor masking: 0 is DGC's rule, every sent chunk; ``momentum.masking_threshold``).
+        ``rank_weights`` ([chunks]): each chunk's norm is multiplied by its weight before the ranks
+        agree on them, so the ranking can see past a per-layer rescaling of the content
+        (``comm.rank_by``); what is sent is unchanged. With ``release_cap`` c > 0, a chosen chunk
         sends at most c times the L2 norm of what this step added to it (``gradient``'s rows): the
         chunk is scaled down to that and the rest stays in its residual instead of being cleared
         (``selection.hold_back``).
@@ -122,7 +134,7 @@ class BucketState:
             accumulated.copy_(self.residual)
             accumulated.view(-1)[:gradient.numel()].add_(gradient.view(-1))
         bounded = hasattr(sum_fn, "sum_bounded")  # an fp16 wire: its scale rides with the norms
-        agreed = agree_on_norms(accumulated, norm_sum, stats, bounded, dense, extra)
+        agreed = agree_on_norms(accumulated, norm_sum, stats, bounded, dense, extra, rank_weights)
         norms, bound = agreed.norms, agreed.bound
         finite = None
         if guard_overflow:  # decided on the device: reading it on the host would wait for the GPU
@@ -147,8 +159,16 @@ class BucketState:
             accumulated.index_fill_(0, chosen, 0.0)
         else:
             accumulated.index_copy_(0, chosen, held)
-        if mask_velocity and self._staged_velocity is not None:
-            self._staged_velocity.view(-1)[:accumulated.numel()].view_as(accumulated).index_fill_(0, chosen, 0.0)
+        waited = self.age.index_select(0, chosen).add_(1.0)  # steps since each sent chunk's last send
+        velocity = (None if self._staged_velocity is None
+                    else self._staged_velocity.view(-1)[:accumulated.numel()].view_as(accumulated))
+        masked = None
+        if mask_after is not None and velocity is not None:
+            masked = chosen if mask_after <= 0 else chosen[waited > mask_after]
+        self.sends.record(chosen, waited, velocity, masked)
+        if masked is not None:
+            velocity.index_fill_(0, masked, 0.0)
+        self._staged_age = torch.add(self.age, 1.0, out=self._spare_age).index_fill_(0, chosen, 0.0)
         self._staged_residual, self.last_selection = accumulated, chosen
         return Sent(chosen, summed, finite, agreed.extra)
 
@@ -185,7 +205,7 @@ class BucketState:
 
     def discard(self) -> None:
         """Forget the staged updates (a step skipped on every rank)."""
-        self._staged_residual = self._staged_velocity = self._staged_noise = None
+        self._staged_residual = self._staged_age = self._staged_velocity = self._staged_noise = None
 
     @property
     def scratch(self) -> torch.Tensor:
@@ -196,7 +216,7 @@ class BucketState:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """``residual``, ``velocity`` and ``noise`` (those this bucket keeps), on the CPU."""
+        """``residual``, ``age``, ``velocity`` and ``noise`` (those this bucket keeps), on the CPU."""
         return {name: getattr(self, name).cpu() for name in self.STATE if getattr(self, name) is not None}
 
     def load_state_dict(self, state: dict) -> None:
@@ -217,6 +237,42 @@ class BucketState:
         self.discard()
 
 
+class SendLog:
+    """What a bucket's sparse steps sent since the last ``take``, kept on the device (reading it on
+    the host every step would wait for the GPU): the chunks sent with how many steps each had
+    waited, and the L1 norm of the chunks' velocity against what masking erased of it."""
+
+    def __init__(self) -> None:
+        self.chosen: list[torch.Tensor] = []
+        self.waited: list[torch.Tensor] = []
+        self.velocity_l1: Optional[torch.Tensor] = None
+        self.masked_l1: Optional[torch.Tensor] = None
+
+    def record(self, chosen: torch.Tensor, waited: torch.Tensor, velocity: Optional[torch.Tensor],
+               masked: Optional[torch.Tensor]) -> None:
+        """One sparse step: ``chosen`` chunks sent after ``waited`` steps; ``velocity`` the chunks'
+        staged velocity ([chunks, chunk_size], None without momentum correction), of which the rows
+        ``masked`` are about to be cleared."""
+        if len(self.chosen) > 10_000:  # nobody takes them (a caller without metrics): keep the newest
+            self.chosen, self.waited = self.chosen[5_000:], self.waited[5_000:]
+        self.chosen.append(chosen)
+        self.waited.append(waited)
+        if velocity is None:
+            return
+        total = velocity.abs().sum()
+        erased = velocity.index_select(0, masked).abs().sum() if masked is not None and masked.numel() else 0.0 * total
+        self.velocity_l1 = total if self.velocity_l1 is None else self.velocity_l1 + total
+        self.masked_l1 = erased if self.masked_l1 is None else self.masked_l1 + erased
+
+    def take(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(chunks sent, steps each waited, velocity L1, erased L1) since the last call, each None
+        where nothing was recorded, and start afresh."""
+        taken = (torch.cat(self.chosen) if self.chosen else None, torch.cat(self.waited) if self.waited else None,
+                 self.velocity_l1, self.masked_l1)
+        self.__init__()
+        return taken
+
+
 # The communicator's own keys, the same on every rank (old rank 0's on a resume on another number of
 # ranks). ``optimizer_momentum``: what states saved before CSC took more than the momentum hold.
 SAME_ON_EVERY_RANK = ("noise_step", "optimizer_taken", "warmup_epochs", "layout", "chunk_size", "optimizer_momentum")
@@ -224,7 +280,8 @@ SAME_ON_EVERY_RANK = ("noise_step", "optimizer_taken", "warmup_epochs", "layout"
 
 def rank_rules() -> dict[str, str]:
     """On another number of ranks, each new rank's per-bucket state (``BucketState.STATE``:
-    residual, velocity, noise) is the mean over the old ranks: the mean over ranks of what is held
+    residual, age, velocity, noise) is the mean over the old ranks (the ages are the same on every
+    rank, so their mean is each): the mean over ranks of what is held
     back (what the sum, divided by the world size, will deliver) is unchanged, whatever the new
     world size; the noise estimate, equal on every rank, is kept. The rest
     (``SAME_ON_EVERY_RANK``) is the same on every rank: old rank 0's."""

@@ -139,16 +139,19 @@ class TrustNoise:
 
 
 def lars_rescale_(gradients: list[torch.Tensor], weights: list[torch.Tensor], groups: list[dict],
-                  noise: Optional[list[Union[float, torch.Tensor]]] = None) -> None:
+                  noise: Optional[list[Union[float, torch.Tensor]]] = None) -> list[torch.Tensor]:
     """``g <- ratio * (g + wd w)`` in place for each gradient, with its group's ``weight_decay``,
     ``trust_coeff`` and ``eps``: timm ``Lars``'s step before its momentum, with its ratio
     (``timm.optim.lars._lars_trust_ratio``, private there): ``trust |w| / (|g| + wd |w| + eps)``,
     1 where ``|w|`` or ``|g|`` is 0. ``noise``: per gradient, the factor c that ``|g|`` is divided
-    by (``TrustNoise``); 1 without."""
+    by (``TrustNoise``); 1 without. Returns the ratios (0-d tensors, one per gradient)."""
     weight_norms, gradient_norms = torch._foreach_norm(weights), torch._foreach_norm(gradients)
+    ratios = []
     for gradient, weight, w_norm, g_norm, group, c in zip(gradients, weights, weight_norms, gradient_norms, groups,
                                                           noise or [1.0] * len(gradients)):
         decay = group["weight_decay"]
         ratio = group["trust_coeff"] * w_norm / (g_norm / c + w_norm * decay + group["eps"])
         ratio = torch.where((w_norm > 0) & (g_norm > 0), ratio, 1.0)
         gradient.add_(weight, alpha=decay).mul_(ratio)
+        ratios.append(ratio)
+    return ratios
