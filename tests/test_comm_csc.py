@@ -191,7 +191,7 @@ def _optimizer_of(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(parameter_groups(model, 5e-2), lr=0.05, momentum=0.9)
 
 
-def _momentum_correction_lockstep(rank: int, world: int, out: str, kind: str) -> None:
+def _momentum_correction_lockstep(rank: int, world: int, out: str, kind: str, decay_in: str = "velocity") -> None:
     """Momentum correction under Lars (or SGD with weight decay), every chunk sent, no masking, the
     same batch on every rank, an fp16-style loss scale: dense Lars (SGD) step for step, across the
     switch from the dense warm-up (the velocity carries the optimizer's momentum on). The optimizer
@@ -202,7 +202,8 @@ def _momentum_correction_lockstep(rank: int, world: int, out: str, kind: str) ->
     optimizers = {name: _optimizer_of(kind, model) for name, model in models.items()}
     comms = {"sparse": CSCCommunicator(CPU, ring_sum(segment_bytes=1024), bucket_bytes=4096, overlap=True,
                                        chunk_size=100, density=0.999, warmup_epochs=1.0,
-                                       momentum_correction=True, momentum_masking=False),
+                                       momentum_correction=True, momentum_masking=False,
+                                       weight_decay_in=decay_in),
              "dense": LazyAllreduce(CPU, builtin_sum(), bucket_bytes=4096, overlap=False)}
     own = [(g["momentum"], g["weight_decay"]) for g in optimizers["sparse"].param_groups]
     for name, comm in comms.items():
@@ -243,10 +244,13 @@ def _momentum_correction_lockstep(rank: int, world: int, out: str, kind: str) ->
     save_failures(failures, out, rank)
 
 
-@pytest.mark.parametrize("world,kind", [(2, "lars"), (3, "lars"), (3, "sgd")])
-def test_momentum_correction_is_the_dense_optimizer_when_everything_is_sent(world: int, kind: str,
+@pytest.mark.parametrize("world,kind,decay_in", [(2, "lars", "velocity"), (3, "lars", "velocity"),
+                                                (3, "sgd", "velocity"), (3, "lars", "local"), (2, "sgd", "local")])
+def test_momentum_correction_is_the_dense_optimizer_when_everything_is_sent(world: int, kind: str, decay_in: str,
                                                                            tmp_path: Path) -> None:
-    spawn_checked(_momentum_correction_lockstep, world, tmp_path, kind)
+    """Also with weight decay in a velocity of its own on each rank (``comm.weight_decay_in=local``):
+    with everything sent and the ranks agreeing, the two velocities add up to dense Lars's (SGD's)."""
+    spawn_checked(_momentum_correction_lockstep, world, tmp_path, kind, decay_in)
 
 
 REFUSED = {"adam": lambda params: torch.optim.Adam(params),

@@ -194,4 +194,5 @@ def csc_communicator(knobs: CommConfig, device: torch.device, sum_fn: SumFn, lr_
                            momentum_masking=knobs.momentum_masking,
                            density_ramp_epochs=knobs.density_ramp_epochs, release_cap=knobs.release_cap,
                            trust_noise_correction=knobs.trust_noise_correction,
-                           masking_min_wait=knobs.masking_min_wait, rank_by=knobs.rank_by)
+                           masking_min_wait=knobs.masking_min_wait, rank_by=knobs.rank_by,
+                           weight_decay_in=knobs.weight_decay_in)

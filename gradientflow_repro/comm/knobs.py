@@ -130,6 +130,10 @@ class CommConfig:
     # ("rescaled": what is sent) or of the same divided by its layer's trust ratio ("raw": the gradients
     # that built it up; what is sent is unchanged)
     rank_by: str = setting("rescaled", one_of("rescaled", "raw"))
+    # csc under momentum correction: weight decay rides in the sent velocity ("velocity") or keeps a
+    # velocity of its own on each rank, applied every step and never sent ("local": DGC's reference
+    # optimizer, dgc/optim/sgd.py)
+    weight_decay_in: str = setting("velocity", one_of("velocity", "local"))
     # csc: a chosen chunk sends at most this many times the norm of what the step added to it (its
     # velocity under momentum correction), the rest staying in the residual; 0: no cap (DGC's rule)
     release_cap: float = setting(0.0, in_range(0, math.inf, high_open=True))

@@ -54,18 +54,18 @@ class CSCCommunicator(LazyAllreduce):
                  momentum_correction: bool = True, momentum_masking: bool = True,
                  density_ramp_epochs: int = 0, release_cap: float = 0.0,
                  trust_noise_correction: bool = True, masking_min_wait: float = 0.0,
-                 rank_by: str = "rescaled") -> None:
+                 rank_by: str = "rescaled", weight_decay_in: str = "velocity") -> None:
         check_settings(chunk_size=chunk_size, density=density, density_ramp_epochs=density_ramp_epochs,
                        release_cap=release_cap, momentum_correction=momentum_correction,
                        momentum_masking=momentum_masking, trust_noise_correction=trust_noise_correction,
-                       masking_min_wait=masking_min_wait, rank_by=rank_by)
+                       masking_min_wait=masking_min_wait, rank_by=rank_by, weight_decay_in=weight_decay_in)
         super().__init__(device, sum_fn, bucket_bytes, overlap)
         self.chunk_size, self.density, self.warmup_epochs = chunk_size, density, warmup_epochs
         self.density_ramp_epochs = density_ramp_epochs
         self.density_now = 1.0
         self.momentum_correction, self.momentum_masking = momentum_correction, momentum_masking
         self.trust_noise_correction = trust_noise_correction
-        self.masking_min_wait, self.rank_by = masking_min_wait, rank_by
+        self.masking_min_wait, self.rank_by, self.weight_decay_in = masking_min_wait, rank_by, weight_decay_in
         self._chunk_entry: list[torch.Tensor] = []  # per part: the bucket entry each chunk starts in
         self._layer_names: list[list[str]] = []  # per part: each entry's parameter name
         self.release_cap = release_cap
@@ -92,6 +92,11 @@ class CSCCommunicator(LazyAllreduce):
             buckets.append(self.make_bucket(members, part.elements, starts, part.sparse_elements))
         return buckets
 
+    def _decays_locally(self, step: Optional[LocalStep]) -> bool:
+        """Whether weight decay is kept out of the sent velocity (``comm.weight_decay_in=local``): only
+        where momentum correction has taken it from the optimizer."""
+        return self.weight_decay_in == "local" and step is not None
+
     def chunks(self, bucket: Bucket) -> torch.Tensor:
         """The part's sparse section as a [chunks, chunk_size] matrix (a view)."""
         return bucket.flat[:bucket.sparse_elements].view(-1, self.chunk_size)
@@ -105,7 +110,8 @@ class CSCCommunicator(LazyAllreduce):
         self.parts = [BucketState.zeros(bucket.sparse_elements // self.chunk_size, self.chunk_size,
                                         bucket.flat.device,
                                         velocity_elements=bucket.flat.numel() if self.momentum_correction else 0,
-                                        noise_layers=step.noise_layers(bucket.index) if step else 0)
+                                        noise_layers=step.noise_layers(bucket.index) if step else 0,
+                                        decay_elements=bucket.flat.numel() if self._decays_locally(step) else 0)
                       for bucket in self.buckets]
         names = {param: name for name, param in model.named_parameters()}
         self._layer_names = [[names.get(param, "?") for param in bucket.params] for bucket in self.buckets]
@@ -190,8 +196,12 @@ class CSCCommunicator(LazyAllreduce):
         if self.grad_scale is not None:
             flat.div_(self.grad_scale)  # in place: the pool part is overwritten below anyway
         sketch = None  # the trust ratio's noise sketch, summed with the chunk norms
+        decay = None  # this rank's weight decay velocity under comm.weight_decay_in=local
         if self.uses_velocity and self.local_step is not None:
-            sketch = self.local_step.apply_(bucket, flat, self._settings, part)
+            decay_step = part.decay_scratch if part.decay is not None else None
+            sketch = self.local_step.apply_(bucket, flat, self._settings, part, decay=decay_step)
+            if decay_step is not None:
+                decay = part.add_decay(decay_step, self.momentum())
         gradient = part.add_momentum(flat, self.momentum()) if self.uses_velocity else flat
         if part.residual is None:  # a part of one-dimensional tensors only: sent densely
             if gradient is not flat:
@@ -209,10 +219,14 @@ class CSCCommunicator(LazyAllreduce):
             if sketch is not None:
                 self.local_step.noise.observe(bucket, part, sent.extra)
             self.chunks(bucket).zero_().index_copy_(0, sent.chosen, sent.summed)
+        if decay is not None and part.residual is not None:
+            flat.add_(decay, alpha=self.world_size)  # the sum's share of it: the mean over ranks is this rank's
         if self.grad_scale is not None:
             flat.mul_(self.grad_scale)
         if part.residual is None:
             super().reduce_bucket(bucket)
+            if decay is not None:  # after the sum, in the scaled units the flat is in now
+                flat.add_(decay if self.grad_scale is None else decay * self.grad_scale, alpha=self.world_size)
 
     def _mask_after(self) -> Optional[float]:
         """``BucketState.sparsify``'s ``mask_after``: None without masking (or without momentum
@@ -268,9 +282,7 @@ class CSCCommunicator(LazyAllreduce):
 
     def state_dict(self) -> dict:
         parts = [part.state_dict() for part in self.parts]
-        return {"residual": {i: s["residual"] for i, s in enumerate(parts) if "residual" in s},
-                "velocity": {i: s["velocity"] for i, s in enumerate(parts) if "velocity" in s},
-                "noise": {i: s["noise"] for i, s in enumerate(parts) if "noise" in s},
+        return {**{key: {i: s[key] for i, s in enumerate(parts) if key in s} for key in BucketState.STATE},
                 "noise_step": self.local_step.noise.step if self.local_step and self.local_step.noise else 0,
                 "optimizer_taken": self._taken, "warmup_epochs": self.warmup_epochs,
                 "layout": self._layout_signature(), "chunk_size": self.chunk_size}

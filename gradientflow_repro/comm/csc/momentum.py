@@ -6,8 +6,12 @@ chunks held back. So while CSC sends sparsely:
    (``BucketState.add_momentum``), and its sum v <- v + u (the residual) is what gets chunked and
    sent; the dense tail sends its u;
 2. sent chunks of v are cleared and, with momentum factor masking (``comm.momentum_masking``), so
-   are those of u (``BucketState.sparsify``'s ``mask_velocity``), so the stale momentum of a chunk
-   just sent does not push it on (DGC's remedy for the staleness of delayed updates);
+   are those of u (``BucketState.sparsify``'s ``mask_after``), so the stale momentum of a chunk
+   just sent does not push it on (DGC's remedy for the staleness of delayed updates). DGC sent an
+   element every 600 to 1,000 steps, where masking erases ~1% of the momentum's gain; a chunk sent
+   every k steps keeps only 1 - m(1 - m^k) / ((1 - m) k) of it (0.41 at k = 10, m = 0.9).
+   ``comm.masking_min_wait`` masks only the chunks that waited longer than it (0: every sent chunk,
+   DGC's rule); what masking erased is in every progress record (``SendLog``);
 3. the optimizer's own momentum is set to 0 so momentum is not applied twice (``TAKEN``,
    ``take_settings``); it is given back during dense phases (``give_back``), when its momentum
    restarts from the mean gradient (the velocities are per rank);
@@ -22,10 +26,15 @@ the sum over ranks; had LARS stayed in the optimizer it would rescale the accumu
 one step's size, and the momentum's gain would be lost: sparse training ran at a fraction of its
 learning rate and took several times the epochs of dense training on the digits recipe
 (docs/notes/2026-12-01-csc-under-lars.md). So what the optimizer does to a gradient before its momentum
-moves with the momentum: each rank adds the weight decay to its own gradient (SGD and Lars, as DGC
-does) and, for the layers Lars adapts, rescales it by the trust ratio (``trust.lars_rescale_``),
-before ``u <- m u + g``; the optimizer's groups run as plain SGD (momentum, weight decay and
-adaptation handed to CSC). When every chunk is sent and the ranks' gradients agree this is dense
+moves with the momentum: each rank adds the weight decay to its own gradient and, for the layers
+Lars adapts, rescales it by the trust ratio (``trust.lars_rescale_``), before ``u <- m u + g``; the
+optimizer's groups run as plain SGD (momentum, weight decay and adaptation handed to CSC). Where the
+weight decay goes is a choice (``comm.weight_decay_in``): into the velocity that is sparsified and
+sent ("velocity", as PaddlePaddle's DGC kernel does), or into a velocity of its own on each rank,
+d <- m d + wd w (rescaled by the same trust ratio under Lars), added to the summed update every step
+and never sent ("local": DGC's reference optimizer, ``dgc/optim/sgd.py`` in the authors' code, keeps
+the decay's momentum in the optimizer and adds the communicated gradient without momentum). The
+weights are the same on every rank, so "local" applies the decay densely and without delay. When every chunk is sent and the ranks' gradients agree this is dense
 LARS step for step (the lockstep test); with different gradients each rank's ratio comes from its
 own, noisier |g|, which ``trust.TrustNoise`` corrects. Optimizers that adapt in other ways (apex's
 LARC rescales every update, velocity included), Nesterov momentum and dampening are refused rather
@@ -115,26 +124,34 @@ class LocalStep:
         return self.noise.layers_in(bucket_index) if self.noise is not None else 0
 
     def apply_(self, bucket: Bucket, gradient: torch.Tensor, settings: list[dict],
-               state: Optional[BucketState] = None) -> Optional[torch.Tensor]:
+               state: Optional[BucketState] = None, decay: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Apply, in place, the optimizer's pre-momentum step to ``bucket``'s gradients in ``gradient``
         (laid out like ``bucket.flat``); ``settings``: each optimizer group's own settings (those
         CSC has taken over included). With ``state`` (the bucket's, holding a noise estimate), the
         trust ratios are corrected by its estimate, and the noise sketch of the gradients as they
-        came (``TrustNoise.sketch``) is returned, to ride with the chunk norms; else None."""
+        came (``TrustNoise.sketch``) is returned, to ride with the chunk norms; else None. ``decay``
+        (laid out like ``gradient``): the weight decay term (rescaled where Lars adapts) is written
+        there instead of added to the gradient, and zeros where a parameter has none
+        (``comm.weight_decay_in=local``)."""
         noise = self.noise if state is not None and state.noise is not None else None
         sketch = noise.sketch(bucket, gradient, state) if noise is not None else None
         factors = noise.factors(bucket, state) if noise is not None else {}
-        rescaled, adapted = [], []
+        rescaled, adapted, decay_views = [], [], []
+        if decay is not None:
+            decay.zero_()
         for index, (param, offset, group) in enumerate(self.entries[bucket.index]):
             own, view = settings[group], gradient[offset:offset + param.numel()]
             if adapts(own):
                 rescaled.append((view, param.detach().reshape(-1), own, factors.get(index, 1.0)))
                 adapted.append(index)
+                if decay is not None:
+                    decay_views.append(decay[offset:offset + param.numel()])
             elif own.get("weight_decay", 0.0):
-                view.add_(param.detach().reshape(-1), alpha=own["weight_decay"])
+                target = view if decay is None else decay[offset:offset + param.numel()]
+                target.add_(param.detach().reshape(-1), alpha=own["weight_decay"])
         ratios = torch.ones(len(self.entries[bucket.index]), dtype=torch.float32, device=gradient.device)
         if rescaled:
-            found = lars_rescale_(*map(list, zip(*rescaled)))
+            found = lars_rescale_(*map(list, zip(*rescaled)), decay_into=decay_views if decay is not None else None)
             ratios[adapted] = torch.stack(found).to(torch.float32)
         self.ratios[bucket.index] = ratios
         return sketch

@@ -11,9 +11,9 @@ than CSC's arithmetic. Residuals are kept in unscaled units (the caller divides 
 out on the way in and multiplies it back on the way out), so a changing loss scale never corrupts
 them.
 
-Checkpoints keep the keys ``residual``, ``age``, ``velocity`` and ``noise`` per bucket (``STATE``; a
-state saved before ``age`` existed starts its chunks at age 0); resumed on
-another number of ranks, each new rank takes the mean over the old ranks (``rank_rules``).
+Checkpoints keep the keys ``residual``, ``age``, ``velocity``, ``noise`` and ``decay`` per bucket
+(``STATE``; a state saved before ``age`` existed starts its chunks at age 0); resumed on another
+number of ranks, each new rank takes the mean over the old ranks (``rank_rules``).
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ class BucketState:
     DDP hook). Used by ``CSCCommunicator`` (one per pool part) and ``csc_hook`` (one per DDP
     bucket)."""
 
-    STATE = ("residual", "age", "velocity", "noise")  # what is staged, committed and saved
+    STATE = ("residual", "age", "velocity", "noise", "decay")  # what is staged, committed and saved
 
     def __init__(self, residual: Optional[torch.Tensor] = None,
                  velocity: Optional[torch.Tensor] = None, noise: Optional[torch.Tensor] = None,
-                 age: Optional[torch.Tensor] = None) -> None:
+                 age: Optional[torch.Tensor] = None, decay: Optional[torch.Tensor] = None) -> None:
         self.residual = residual  # [chunks, chunk_size], fp32; None for a part always sent densely
         # [chunks], fp32: steps since each chunk was last sent (0 after a dense step)
         self.age = age if age is not None or residual is None else torch.zeros(
@@ -62,6 +62,9 @@ class BucketState:
         # [2, layers]: running means of the ranks' own and of their mean's sketched squared norms,
         # for each layer whose trust ratio is corrected for noise (``TrustNoise``); None without
         self.noise = noise
+        # under ``comm.weight_decay_in=local``: the weight decay's own velocity, flat over the bucket,
+        # kept and applied on each rank (DGC's reference optimizer), never sent; None otherwise
+        self.decay = decay
         for name in self.STATE:
             tensor = getattr(self, name)
             setattr(self, f"_spare_{name}", None if tensor is None else torch.empty_like(tensor))
@@ -72,14 +75,15 @@ class BucketState:
 
     @classmethod
     def zeros(cls, chunks: int, chunk_size: int, device: torch.device, velocity_elements: int = 0,
-              noise_layers: int = 0) -> "BucketState":
+              noise_layers: int = 0, decay_elements: int = 0) -> "BucketState":
         """A fresh state: a residual of ``chunks`` x ``chunk_size`` (none when ``chunks`` is 0: a
         bucket sent densely), for momentum correction a velocity of ``velocity_elements``, and the
         noise estimate of ``noise_layers`` layers (zeros: nothing observed yet)."""
         residual = torch.zeros((chunks, chunk_size), dtype=torch.float32, device=device) if chunks else None
         velocity = torch.zeros(velocity_elements, dtype=torch.float32, device=device) if velocity_elements else None
         noise = torch.zeros((2, noise_layers), dtype=torch.float32, device=device) if noise_layers else None
-        return cls(residual, velocity, noise)
+        decay = torch.zeros(decay_elements, dtype=torch.float32, device=device) if decay_elements else None
+        return cls(residual, velocity, noise, decay=decay)
 
     def to(self, device: torch.device) -> None:
         """Move the state to ``device`` (a hook's state restored on the CPU, then used on a GPU)."""
@@ -95,6 +99,13 @@ class BucketState:
         assert self.velocity is not None, "this bucket keeps no velocity"
         self._staged_velocity = torch.add(gradient, self.velocity, alpha=momentum, out=self._spare_velocity)
         return self._staged_velocity
+
+    def add_decay(self, decay: torch.Tensor, momentum: float) -> torch.Tensor:
+        """Stage the weight decay's own velocity d <- m d + decay and return it (what this rank adds,
+        unsent, to the summed update under ``comm.weight_decay_in=local``)."""
+        assert self.decay is not None, "this bucket keeps no weight decay velocity"
+        self._staged_decay = torch.add(decay, self.decay, alpha=momentum, out=self._spare_decay)
+        return self._staged_decay
 
     def sparsify(self, gradient: torch.Tensor, density: float, sum_fn: SumFn, norm_sum: SumFn,
                  stats: CommStats, always: Optional[torch.Tensor] = None, mask_after: Optional[float] = None,
@@ -206,6 +217,7 @@ class BucketState:
     def discard(self) -> None:
         """Forget the staged updates (a step skipped on every rank)."""
         self._staged_residual = self._staged_age = self._staged_velocity = self._staged_noise = None
+        self._staged_decay = None
 
     @property
     def scratch(self) -> torch.Tensor:
@@ -214,9 +226,16 @@ class BucketState:
         assert self._staged_residual is None, "the spare holds a staged residual"
         return self._spare_residual
 
+    @property
+    def decay_scratch(self) -> torch.Tensor:
+        """A buffer the size of the weight decay velocity for this step's decay term (the spare of
+        the velocity, which ``add_momentum`` has not staged yet when the local step runs)."""
+        assert self._staged_velocity is None, "the velocity's spare holds a staged velocity"
+        return self._spare_velocity
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """``residual``, ``age``, ``velocity`` and ``noise`` (those this bucket keeps), on the CPU."""
+        """``residual``, ``age``, ``velocity``, ``noise`` and ``decay`` (those this bucket keeps), on the CPU."""
         return {name: getattr(self, name).cpu() for name in self.STATE if getattr(self, name) is not None}
 
     def load_state_dict(self, state: dict) -> None:
@@ -280,7 +299,7 @@ SAME_ON_EVERY_RANK = ("noise_step", "optimizer_taken", "warmup_epochs", "layout"
 
 def rank_rules() -> dict[str, str]:
     """On another number of ranks, each new rank's per-bucket state (``BucketState.STATE``:
-    residual, age, velocity, noise) is the mean over the old ranks (the ages are the same on every
+    residual, age, velocity, noise, decay) is the mean over the old ranks (the ages are the same on every
     rank, so their mean is each): the mean over ranks of what is held
     back (what the sum, divided by the world size, will deliver) is unchanged, whatever the new
     world size; the noise estimate, equal on every rank, is kept. The rest

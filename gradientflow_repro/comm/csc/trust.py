@@ -139,19 +139,26 @@ class TrustNoise:
 
 
 def lars_rescale_(gradients: list[torch.Tensor], weights: list[torch.Tensor], groups: list[dict],
-                  noise: Optional[list[Union[float, torch.Tensor]]] = None) -> list[torch.Tensor]:
+                  noise: Optional[list[Union[float, torch.Tensor]]] = None,
+                  decay_into: Optional[list[torch.Tensor]] = None) -> list[torch.Tensor]:
     """``g <- ratio * (g + wd w)`` in place for each gradient, with its group's ``weight_decay``,
     ``trust_coeff`` and ``eps``: timm ``Lars``'s step before its momentum, with its ratio
     (``timm.optim.lars._lars_trust_ratio``, private there): ``trust |w| / (|g| + wd |w| + eps)``,
     1 where ``|w|`` or ``|g|`` is 0. ``noise``: per gradient, the factor c that ``|g|`` is divided
-    by (``TrustNoise``); 1 without. Returns the ratios (0-d tensors, one per gradient)."""
+    by (``TrustNoise``); 1 without. ``decay_into`` (one tensor per gradient, like it): the rescaled
+    weight decay ``ratio * wd w`` is written there and the gradient becomes ``ratio * g`` only
+    (``comm.weight_decay_in=local``). Returns the ratios (0-d tensors, one per gradient)."""
     weight_norms, gradient_norms = torch._foreach_norm(weights), torch._foreach_norm(gradients)
     ratios = []
-    for gradient, weight, w_norm, g_norm, group, c in zip(gradients, weights, weight_norms, gradient_norms, groups,
-                                                          noise or [1.0] * len(gradients)):
+    for index, (gradient, weight, w_norm, g_norm, group, c) in enumerate(
+            zip(gradients, weights, weight_norms, gradient_norms, groups, noise or [1.0] * len(gradients))):
         decay = group["weight_decay"]
         ratio = group["trust_coeff"] * w_norm / (g_norm / c + w_norm * decay + group["eps"])
         ratio = torch.where((w_norm > 0) & (g_norm > 0), ratio, 1.0)
-        gradient.add_(weight, alpha=decay).mul_(ratio)
+        if decay_into is None:
+            gradient.add_(weight, alpha=decay).mul_(ratio)
+        else:
+            gradient.mul_(ratio)
+            torch.mul(weight, ratio * decay, out=decay_into[index])
         ratios.append(ratio)
     return ratios
