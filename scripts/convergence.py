@@ -24,7 +24,7 @@ from gradientflow_repro.reproduction import convergence
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--experiment", default="digits_cpu")
+    parser.add_argument("--experiment", default="patterns_cpu")
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--configs", nargs="+", default=list(convergence.DEFAULT_CONFIGS),

@@ -33,7 +33,8 @@ def _run(label: str, seed: int, curve: list[float], step_s: float = 0.1, sparse_
         clock += steps_per_epoch * step_s + 0.5
         train += steps_per_epoch * step_s
         records.append({"kind": "eval", "epoch": float(epoch), "top1": curve[epoch - 1], "mlperf_s": clock,
-                        "train_s": train})
+                        "train_s": train, "step": epoch * steps_per_epoch, "eval_s": 0.5 * epoch, "startup_s": 2.0,
+                        "init_s": 3.0})  # every clock, as the trainer writes them
     steps = epochs * steps_per_epoch
     at = ({"step": steps, "mlperf_s": clock, "train_s": train, "eval_s": 0.5 * epochs, "startup_s": 2.0,
            "init_s": 3.0} if reached else None)
@@ -290,3 +291,154 @@ def test_a_report_written_from_a_reproduction_writes_its_rows_and_reads_the_stud
         ("reproduce", "gradientflow", True), ("reproduce", "powersgd", False), ("convergence", "powersgd", True)]
     assert written["convergence_rows"] == rows[2:] and written["convergence_source"] == "`runs.csv` beside this report"
     assert list(written["runs"]) == ["gradientflow", "powersgd"]
+
+
+# ---------------------------------------------------------------- both criteria from runs of the whole schedule
+def _whole(label: str, seed: int, curve: list[float], step_s: float = 0.1, target: float = 98.0) -> dict:
+    """A run of the whole ``curve`` (``target_top1=null``), measured against ``target`` as
+    ``reproduce.report_from`` measures it (``runs.with_target``)."""
+    from gradientflow_repro.reproduction.runs import with_target
+
+    return with_target(_run(label, seed, curve, step_s, target=None), target)
+
+
+def test_runs_of_the_whole_schedule_are_timed_to_the_target_at_their_first_evaluation_at_it() -> None:
+    """MLPerf's criterion from runs that went on past the target: every table reads the first
+    evaluation at or above it, as from runs that stopped there; without a target to measure them
+    against, nothing is reached."""
+    from gradientflow_repro.reproduction.report import clock_table, comparison_table, decomposition
+    from gradientflow_repro.reproduction.runs import epochs_to_target, run_row
+
+    curves = {"ddp": [90, 95, 98, 99, 97], "gradientflow": [90, 96, 97, 98.5, 99]}
+    stopped = {label: [_run(label, s, curve, 0.2 if label == "ddp" else 0.05) for s in range(3)]
+               for label, curve in curves.items()}
+    whole = {label: [_whole(label, s, curve, 0.2 if label == "ddp" else 0.05) for s in range(3)]
+             for label, curve in curves.items()}
+    assert [epochs_to_target(r) for r in whole["gradientflow"]] == [4.0] * 3
+    assert decomposition(whole, "ddp") == decomposition(stopped, "ddp") != {}
+    assert clock_table(whole) == clock_table(stopped)
+    # time and epochs to target as if stopped there; top-1 at the last evaluation is the schedule's end
+    time_and_epochs = [[row.split("|")[2:4] for row in table[2:]] for table in (comparison_table(whole),
+                                                                               comparison_table(stopped))]
+    assert time_and_epochs[0] == time_and_epochs[1] and "not reached" not in str(time_and_epochs[0])
+    assert comparison_table(whole)[2].split("|")[4].strip() == "97.00 [97.00-97.00]"
+    row = run_row(whole["gradientflow"][0], study="reproduce", label="gradientflow", target=98.0)
+    assert row["reached_target"] and row["epochs_to_target"] == 4.0 and row["epochs"] == 5
+    assert row["time_to_target_mlperf_s"] == pytest.approx(2 + 4 * (10 * 0.05 + 0.5))
+    unmeasured = _run("ddp", 0, curves["ddp"], target=None)  # no target given: none to reach
+    assert epochs_to_target(unmeasured) is None
+
+
+def test_the_paper_criterion_reads_each_runs_end_against_the_same_seeds_ddp() -> None:
+    """The fixed schedule, per strategy: MLPerf's clock at the last evaluation, top-1 there, less
+    the same seed's ddp run's (paired by seed, not by position), the largest fall after the warm-up
+    (1 epoch); runs that stopped at the target say where the schedule is instead."""
+    from gradientflow_repro.reproduction.report import _schedule_section, schedule_table
+
+    runs = {"ddp": [_whole("ddp", s, [90, 95, 98, 97 + s], 0.2) for s in range(3)],  # ends 97, 98, 99
+            "gradientflow": [_whole("gradientflow", 1, [90, 96, 98, 96], 0.05),  # seed 1 first
+                             _whole("gradientflow", 0, [90, 96, 89, 98.5], 0.05),
+                             _whole("gradientflow", 2, [90, 95, 97, 99.5], 0.05)]}
+    table = schedule_table(runs, "ddp")
+    rows = {row.split("|")[1].strip(): [c.strip() for c in row.strip("|").split("|")][1:] for row in table[2:]}
+    assert "top-1 at the end - `ddp`'s, same seed (points)" in table[0]
+    # 2 + 4 x (10 x 0.2 + 0.5) = 12 s; 2 + 4 x (10 x 0.05 + 0.5) = 6 s
+    assert rows["ddp"] == ["12.0 [12.0-12.0]", "98.00 [97.00-99.00]", "- (the reference)", "0.0 [0.0-1.0]"]
+    assert rows["gradientflow"] == ["6.0 [6.0-6.0]", "98.50 [96.00-99.50]",
+                                    "seed 1 -2.00, seed 0 +1.50, seed 2 +0.50", "2.0 [0.0-7.0]"]
+    text = "\n".join(_schedule_section(runs))
+    assert text.startswith("## The paper's criterion: the fixed schedule") and "whole schedule (? epochs)" in text
+    stopped = {"ddp": [_run("ddp", 0, [90, 98])], "gradientflow": [_run("gradientflow", 0, [90, 98])]}
+    said = _schedule_section(stopped)
+    assert len(said) == 3 and said[2].startswith("These runs stopped at the target") and "make convergence" in said[2]
+
+
+def test_a_report_of_some_configurations_says_which_were_not_trained_and_what_it_cannot_check(tmp_path: Path) -> None:
+    """patterns_cpu's default configurations (no `allreduce`, so no step-time runs): the report is
+    whole, names the configurations not trained and `make convergence`, says in one line that the
+    model is not checked, and has both criteria."""
+    from gradientflow_repro.reproduction.report import write_report
+    from gradientflow_repro.reproduction.reproduce import DEFAULT_RUNGS
+
+    rungs = DEFAULT_RUNGS["patterns_cpu"]
+    runs = {label: [_whole(label, s, [90, 95, 98, 98.5]) for s in range(2)] for label in rungs}
+    network = {"emulated": True, "rate_mbit": 100.0, "bandwidth_Bps": 1e7, "latency_s": 1e-4, "why_not": None}
+    machine = {"gpu": None, "cpu": "test CPU", "cpu_count": 2, "torch": "x", "git_commit": "c0ffee"}
+    report = tmp_path / "REPORT.md"
+    write_report(report, runs=runs, checks={4: {}}, calibration={**CALIBRATION, "compute_s": 0.05,
+                                                                  "bytes_per_step": 1e6},
+                 network=network, world=4, repeats=2, command="c", elapsed_s=60, experiment="patterns_cpu",
+                 group="g", overrides=[], machine=machine, short_at_world=[], unshaped={}, allreduce_beside={})
+    text = report.read_text()
+    untrained = [label for label in knobs.COMPARED if label not in rungs]
+    assert "allreduce" in untrained
+    assert ("- Not trained here: " + ", ".join(f"`{label}`" for label in untrained)) in text
+    assert "`make convergence` trains every configuration on loopback over the whole schedule" in text
+    assert "MLPerf's, time to the target (98% top-1" in text and "schedule (? epochs, `target_top1=null`)" in text
+    assert text.count("Not checked here: the scaling model is scaled to `allreduce`'s compute-only step") == 1
+    assert "| world | strategy | measured step" not in text and "reproduce_step_split.png" not in text
+    schedule = text[text.index("## The paper's criterion"):].split("\n\n")[1].splitlines()[2:]
+    assert [row.split("|")[1].strip() for row in schedule] == list(rungs)
+    mlperf = text[text.index("| strategy | time to target, MLPerf"):].split("\n\n")[0].splitlines()[2:]
+    assert all("not reached" not in row for row in mlperf) and len(mlperf) == len(rungs)
+
+
+def test_a_report_from_runs_of_the_whole_schedule_measures_them_against_the_reproductions_target(
+        tmp_path: Path, monkeypatch) -> None:
+    """``report_from`` gives each run the target the reproduction named (its runs had none to stop
+    at): runs.csv and the report reach it at the first evaluation at or above it."""
+    import yaml
+
+    from gradientflow_repro.reproduction import reproduce as rp
+    from gradientflow_repro.reproduction.runs import epochs_to_target, read_runs_csv
+
+    runs_dir, report = tmp_path / "runs", tmp_path / "REPORT.md"
+    for label, curve in (("ddp", [90, 95, 98.2, 99]), ("powersgd", [90, 95, 96, 97])):
+        run = _run(label, 0, curve, target=None)
+        run_dir = runs_dir / label / "seed0"
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text(json.dumps(run["summary"]))
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run["records"]))
+        (run_dir / "config.yaml").write_text(yaml.safe_dump({**run["config"], "comm": run["comm"]}))
+    (runs_dir / "reproduce.json").write_text(json.dumps({"rungs": ["ddp", "powersgd"], "checks": {"4": {}},
+                                                         "target_top1": 98.0}))
+    written: dict = {}
+    monkeypatch.setattr(rp, "write_report", lambda path, **facts: written.update(facts, path=path))
+    rp.report_from(runs_dir, report)
+    rows = read_runs_csv(tmp_path / "runs.csv", "reproduce")
+    assert [(row["strategy"], row["target_top1"], row["reached_target"], row["epochs_to_target"], row["epochs"])
+            for row in rows] == [("ddp", 98.0, True, 3.0, 4.0), ("powersgd", 98.0, False, None, 4.0)]
+    assert rows[0]["time_to_target_mlperf_s"] == pytest.approx(2 + 3 * 1.5)
+    assert "target_top1" not in written  # each run's, not a fact of the report
+    assert [epochs_to_target(run) for run in written["runs"]["ddp"]] == [3.0]
+
+
+def _with_sends(run: dict, intervals: dict[str, float], masked: Optional[float]) -> dict:
+    """``run`` whose sparse progress records carry CSC's send statistics, as the trainer logs them."""
+    for record in run["records"]:
+        if record["kind"] == "train" and record["epoch"] > 1.0:
+            record["csc_send_interval_median"] = dict(intervals)
+            if masked is not None:
+                record["csc_masked_momentum_share"] = masked
+    return run
+
+
+def test_what_sparsification_did_is_a_table_of_the_sparse_runs_only() -> None:
+    """Medians over the seeds of each layer's interval between sends, the slowest layer, the momentum
+    erased by masking and the bytes after the warm-up; dense runs and runs without the records are not
+    rows, and without any the section is absent."""
+    from gradientflow_repro.reproduction import report
+
+    curve = [50.0, 60.0, 70.0, 80.0]
+    runs = {"ddp": [_run("ddp", seed, curve, target=None) for seed in (0, 1)],
+            "gradientflow": [_with_sends(_run("gradientflow", seed, curve, target=None, sparse_mb=0.5),
+                                         {"a.weight": 4.0 + seed, "b.weight": 10.0 + 2 * seed}, 0.1 + 0.1 * seed)
+                             for seed in (0, 1, 2)],
+            "gradientflow-no-mc": [_with_sends(_run("gradientflow-no-mc", 0, curve, target=None),
+                                               {"a.weight": 2.0}, None)],
+            "powersgd": [_run("powersgd", 0, curve, target=None)]}
+    table = report.sparsification_table(runs)
+    assert [line.split(" | ")[0] for line in table[2:]] == ["| gradientflow", "| gradientflow-no-mc"]
+    assert table[2] == "| gradientflow | 5-12 | `b.weight` (12) | 20% | 0.500 |"
+    assert table[3] == "| gradientflow-no-mc | 2-2 | `a.weight` (2) | - (none) | 1.000 |"
+    assert report.sparsification_section({"ddp": runs["ddp"]}) == []

@@ -637,6 +637,63 @@ def test_a_reproduction_interrupted_at_any_job_continues_to_the_same_result(tmp_
         assert state["finished"] and [launch["kept_jobs"] for launch in state["launches"]] == [0, index]
 
 
+def test_the_runs_train_the_whole_schedule_and_patterns_default_configurations_plan_no_step_time_runs(
+        tmp_path: Path, monkeypatch) -> None:
+    """Every training run has no target to stop at (``target_top1=null``, after every override); the
+    target it is measured against is the experiment's, or the one the overrides set. patterns_cpu
+    trains its own default configurations, without `allreduce`, so no step-time run and no other
+    world size is planned (nothing the model could be checked against); digits_cpu trains every one."""
+    from gradientflow_repro.reproduction import reproduce as rp
+    from gradientflow_repro.reproduction.convergence import experiment_target
+
+    launched: list[tuple[str, list[str]]] = []
+
+    class fake_network:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return None
+
+        def __exit__(self, *exc):
+            return None
+
+    def fake_run_ranks(world, overrides, run_dir, label, net, timeout_s, show=True):
+        run_dir.mkdir(parents=True)
+        launched.append((label, list(overrides)))
+
+    monkeypatch.setattr(rp, "run_ranks", fake_run_ranks)
+    monkeypatch.setattr(rp, "network", fake_network)
+    monkeypatch.setattr(rp.netemu, "why_unavailable", lambda: None)
+    monkeypatch.setattr(rp, "calibrate", lambda *args: {"compute_s": 0.05, "bytes_per_step": 1e6, "step_s": 0.1,
+                                                        "profile": {"tensors": [[100, 0, 0]]}})
+    monkeypatch.setattr(rp, "measure_network", lambda world, *args: {"bandwidth_Bps": 1e8, "latency_s": 1e-4,
+                                                                      "world": world})
+    monkeypatch.setattr(rp, "report_from", lambda runs_dir, report: report.write_text(
+        (runs_dir / "reproduce.json").read_text()))
+    monkeypatch.setattr(rp, "load_run", lambda run_dir: {"run_dir": str(run_dir)})
+    monkeypatch.setattr(rp, "median_step", lambda runs, skip_warmup=True: {})
+
+    def facts(name: str, *overrides: str) -> dict:
+        launched.clear()
+        rp.reproduce(experiment="patterns_cpu", repeats=1, rate_mbit=100, runs_dir=tmp_path / name,
+                     report=tmp_path / f"{name}.json", overrides=overrides)
+        return json.loads((tmp_path / f"{name}.json").read_text())
+
+    made = facts("default")
+    assert made["rungs"] == list(rp.DEFAULT_RUNGS["patterns_cpu"]) and "allreduce" not in made["rungs"]
+    assert [label for label, _ in launched] == [f"{label} s0" for label in made["rungs"]]  # no step-time run
+    assert made["checks"] == {"4": {}} and list(made["network_by_world"]) == ["4"]  # no other world size
+    assert made["target_top1"] == experiment_target("patterns_cpu")
+    assert all(argv[argv.index("target_top1=null") + 1].startswith("seed=") for _, argv in launched)
+    told = facts("told", "target_top1=70")  # measured against 70%, still never stopped at it
+    assert told["target_top1"] == 70.0
+    for _, argv in launched:
+        assert argv.index("target_top1=70") < argv.index("target_top1=null")  # the later one wins
+    assert rp.default_rungs("digits_cpu") == list(knobs.COMPARED)
+    assert set(rp.DEFAULT_RUNGS["patterns_cpu"]) <= set(knobs.COMPARED)
+
+
 # ---------------------------------------------------------------- the report's arithmetic
 def _fake_run(strategy: str, seed: int, curve: list[float], step_s: float = 0.1, startup_s: float = 2.0,
               target: float = 97.0, steps_per_epoch: int = 10, density: float = 0.1) -> dict:

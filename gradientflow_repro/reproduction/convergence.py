@@ -1,16 +1,18 @@
 """Accuracy over the whole schedule: what sparse communication costs at the end of training.
 
-``make reproduce`` stops every run at the target, as time to accuracy must, so it cannot say
-whether sparse communication still costs accuracy when training ends, which is what the paper
-claims it does not. This study trains chosen configurations over the experiment's whole schedule
-(never stopping at the target), once per seed, and writes ``results/convergence.md``: epochs to
+``make reproduce`` trains the whole schedule too, but on the emulated network and only the
+experiment's default configurations (``reproduce.DEFAULT_RUNGS``); this study trains any of them,
+every one of ``knobs.COMPARED`` by default, on loopback, to say whether sparse communication still
+costs accuracy when training ends, which is what the paper claims it does not. It trains chosen
+configurations over the experiment's whole schedule (never stopping at the target), once per seed,
+and writes ``results/convergence.md``: epochs to
 each target, top-1 after every epoch (median over seeds), top-1 at the end against the dense
 reference seed by seed, the largest fall after the learning-rate warm-up, what our additions to the
 paper's stack buy (``gradientflow`` against ``gradientflow-paper``), and a figure; and its rows of
 ``results/runs.csv`` (``runs.RUNS_CSV_COLUMNS``, study ``convergence``; ``make reproduce``'s rows kept).
 
 Runs go over loopback: accuracy per epoch does not depend on the network's speed. A configuration is
-a label of ``knobs.COMPARED`` (what ``make reproduce`` trains: the strategy registry's ladder,
+a label of ``knobs.COMPARED`` (what ``make reproduce`` can train: the strategy registry's ladder,
 sparse variants and peers, ``comm/registry.py``) or ``LABEL=OVERRIDES`` (any Hydra overrides, e.g.
 ``cap0="comm=gradientflow comm.release_cap=0"``), so the experiments behind the recipe tables
 (docs/notes/2026-12-01-digits-recipe-search.md) are one command each. A finished run is kept under
@@ -39,8 +41,10 @@ from gradientflow_repro.reproduction.report import (
     PAPER_STACK,
     density_label,
     falls_after_warmup,
+    final_gaps,
     plot_top1,
     run_seed,
+    sparsification_section,
     spread,
 )
 from gradientflow_repro.reproduction.reproduce import EXPERIMENT_OVERRIDES, ladder_overrides, machine_overrides
@@ -55,7 +59,7 @@ from gradientflow_repro.reproduction.runs import (
 )
 from gradientflow_repro.tracking import duration
 
-DEFAULT_CONFIGS = tuple(knobs.COMPARED)  # what make reproduce trains: the ladder, CSC's variants and the peers
+DEFAULT_CONFIGS = tuple(knobs.COMPARED)  # every configuration make reproduce can train: ladder, variants, peers
 REFERENCE = "ddp"  # the dense configuration the others are set against, when trained (as make reproduce)
 RUNS_DIR = REPO / "results" / "runs" / "convergence"
 OUT = REPO / "results" / "convergence.md"
@@ -128,7 +132,7 @@ def first_epoch_at(run: dict, top1: float) -> Optional[float]:
     return next((epoch for epoch, accuracy in evaluations(run) if accuracy >= top1), None)
 
 
-def study(*, configs: dict[str, list[str]], experiment: str = "digits_cpu", world: int = 4,
+def study(*, configs: dict[str, list[str]], experiment: str = "patterns_cpu", world: int = 4,
           seeds: Sequence[int] = (0, 1, 2), targets: Sequence[float] = (), runs_dir: Path = RUNS_DIR,
           out: Path = OUT, overrides: Sequence[str] = (), timeout_s: float = 900, fresh: bool = False,
           command: str = "python scripts/convergence.py", report_only: bool = False) -> dict[str, list[dict]]:
@@ -207,11 +211,14 @@ def write_study(out: Path, runs: dict[str, list[dict]], *, configs: dict[str, li
              + (f" Overrides for every run: `{' '.join(overrides)}`." if overrides else ""),
              "- Configurations: " + "; ".join(f"{label}: `{' '.join(configs[label])}`" for label in runs) + ".", ""]
     header = ["configuration", "density", *[f"epochs to {t:g}%" for t in targets], "top-1 at the end (%)",
+              *([f"top-1 at the end - `{reference}`'s, same seed (points)"] if reference else []),
               "best top-1 (%)", "largest fall after the warm-up (points)"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for label, items in runs.items():
         cells = [label, density_label(items[0]), *[spread([first_epoch_at(r, t) for r in items], "g") for t in targets],
                  spread([r["summary"].get("final_top1") for r in items], ".2f"),
+                 *([("- (the reference)" if label == reference else final_gaps(items, runs[reference]))]
+                   if reference else []),
                  spread([r["summary"].get("best_top1") for r in items], ".2f"),
                  spread([largest_fall(r) for r in items], ".1f")]
         lines.append("| " + " | ".join(cells) + " |")
@@ -226,7 +233,7 @@ def write_study(out: Path, runs: dict[str, list[dict]], *, configs: dict[str, li
     lines += ["", f"Falls of more than 5 points from one evaluation to the next after the warm-up: {len(dropped)} in "
               f"{sum(map(len, runs.values()))} runs" + (": " + "; ".join(dropped) if dropped else "") + ".",
               "", *_verdicts(runs, reference, targets[0]), *_additions(runs, targets[0]), "",
-              f"![validation top-1 against epochs]({out.stem}_top1.png)", ""]
+              *sparsification_section(runs), f"![validation top-1 against epochs]({out.stem}_top1.png)", ""]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
     plot_top1(runs, out.parent / f"{out.stem}_top1.png", x="epoch", targets=targets)

@@ -1,5 +1,7 @@
-"""The paper's comparison on one machine: the ablation ladder, each rung trained to the target
-accuracy over an emulated cluster network once per seed, then results/REPORT.md.
+"""The paper's comparison on one machine: the ablation ladder, each rung trained over the whole
+schedule on an emulated cluster network once per seed, then results/REPORT.md with both criteria
+read from the same runs: MLPerf's (time to the target accuracy, at the first evaluation at or above
+it) and the paper's (the fixed schedule: the time to finish it, top-1 at the end).
 
 Steps: (1) calibrate: profile the model (``scaling.profile``), run the baseline briefly on an
 unshaped network to get compute time and bytes per step; (2) choose the link rate that gives the
@@ -8,13 +10,15 @@ message latency (``scaling.netbench``); (4) train every rung of the ladder (``kn
 strategy registry's ``LADDER`` list, ``comm/registry.py``), gradientflow's variants for
 convergence (``knobs.SPARSE_VARIANTS``, the registry's ``SPARSE_VARIANTS``) and the peers, what
 researchers would use instead and the paper's stack as published (``knobs.PEERS``: PyTorch's fp16 and
-PowerSGD hooks, ``gradientflow-paper``), to the target once per seed (seed-major, so drift spreads over
+PowerSGD hooks, ``gradientflow-paper``), or the experiment's own default set (``DEFAULT_RUNGS``),
+over the whole schedule (``target_top1=null``) once per seed (seed-major, so drift spreads over
 all of them), then short step-time runs of the sparse rungs,
-sparse from the start (their runs to the target are mostly dense warm-up), with `allreduce`'s beside
+sparse from the start (on a short schedule their runs are mostly dense warm-up), with `allreduce`'s beside
 them (their compute-only reference), and the same again with the links unshaped (what is left
 without the link's rate); (5) short step-time runs of every rung at
 the other world sizes, for the scaling model's check (the peers are not rungs: the model is checked
-against their runs to the target); (6) write the report (``reproduction.report``) and the runs' rows of
+against their runs; without `allreduce` among the rungs there is no check and no step-time run);
+(6) write the report (``reproduction.report``) and the runs' rows of
 ``results/runs.csv`` (``runs.run_row``). Our
 algorithms switch from recursive doubling to the ring where the model prices the network measured at
 that world size (``netbench.small_message_kb``). With root every rank runs in its own network
@@ -47,8 +51,10 @@ from gradientflow_repro.reproduction.runs import (
     median_step,
     read_runs_csv,
     run_row,
+    run_target,
     steady_step,
     update_runs_csv,
+    with_target,
 )
 from gradientflow_repro.scaling import perfmodel
 from gradientflow_repro.scaling.netbench import measure_network, small_message_kb
@@ -59,6 +65,14 @@ PAPER_RATIO, PAPER_RATIO_ARITHMETIC = perfmodel.paper_dense_ratio()
 # Per experiment, overrides for every run of the comparison (none today: digits_cpu's recipe is the
 # comparison's, chosen for it; docs/configuration.md).
 EXPERIMENT_OVERRIDES: dict[str, list[str]] = {}
+# Per experiment, the configurations trained by default (``--rungs`` overrides; an experiment not
+# named: every one of ``knobs.COMPARED``). patterns_cpu: a run of its 1,000 steps takes minutes on the
+# emulated network, so three seeds of every configuration would take hours; these are the paper's
+# comparison: dense DDP, what researchers would use instead (PyTorch's fp16 and PowerSGD hooks), our
+# full stack and the paper's as published. `make convergence` trains the others (loopback).
+DEFAULT_RUNGS: dict[str, tuple[str, ...]] = {
+    "patterns_cpu": ("ddp", "ddp-fp16", "powersgd", "gradientflow", "gradientflow-paper"),
+}
 RUNS_DIR = REPO / "results" / "runs" / "reproduce"
 REPORT = REPO / "results" / "REPORT.md"
 
@@ -85,6 +99,19 @@ def machine_overrides(overrides: Sequence[str], program: Optional[str] = None) -
         print(f"{program}: this CPU emulates bf16 (no AVX-512 BF16 or AMX): every run trains with precision=fp32 "
               f"(bf16 would take many times as long here)", flush=True)
     return ["precision=fp32"]
+
+
+def default_rungs(experiment: str) -> list[str]:
+    """The configurations ``make reproduce`` trains for ``experiment`` unless told (``DEFAULT_RUNGS``)."""
+    return list(DEFAULT_RUNGS.get(experiment, tuple(knobs.COMPARED)))
+
+
+def report_target(experiment: str, overrides: Sequence[str]) -> Optional[float]:
+    """The top-1 target the runs are measured against (MLPerf's criterion): the experiment's, or the
+    one the overrides set. The runs themselves never stop at it (``target_top1=null``), so that the
+    same runs also give the paper's criterion, the whole schedule."""
+    return compose([f"+experiment={experiment}", *EXPERIMENT_OVERRIDES.get(experiment, []),
+                    *overrides]).target_top1
 
 
 def ladder_overrides(label: str, small_message_kb: Optional[int] = None) -> list[str]:
@@ -147,23 +174,30 @@ def check_worlds_for(world: int, check_worlds: Optional[Sequence[int]]) -> list[
     return list(check_worlds)
 
 
-def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: Optional[Sequence[int]] = None,
-              repeats: int = 3, rungs: Sequence[str] = tuple(knobs.COMPARED), rate_mbit: Optional[float] = None,
+def reproduce(*, experiment: str = "patterns_cpu", world: int = 4, check_worlds: Optional[Sequence[int]] = None,
+              repeats: int = 3, rungs: Optional[Sequence[str]] = None, rate_mbit: Optional[float] = None,
               emulate: bool = True, runs_dir: Path = RUNS_DIR, report: Path = REPORT, timeout_s: float = 600,
               check_steps: int = 24, check_repeats: int = CHECK_REPEATS, netbench_launches: int = NETBENCH_LAUNCHES,
               overrides: Sequence[str] = (), fresh: bool = False,
               command: str = "python scripts/reproduce.py") -> None:
     """Run the whole comparison into ``runs_dir`` and write ``report``. Repeat r trains every
     configuration with ``seed=r`` (initial weights and data order). ``overrides``: Hydra overrides for
-    every run; ``command``: how it was invoked, for the report. An unfinished reproduction of the same
-    plan continues (``Progress``); one of another plan raises ``CannotContinue`` unless ``fresh``."""
+    every run; ``command``: how it was invoked, for the report; ``rungs``: the configurations to train
+    (None: ``default_rungs``). Every configuration trains the whole schedule, never stopped at the
+    target: the report reads MLPerf's criterion (time to the target) from its evaluations and the
+    paper's (the fixed schedule) from its end. An unfinished reproduction of the same plan continues
+    (``Progress``); one of another plan raises ``CannotContinue`` unless ``fresh``."""
     check_worlds = check_worlds_for(world, check_worlds)
     report.parent.mkdir(parents=True, exist_ok=True)  # fails now, not after the last run, if it cannot
-    rungs = list(rungs)
-    checked = [label for label in rungs if label in knobs.LADDER]  # the model checks the speed ladder
-    # a sparse rung's runs to the target are mostly its dense warm-up (at most one sparse epoch on the
-    # digits target, none for a seed that reaches it in the warm-up): its step time at the ladder's
-    # world size comes from short runs sparse from the start, as at the other world sizes
+    rungs = default_rungs(experiment) if rungs is None else list(rungs)
+    target = report_target(experiment, overrides)
+    # the model checks the speed ladder, scaled to allreduce's compute-only step: without allreduce
+    # no step-time run could be checked, so none is planned (the report says so)
+    checked = [label for label in rungs if label in knobs.LADDER] if "allreduce" in rungs else []
+    check_worlds = check_worlds if checked else []
+    # a sparse rung's step time at the ladder's world size comes from short runs sparse from the start,
+    # as at the other world sizes (chosen when its runs stopped at the target, mostly dense warm-up;
+    # kept for the side-by-side reference below)
     sparse_checked = [label for label in checked if sparse_rung(label)]
     # ... with `allreduce`'s short runs between them: the compute-only step they are set against,
     # measured side by side (this machine's speed drifts over the minutes between the two kinds of run)
@@ -270,12 +304,12 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
                   f"{measured['latency_s'] * 1e6:.0f} us" + (f": our algorithms send messages of up to {switch} KiB "
                                                             "by recursive doubling, larger ones by the ring"
                                                             if switch else ""), flush=True)
-            for index, seed in enumerate(seeds):  # (4) every configuration to the target, seed-major
+            for index, seed in enumerate(seeds):  # (4) every configuration, seed-major
                 for label in rungs:  # (so drift spreads over all of them)
                     run_dir = runs_dir / label / f"seed{seed}"
                     runs[label].append(trained(
                         train_job(label, seed), f"[{label}] seed {seed} ({index + 1} of {repeats})", run_dir,
-                        lambda: run_ranks(world, [*base, *ladder_overrides(label, switch),
+                        lambda: run_ranks(world, [*base, *ladder_overrides(label, switch), "target_top1=null",
                                                   f"seed={seed}", f"run_dir={run_dir}", f"logger.name={label}"],
                                           run_dir, f"{label} s{seed}", net, timeout_s)))
             short_steps = step_time_runs(world, short_checked, net)
@@ -295,7 +329,8 @@ def reproduce(*, experiment: str = "digits_cpu", world: int = 4, check_worlds: O
         facts = {"checks": checks, "calibration": calibration, "network": measured,
                  "network_by_world": network_by_world, "world": world, "repeats": repeats,
                  "check_repeats": check_repeats, "command": command, "elapsed_s": progress.elapsed_s,
-                 "launches": progress.state["launches"], "experiment": experiment, "group": group,
+                 "launches": progress.state["launches"], "experiment": experiment, "target_top1": target,
+                 "group": group,
                  "overrides": base[1:], "rungs": rungs, "machine": machine, "short_at_world": sparse_checked,
                  "unshaped": unshaped, "allreduce_beside": beside}
         (runs_dir / "reproduce.json").write_text(json.dumps(facts, indent=1))
@@ -311,11 +346,12 @@ def report_from(runs_dir: Path, report: Path) -> None:
     rows of ``runs.csv`` beside it (study ``reproduce``; ``make convergence``'s rows are kept, and
     the report reads their top-1 at the end)."""
     facts = json.loads((runs_dir / "reproduce.json").read_text())
-    runs = {label: [load_run(d) for d in sorted((runs_dir / label).glob("seed*"), key=lambda d: int(d.name[4:]))]
+    runs = {label: [measured_against(load_run(d), facts)
+                    for d in sorted((runs_dir / label).glob("seed*"), key=lambda d: int(d.name[4:]))]
             for label in facts.pop("rungs")}
+    facts.pop("target_top1", None)  # now each run's (``measured_against``)
     table = report.parent / "runs.csv"
-    update_runs_csv(table, "reproduce", [run_row(run, study="reproduce", label=label,
-                                                 target=run["summary"].get("target_top1"))
+    update_runs_csv(table, "reproduce", [run_row(run, study="reproduce", label=label, target=run_target(run))
                                          for label, items in runs.items() for run in items])
     facts["convergence_rows"] = read_runs_csv(table, "convergence")
     facts["convergence_source"] = (f"`{table.resolve().relative_to(REPO).as_posix()}`"
@@ -325,6 +361,12 @@ def report_from(runs_dir: Path, report: Path) -> None:
     facts["allreduce_beside"] = {int(world): value for world, value in facts.get("allreduce_beside", {}).items()}
     facts["network_by_world"] = {int(world): value for world, value in facts.get("network_by_world", {}).items()}
     write_report(report, runs=runs, written_by=environment_facts()["git_commit"], **facts)
+
+
+def measured_against(run: dict, facts: dict) -> dict:
+    """``run`` with the reproduction's target (``runs.with_target``); a reproduction from before the
+    runs trained the whole schedule names none, and its runs keep the one they stopped at."""
+    return with_target(run, facts["target_top1"]) if "target_top1" in facts else run
 
 
 def calibrate(world: int, base: list[str], run_dir: Path, net: Optional[netemu.EmulatedNetwork],

@@ -53,11 +53,28 @@ def evaluations(run: dict) -> list[tuple[float, float]]:
     return [(r["epoch"], r["top1"]) for r in run["records"] if r["kind"] == "eval"]
 
 
+def with_target(run: dict, target: Optional[float]) -> dict:
+    """``run`` with ``target`` as the top-1 its time and epochs to target are for: a run of the whole
+    schedule was given none to stop at (``target_top1=null``), so the report names the one it is
+    measured against (``run_target``)."""
+    return {**run, "target_top1": target}
+
+
+def run_target(run: dict) -> Optional[float]:
+    """The top-1 target the run is measured against: the one given by ``with_target``, else the one
+    it stopped at (None: neither)."""
+    return run["target_top1"] if "target_top1" in run else run["summary"].get("target_top1")
+
+
+def reached(run: dict) -> Optional[dict]:
+    """The run's clocks, step and epoch when it first reached its target (``run_target``; None: never)."""
+    return at_target(run, run_target(run))
+
+
 def epochs_to_target(run: dict) -> Optional[float]:
     """Epochs trained when the target was first reached (None: never)."""
-    s = run["summary"]
-    at = s.get("clocks_at_target")
-    return None if not at else at["step"] / (s["steps"] / s["epochs"])
+    at = reached(run)
+    return None if at is None else at.get("epoch")
 
 
 def run_warmup_epochs(run: dict) -> float:
@@ -88,6 +105,25 @@ def steady_step(run: dict, after_epoch: float = 0.0) -> dict[str, float]:
     if all("behind_slowest_s_per_step" in r for r in train):  # (not in runs from before it was logged)
         step["behind_slowest_s"] = statistics.median(r["behind_slowest_s_per_step"] for r in train)
     return step
+
+
+def sparsification(run: dict) -> Optional[dict[str, Any]]:
+    """What the run's sparse steps did, from its progress records (``CSCCommunicator.sparsity_stats``):
+    ``intervals`` (per layer, the median over the records of its median steps between two sends),
+    ``masked_share`` (the median share of the chunks' momentum erased by masking; None without
+    momentum correction) and ``bytes_per_step`` after the dense warm-up. None for a run that logged
+    none (dense, or from before they were logged)."""
+    records = [r for r in run["records"] if r["kind"] == "train" and "csc_send_interval_median" in r]
+    if not records:
+        return None
+    layers: dict[str, list[float]] = {}
+    for record in records:
+        for layer, interval in record["csc_send_interval_median"].items():
+            layers.setdefault(layer, []).append(interval)
+    shares = [r["csc_masked_momentum_share"] for r in records if "csc_masked_momentum_share" in r]
+    return {"intervals": {layer: statistics.median(values) for layer, values in layers.items()},
+            "masked_share": statistics.median(shares) if shares else None,
+            "bytes_per_step": steady_step(run, dense_warmup_epochs(run))["bytes_per_step"]}
 
 
 def compute_only_s(step: dict, slowest: bool = False) -> float:
@@ -146,7 +182,8 @@ def largest_fall(run: dict) -> Optional[float]:
 STUDIES = ("reproduce", "convergence")  # who writes results/runs.csv, in the file's order
 # results/runs.csv, one row per run, in this order:
 RUNS_CSV_COLUMNS = (
-    "study",  # reproduce (runs stopped at the target, on the emulated network) | convergence (whole schedule)
+    "study",  # reproduce (on the emulated network) | convergence (on loopback): both train the whole schedule
+    # (reproductions from before that stopped at the target)
     "strategy",  # the configuration's label (knobs.COMPARED, or a study's own LABEL)
     "seed", "world_size", "experiment",
     "target_top1",  # the target the row's time and epochs to target are for (the experiment's)
@@ -154,7 +191,7 @@ RUNS_CSV_COLUMNS = (
     "time_to_target_mlperf_s",  # MLPerf's clock (run_start to the evaluation at or above the target)
     "time_to_target_train_s",  # the training clock: seconds in training steps alone up to then
     "epochs_to_target", "sparse_epochs_to_target",  # of them after the dense warm-up (sparse strategies)
-    "epochs",  # trained: to the target (reproduce) or the whole schedule (convergence)
+    "epochs",  # trained: the whole schedule (reproductions from before that: to the target)
     "final_top1", "best_top1",  # top-1 at the last evaluation, and the best one
     "largest_fall_after_warmup",  # points, from one evaluation to the next after the learning-rate warm-up
     "step_s", "bytes_per_step",  # steady state: median logged interval after the dense warm-up
@@ -174,8 +211,20 @@ def at_target(run: dict, target: Optional[float]) -> Optional[dict]:
         return None
     if summary.get("target_top1") == target:
         at = summary.get("clocks_at_target")
-        return None if not at else {**at, "epoch": epochs_to_target(run)}
+        return None if not at else {**at, "epoch": at["step"] / (summary["steps"] / summary["epochs"])}
+    # an evaluation record carries the step, the epoch and every clock at that moment
     return next((record for record in run["records"] if record["kind"] == "eval" and record["top1"] >= target), None)
+
+
+def last_evaluation(run: dict) -> Optional[dict]:
+    """The run's last evaluation record (its clocks when it finished its schedule; None: never evaluated)."""
+    return next((record for record in reversed(run["records"]) if record["kind"] == "eval"), None)
+
+
+def trained_whole_schedule(run: dict) -> bool:
+    """Whether the run had no target to stop at (``target_top1=null``): the paper's criterion, the
+    fixed schedule, reads its last evaluation."""
+    return run["summary"].get("target_top1") is None
 
 
 def run_row(run: dict, *, study: str, label: str, target: Optional[float]) -> dict[str, Any]:
