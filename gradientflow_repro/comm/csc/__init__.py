@@ -64,9 +64,16 @@ the values below):
 5. ``release_cap`` (3; 0: DGC's rule): lower spreads a long-waiting chunk over more steps (smoother,
    but the held-back updates drain slowly at very low density; docs/notes/2026-12-01-release-cap.md).
 6. ``momentum_correction``, ``momentum_masking`` (true): DGC's correction keeps the momentum of the
-   chunks held back; turned off only to measure what it costs or brings.
+   chunks held back; turned off only to measure what it costs or brings. ``masking_min_wait`` (0:
+   DGC's rule) masks only the chunks that waited longer than it; every progress record says how
+   much momentum masking erased and how often each layer's chunks were sent
+   (``CSCCommunicator.sparsity_stats``).
 7. ``trust_noise_correction`` (true; acts under LARS with more than one rank): keeps each rank's
    trust ratio at dense LARS's size.
+8. ``rank_by`` (rescaled): under LARS the velocity is in trust-rescaled units, so its norm measures a
+   layer's weights; ``raw`` divides each chunk's norm by its layer's trust ratio before ranking.
+9. ``weight_decay_in`` (velocity): ``local`` keeps weight decay out of the sent velocity, in a
+   momentum of its own on each rank, as DGC's reference optimizer does.
 
 Example, the paper's full stack (``configs/comm/gradientflow.yaml``)::
 

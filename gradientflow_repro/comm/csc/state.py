@@ -283,7 +283,7 @@ class SendLog:
         self.velocity_l1 = total if self.velocity_l1 is None else self.velocity_l1 + total
         self.masked_l1 = erased if self.masked_l1 is None else self.masked_l1 + erased
 
-    def take(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def take(self) -> tuple[Optional[torch.Tensor], ...]:
         """(chunks sent, steps each waited, velocity L1, erased L1) since the last call, each None
         where nothing was recorded, and start afresh."""
         taken = (torch.cat(self.chosen) if self.chosen else None, torch.cat(self.waited) if self.waited else None,
