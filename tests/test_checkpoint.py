@@ -275,7 +275,7 @@ def test_resume_on_another_number_of_ranks_follows_the_rule(old: int, new: int, 
         assert seen["failures"] == [], f"rank {rank}: {seen['failures']}"
     said = torch.load(tmp_path / "rank0.pt", weights_only=True)["said"]
     assert said.startswith(f"resumed {old}-rank checkpoint on {new} ranks: BatchNorm buffers"), said
-    assert f"CSC residual, CSC velocity, CSC noise averaged over the {old} old ranks" in said, said
+    assert f"CSC residual, CSC age, CSC velocity, CSC noise averaged over the {old} old ranks" in said, said
     assert ("rank 2 seeded from (step, rank)" in said) == (new > old), said
 
 
@@ -288,7 +288,7 @@ def test_the_trainer_resumes_on_fewer_ranks_and_says_what_it_did(tmp_path: Path,
     output = train(2, [*common, "max_steps=16"], tmp_path)
     assert "resumed from" in output and "at step 15" in output, output[-3000:]
     assert ("resumed 4-rank checkpoint on 2 ranks: BatchNorm buffers (num_batches_tracked: the mean rounded "
-            "down), CSC residual, CSC velocity, CSC noise averaged over the 4 old ranks") in output, output[-3000:]
+            "down), CSC residual, CSC age, CSC velocity, CSC noise averaged over the 4 old ranks") in output, output[-3000:]
     assert (tmp_path / "checkpoints" / "step_000000016").is_dir()
 
 

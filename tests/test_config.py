@@ -62,7 +62,7 @@ BAD = [
     (["precision.dtype=fp8"], "precision.dtype", "fp32, bf16, fp16"),
     (["data.loader=pil"], "data.loader", "dali, torchvision"),
     (["data.root=/nonexistent/imagenet"], "data.root", "does not exist"),
-    (["comm=gradientflow", "optim.name=apex_larc"], "optim.name", "comm.momentum_correction=false"),
+    (["comm=gradientflow-paper", "optim.name=apex_larc"], "optim.name", "comm.momentum_correction=false"),
 ]
 
 

@@ -185,3 +185,53 @@ def _ranking_and_stats(rank: int, world: int, out: str, rank_by: str) -> None:
 @pytest.mark.parametrize("world, rank_by", [(2, "raw"), (3, "raw"), (3, "rescaled")])
 def test_ranking_and_send_statistics_against_all_reduce(world: int, rank_by: str, tmp_path: Path) -> None:
     spawn_checked(_ranking_and_stats, world, tmp_path, rank_by)
+
+
+def _local_decay_keeps_the_ranks_together(rank: int, world: int, out: str, optimizer_kind: str) -> None:
+    """Different batches on every rank, CSC sparse from the first step with weight decay in a local
+    velocity: under SGD the ranks' weights stay equal (``dist.all_gather``) and differ from a run
+    with the decay in the sent velocity; under LARS (each rank's own trust ratio) it is refused."""
+    failures = []
+    weights = {}
+    for decay_in in ("local", "velocity"):
+        model = TwoLayerNet()
+        if optimizer_kind == "sgd":
+            optimizer = torch.optim.SGD(parameter_groups(model, 0.05), lr=0.05, momentum=0.9)
+        else:
+            optimizer = Lars(parameter_groups(model, 5e-4), lr=0.5, momentum=0.9, trust_coeff=0.06)
+        comm = CSCCommunicator(CPU, ring_sum(segment_bytes=1024), bucket_bytes=1 << 20, overlap=False,
+                               chunk_size=100, density=0.3, warmup_epochs=0.0, weight_decay_in=decay_in)
+        try:
+            comm.attach(model, optimizer)
+        except ValueError as error:
+            if optimizer_kind == "lars" and decay_in == "local" and "comm.weight_decay_in" in str(error):
+                comm.close()
+                continue  # refused, as it must be
+            raise
+        if optimizer_kind == "lars" and decay_in == "local":
+            failures.append("local weight decay under LARS on several ranks was not refused")
+        for step in range(5):
+            comm.begin_step(epoch=1.0 + step)
+            batch = torch.Generator().manual_seed(100 * rank + step)
+            x, target = torch.randn(8, 37, generator=batch), torch.randn(8, 11, generator=batch)
+            (model(x) - target).pow(2).mean().backward()
+            comm.synchronize()
+            optimizer.step()
+            comm.end_step(True)
+            optimizer.zero_grad(set_to_none=True)
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        everyone = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(everyone, flat)
+        if any(not torch.equal(other, flat) for other in everyone):
+            failures.append(f"{decay_in}: the ranks' weights differ")
+        weights[decay_in] = flat
+        comm.close()
+    if optimizer_kind == "sgd" and torch.equal(weights["local"], weights["velocity"]):
+        failures.append("local and sent weight decay trained the same weights: the option did nothing")
+    save_failures(failures, out, rank)
+
+
+@pytest.mark.parametrize("world, optimizer_kind", [(3, "sgd"), (2, "lars")])
+def test_local_weight_decay_keeps_the_ranks_weights_equal_or_is_refused(world: int, optimizer_kind: str,
+                                                                       tmp_path: Path) -> None:
+    spawn_checked(_local_decay_keeps_the_ranks_together, world, tmp_path, optimizer_kind)

@@ -67,7 +67,7 @@ def test_the_models_ladder_is_derived_from_the_knobs_with_the_values_it_always_h
         pm.Strategy("ring+fp16", wire_bytes=2),
         pm.Strategy("ring+fp16+lazy", fusion="bucket", bucket_bytes=32 * 2**20, overlap=True, wire_bytes=2),
         pm.Strategy("gradientflow", fusion="bucket", bucket_bytes=32 * 2**20, overlap=True, wire_bytes=2,
-                    density=0.1, algorithm="auto", noise_sketch=True, takes_optimizer=True))
+                    density=0.1, algorithm="auto"))
     assert [s.name for s in pm.LADDER] == list(knobs.LADDER)
     assert pm.Strategy.from_knobs("h", knobs.resolve({"strategy": "hierarchical"})).algorithm == "hierarchical"
 
@@ -79,10 +79,10 @@ def test_reproduce_runs_the_knobs_ladder_and_skips_csc_warmup_only() -> None:
         "gradientflow": ["comm=gradientflow"]}
     # trained beside the ladder for convergence only: the model's check takes the ladder alone
     assert ladder_overrides("gradientflow@0.01") == ["comm=gradientflow", "comm.density=0.01"]
-    assert ladder_overrides("gradientflow-no-mc") == ["comm=gradientflow", "comm.momentum_correction=false",
-                                                      "comm.momentum_masking=false"]
+    assert ladder_overrides("gradientflow-mc") == ["comm=gradientflow", "comm.momentum_correction=true",
+                                                   "comm.momentum_masking=true"]
     # ... and the peers, what researchers would use instead and the paper's stack as published
-    assert set(knobs.COMPARED) - set(knobs.LADDER) == {"gradientflow@0.01", "gradientflow-no-mc",
+    assert set(knobs.COMPARED) - set(knobs.LADDER) == {"gradientflow@0.01", "gradientflow-mc",
                                                        "gradientflow-paper", "ddp-fp16", "powersgd"}
     assert ladder_overrides("powersgd") == ["comm=powersgd"]
     # CSC's dense warm-up: the learning rate's (the presets), or comm.csc_warmup_epochs where set

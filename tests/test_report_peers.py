@@ -434,11 +434,11 @@ def test_what_sparsification_did_is_a_table_of_the_sparse_runs_only() -> None:
             "gradientflow": [_with_sends(_run("gradientflow", seed, curve, target=None, sparse_mb=0.5),
                                          {"a.weight": 4.0 + seed, "b.weight": 10.0 + 2 * seed}, 0.1 + 0.1 * seed)
                              for seed in (0, 1, 2)],
-            "gradientflow-no-mc": [_with_sends(_run("gradientflow-no-mc", 0, curve, target=None),
+            "gradientflow-mc": [_with_sends(_run("gradientflow-mc", 0, curve, target=None),
                                                {"a.weight": 2.0}, None)],
             "powersgd": [_run("powersgd", 0, curve, target=None)]}
     table = report.sparsification_table(runs)
-    assert [line.split(" | ")[0] for line in table[2:]] == ["| gradientflow", "| gradientflow-no-mc"]
+    assert [line.split(" | ")[0] for line in table[2:]] == ["| gradientflow", "| gradientflow-mc"]
     assert table[2] == "| gradientflow | 5-12 | `b.weight` (12) | 20% | 0.500 |"
-    assert table[3] == "| gradientflow-no-mc | 2-2 | `a.weight` (2) | - (none) | 1.000 |"
+    assert table[3] == "| gradientflow-mc | 2-2 | `a.weight` (2) | - (none) | 1.000 |"
     assert report.sparsification_section({"ddp": runs["ddp"]}) == []

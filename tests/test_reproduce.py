@@ -142,7 +142,7 @@ def test_csc_under_momentum_correction_pays_the_optimizers_plain_step() -> None:
 
     plain = replace(PROFILE, plain_optimizer_s=0.001)
     net = pm.Network(1e9, 1e-5)
-    gradientflow = pm.Strategy.from_knobs("gradientflow", knobs.resolve({"strategy": "gradientflow"}))
+    gradientflow = pm.Strategy.from_knobs("gradientflow", knobs.resolve({"strategy": "gradientflow-paper"}))
     assert gradientflow.takes_optimizer and gradientflow.density < 1
     whole_step, plain_step = (pm.predict_step(profile, 4, net, gradientflow).step_s for profile in (PROFILE, plain))
     assert whole_step - plain_step == pytest.approx(0.004)

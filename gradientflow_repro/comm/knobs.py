@@ -132,7 +132,8 @@ class CommConfig:
     rank_by: str = setting("rescaled", one_of("rescaled", "raw"))
     # csc under momentum correction: weight decay rides in the sent velocity ("velocity") or keeps a
     # velocity of its own on each rank, applied every step and never sent ("local": DGC's reference
-    # optimizer, dgc/optim/sgd.py)
+    # optimizer, dgc/optim/sgd.py; refused under LARS on several ranks: each rank's own trust ratio
+    # would rescale it differently and the weights would drift apart)
     weight_decay_in: str = setting("velocity", one_of("velocity", "local"))
     # csc: a chosen chunk sends at most this many times the norm of what the step added to it (its
     # velocity under momentum correction), the rest staying in the residual; 0: no cap (DGC's rule)

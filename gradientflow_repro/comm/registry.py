@@ -169,10 +169,11 @@ ENTRIES: tuple[Entry, ...] = (
            Variant(FLAT, {"algorithm": "ring"}, (CLUSTER_BENCH, PROJECTION)),
            Variant(HIERARCHICAL, {"algorithm": "hierarchical"}, (CLUSTER_BENCH,),
                    layout_keys=("ranks_per_node",)),
-           # CSC's convergence at a lower density, and without momentum correction (the optimizer's
-           # own momentum then applies each sparse step): docs/notes/2026-12-01-csc-under-lars.md
+           # CSC's convergence at a lower density, and with DGC's momentum correction and masking (the
+           # velocity accumulated before sparsification; our default leaves momentum to the optimizer):
+           # docs/notes/2026-12-06-csc-choices-in-the-paper-regime.md
            Variant("gradientflow@0.01", {"density": 0.01}, (SPARSE_VARIANTS,)),
-           Variant("gradientflow-no-mc", {"momentum_correction": False, "momentum_masking": False},
+           Variant("gradientflow-mc", {"momentum_correction": True, "momentum_masking": True},
                    (SPARSE_VARIANTS,)))),
     Entry("hierarchical", "intra-node reduce, ring among node leaders, intra-node broadcast (hierarchical.py)"),
     # the paper's stack as published: gradientflow without our two additions (release cap, trust-ratio

@@ -73,7 +73,8 @@ the values below):
 8. ``rank_by`` (rescaled): under LARS the velocity is in trust-rescaled units, so its norm measures a
    layer's weights; ``raw`` divides each chunk's norm by its layer's trust ratio before ranking.
 9. ``weight_decay_in`` (velocity): ``local`` keeps weight decay out of the sent velocity, in a
-   momentum of its own on each rank, as DGC's reference optimizer does.
+   momentum of its own on each rank, as DGC's reference optimizer does (SGD only: under LARS each
+   rank's trust ratio would rescale it differently, and it is refused on several ranks).
 
 Example, the paper's full stack (``configs/comm/gradientflow.yaml``)::
 

@@ -25,6 +25,7 @@ from gradientflow_repro.comm.csc.momentum import (
     velocity_from_optimizer,
 )
 from gradientflow_repro.comm.csc.selection import density_at
+from gradientflow_repro.comm.csc.trust import adapts
 from gradientflow_repro.comm.csc.state import BucketState, rank_rules
 from gradientflow_repro.comm.knobs import CommConfig
 from gradientflow_repro.comm.lazy import Bucket, LazyAllreduce
@@ -105,6 +106,12 @@ class CSCCommunicator(LazyAllreduce):
         super().attach(model, optimizer)
         if self.momentum_correction and optimizer is not None:
             world = dist.get_world_size() if dist.is_initialized() else 1
+            if self.weight_decay_in == "local" and world > 1 and any(adapts(g) for g in optimizer.param_groups):
+                # each rank's trust ratio comes from its own gradient, so a decay rescaled by it would
+                # differ between ranks and, never summed, so would the weights
+                raise ValueError("config key 'comm.weight_decay_in' = 'local': under LARS each rank would rescale "
+                                 "the weight decay by its own trust ratio and the ranks' weights would drift "
+                                 "apart; use comm.weight_decay_in=velocity, or SGD")
             self.local_step = LocalStep(optimizer, self.buckets, world, self.trust_noise_correction)
         step = self.local_step
         self.parts = [BucketState.zeros(bucket.sparse_elements // self.chunk_size, self.chunk_size,
@@ -282,7 +289,9 @@ class CSCCommunicator(LazyAllreduce):
 
     def state_dict(self) -> dict:
         parts = [part.state_dict() for part in self.parts]
-        return {**{key: {i: s[key] for i, s in enumerate(parts) if key in s} for key in BucketState.STATE},
+        per_part = {key: {i: s[key] for i, s in enumerate(parts) if key in s} for key in BucketState.STATE}
+        # (the keys of earlier versions always, even empty; the weight decay's velocity where it is kept)
+        return {**{key: held for key, held in per_part.items() if held or key in ("residual", "velocity", "noise")},
                 "noise_step": self.local_step.noise.step if self.local_step and self.local_step.noise else 0,
                 "optimizer_taken": self._taken, "warmup_epochs": self.warmup_epochs,
                 "layout": self._layout_signature(), "chunk_size": self.chunk_size}

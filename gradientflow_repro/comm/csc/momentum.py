@@ -34,7 +34,9 @@ sent ("velocity", as PaddlePaddle's DGC kernel does), or into a velocity of its 
 d <- m d + wd w (rescaled by the same trust ratio under Lars), added to the summed update every step
 and never sent ("local": DGC's reference optimizer, ``dgc/optim/sgd.py`` in the authors' code, keeps
 the decay's momentum in the optimizer and adds the communicated gradient without momentum). The
-weights are the same on every rank, so "local" applies the decay densely and without delay. When
+weights are the same on every rank, so under SGD "local" applies the decay densely and without
+delay; under Lars each rank would rescale it by its own trust ratio, so it is refused there on more
+than one rank (``CSCCommunicator.attach``). When
 every chunk is sent and the ranks' gradients agree, either way is dense LARS step for step (the
 lockstep test); with different gradients each rank's ratio comes from its own, noisier |g|, which
 ``trust.TrustNoise`` corrects. Optimizers that adapt in other ways (apex's
