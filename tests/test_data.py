@@ -384,3 +384,37 @@ def test_a_validation_label_that_is_not_a_plain_name_is_refused_naming_its_line(
     (tmp_path / "kaggle.csv").write_text("ImageId,PredictionString\nv1,../up 1 2 3 4\n")
     with pytest.raises(SystemExit, match=r"kaggle\.csv:2: '\.\./up'"):
         read_val_labels(tmp_path / "kaggle.csv")
+
+
+def test_the_patterns_dataset_is_an_imagenet_layout_written_deterministically(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The paper-regime miniature's data (few images here): ImageNet layout that the file listing reads,
+    the same images from the same seed, labels that are the main texture's class (a class's images
+    correlate with its prototypes more than with another class's), no partial folder left behind."""
+    import numpy as np
+    from PIL import Image
+
+    from gradientflow_repro.data import patterns
+    from gradientflow_repro.data.listing import list_image_folder
+
+    monkeypatch.setattr(patterns, "TRAIN_PER_CLASS", 3)
+    monkeypatch.setattr(patterns, "VAL_PER_CLASS", 2)
+    first, second = (patterns.build_patterns(tmp_path / name) for name in ("a", "b"))
+    train, val = list_image_folder(first / "train"), list_image_folder(first / "val", None)
+    assert (len(train), len(val), len(train.classes)) == (30, 20, patterns.CLASSES)
+    assert train.classes == val.classes == [f"pattern_{c}" for c in range(patterns.CLASSES)]
+    assert not (tmp_path / "a.partial").exists()
+    for file in train.files[:5]:
+        assert (Path(file).read_bytes() == (second / Path(file).relative_to(first)).read_bytes())
+        assert Image.open(file).size == (patterns.IMAGE_SIZE, patterns.IMAGE_SIZE)
+    assert patterns.build_patterns(first) == first  # there already: left alone
+    rng = np.random.default_rng(patterns.SEED)
+    protos = patterns.prototypes(rng).reshape(patterns.CLASSES, patterns.PROTOTYPES, -1)
+    monkeypatch.setattr(patterns, "NOISE", 0.0)
+    monkeypatch.setattr(patterns, "SHIFT", 0)
+    monkeypatch.setattr(patterns, "DISTRACTOR", 0.0)
+    labels = np.arange(patterns.CLASSES)
+    images = patterns.draw(rng, patterns.prototypes(np.random.default_rng(patterns.SEED)), labels).reshape(
+        patterns.CLASSES, -1)
+    best = np.abs(np.einsum("nd,ckd->nck", images, protos)).max(axis=2).argmax(axis=1)
+    assert best.tolist() == labels.tolist()
