@@ -288,7 +288,8 @@ def test_the_trainer_resumes_on_fewer_ranks_and_says_what_it_did(tmp_path: Path,
     output = train(2, [*common, "max_steps=16"], tmp_path)
     assert "resumed from" in output and "at step 15" in output, output[-3000:]
     assert ("resumed 4-rank checkpoint on 2 ranks: BatchNorm buffers (num_batches_tracked: the mean rounded "
-            "down), CSC residual, CSC age, CSC velocity, CSC noise averaged over the 4 old ranks") in output, output[-3000:]
+            "down), CSC residual, CSC age, CSC velocity, CSC noise averaged over the 4 old ranks") in output, \
+        output[-3000:]
     assert (tmp_path / "checkpoints" / "step_000000016").is_dir()
 
 

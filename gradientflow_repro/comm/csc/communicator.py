@@ -25,8 +25,8 @@ from gradientflow_repro.comm.csc.momentum import (
     velocity_from_optimizer,
 )
 from gradientflow_repro.comm.csc.selection import density_at
-from gradientflow_repro.comm.csc.trust import adapts
 from gradientflow_repro.comm.csc.state import BucketState, rank_rules
+from gradientflow_repro.comm.csc.trust import adapts
 from gradientflow_repro.comm.knobs import CommConfig
 from gradientflow_repro.comm.lazy import Bucket, LazyAllreduce
 from gradientflow_repro.comm.pool import csc_parts
