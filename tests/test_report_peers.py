@@ -442,3 +442,23 @@ def test_what_sparsification_did_is_a_table_of_the_sparse_runs_only() -> None:
     assert table[2] == "| gradientflow | 5-12 | `b.weight` (12) | 20% | 0.500 |"
     assert table[3] == "| gradientflow-mc | 2-2 | `a.weight` (2) | - (none) | 1.000 |"
     assert report.sparsification_section({"ddp": runs["ddp"]}) == []
+
+
+def test_the_final_top1_goal_allows_the_dense_seeds_spread_and_whole_runs_are_their_own_ends() -> None:
+    """The paper's criterion as a goal: every seed of gradientflow within 0.3 points of the same seed's
+    ddp, or within ddp's own spread over the seeds when larger; and the peers section reads top-1 at the
+    end from whole-schedule runs themselves, not from `make convergence`."""
+    from gradientflow_repro.reproduction.report import _final_gap_goal, peers_section
+
+    ddp = [_whole("ddp", s, [90, 95, 98, 97 + 0.2 * s]) for s in range(3)]  # ends 97.0, 97.2, 97.4: spread 0.4
+    close = [_whole("gradientflow", s, [90, 95, 98, 97 + 0.2 * s - 0.35]) for s in range(3)]
+    far = [_whole("gradientflow", s, [90, 95, 98, 97 + 0.2 * s - (0.5 if s == 1 else 0.0)]) for s in range(3)]
+    line = _final_gap_goal({"ddp": ddp, "gradientflow": close}, "ddp")[0]
+    assert "spread (0.40 points)" in line and "seed 0 -0.35, seed 1 -0.35, seed 2 -0.35" in line
+    assert line.endswith(": met.")
+    assert _final_gap_goal({"ddp": ddp, "gradientflow": far}, "ddp")[0].endswith("seed 2 +0.00: NOT met.")
+    runs = {"ddp": ddp, "gradientflow": close, "powersgd": [_whole("powersgd", s, [90, 95, 96, 96.5])
+                                                            for s in range(3)]}
+    text = "\n".join(peers_section(runs, CALIBRATION))
+    assert "top-1 at the end of these runs (%)" in text and "make convergence` (%)" not in text
+    assert "`gradientflow` 96.85%" in text and "`powersgd` 96.50%" in text
