@@ -11,26 +11,26 @@ at the end), so an interrupted build never leaves a half dataset behind.
 
 from __future__ import annotations
 
-import argparse
-import shutil
 from pathlib import Path
 
 import numpy as np
+
+from gradientflow_repro.data.embedded import command_line, write_atomically
 
 IMAGE_SIZE = 32
 VAL_EVERY = 5
 
 
 def build_digits(root: str | Path, force: bool = False) -> Path:
+    """Write the dataset under ``root`` unless it is there already (``force``: rebuild)."""
+    return write_atomically(root, force, _write_digits)
+
+
+def _write_digits(tmp: Path) -> None:
     from PIL import Image
     from sklearn.datasets import load_digits
 
-    root = Path(root)
-    if (root / "train").is_dir() and (root / "val").is_dir() and not force:
-        return root
     digits = load_digits()
-    tmp = root.with_name(root.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
     seen_per_class: dict[int, int] = {}
     for index, (image, label) in enumerate(zip(digits.images, digits.target)):
         label = int(label)
@@ -42,21 +42,10 @@ def build_digits(root: str | Path, force: bool = False) -> Path:
         pixels = np.clip(image * (255.0 / 16.0), 0, 255).astype(np.uint8)
         picture = Image.fromarray(pixels, mode="L").resize((IMAGE_SIZE, IMAGE_SIZE), Image.BICUBIC)
         picture.convert("RGB").save(folder / f"digit_{index:04d}.JPEG", quality=95)
-    if force:
-        shutil.rmtree(root, ignore_errors=True)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(root)
-    return root
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("root", nargs="?", default="data/digits")
-    parser.add_argument("--force", action="store_true", help="rebuild even if present")
-    args = parser.parse_args()
-    root = build_digits(args.root, args.force)
-    counts = {split: sum(1 for _ in (root / split).rglob("*.JPEG")) for split in ("train", "val")}
-    print(f"digits dataset at {root}: {counts['train']} train, {counts['val']} val images, 10 classes")
+    command_line(__doc__, "digits", build_digits, 10)
 
 
 if __name__ == "__main__":

@@ -24,12 +24,12 @@ renamed at the end): an interrupted build never leaves a half dataset behind.
 
 from __future__ import annotations
 
-import argparse
 import io
-import shutil
 from pathlib import Path
 
 import numpy as np
+
+from gradientflow_repro.data.embedded import command_line, write_atomically
 
 CLASSES = 10
 PROTOTYPES = 8  # per class
@@ -82,15 +82,14 @@ def to_pixels(images: np.ndarray) -> np.ndarray:
 def build_patterns(root: str | Path, force: bool = False) -> Path:
     """Write the dataset under ``root`` (``train/<class>/*.JPEG``, ``val/<class>/*.JPEG``) unless it is
     there already (``force``: rebuild)."""
+    return write_atomically(root, force, _write_patterns)
+
+
+def _write_patterns(tmp: Path) -> None:
     from PIL import Image
 
-    root = Path(root)
-    if (root / "train").is_dir() and (root / "val").is_dir() and not force:
-        return root
     rng = np.random.default_rng(SEED)
     protos = prototypes(rng)
-    tmp = root.with_name(root.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
     for split, per_class in (("train", TRAIN_PER_CLASS), ("val", VAL_PER_CLASS)):
         labels = np.repeat(np.arange(CLASSES), per_class)
         pixels = to_pixels(draw(rng, protos, labels))
@@ -100,21 +99,10 @@ def build_patterns(root: str | Path, force: bool = False) -> Path:
             buffer = io.BytesIO()
             Image.fromarray(picture, mode="RGB").save(buffer, format="JPEG", quality=95)
             (folder / f"{split}_{index:05d}.JPEG").write_bytes(buffer.getvalue())
-    if force:
-        shutil.rmtree(root, ignore_errors=True)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(root)
-    return root
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("root", nargs="?", default="data/patterns")
-    parser.add_argument("--force", action="store_true", help="rebuild even if present")
-    args = parser.parse_args()
-    root = build_patterns(args.root, args.force)
-    counts = {split: sum(1 for _ in (root / split).rglob("*.JPEG")) for split in ("train", "val")}
-    print(f"patterns dataset at {root}: {counts['train']} train, {counts['val']} val images, {CLASSES} classes")
+    command_line(__doc__, "patterns", build_patterns, CLASSES)
 
 
 if __name__ == "__main__":
