@@ -70,11 +70,13 @@ def test_allreduce_and_ddp_leave_the_same_parameters(world: int, tmp_path: Path,
     assert ddp_summary["bytes_per_step"] > 0  # DDP's buckets were counted by the comm hook
 
 
-@pytest.mark.parametrize("comm", [[], ["comm=gradientflow", "comm.chunk_size=4096"]], ids=["allreduce", "gradientflow"])
+@pytest.mark.parametrize("comm", [[], ["comm=gradientflow", "comm.chunk_size=4096", "comm.momentum_correction=true",
+                                       "comm.momentum_masking=true"]], ids=["allreduce", "gradientflow-mc"])
 def test_interrupted_run_resumes_to_exactly_the_same_parameters(comm: list[str], tmp_path: Path,
                                                                 digits_root: Path) -> None:
-    """Cut at step 15, in epoch 2: for gradientflow, in its sparse phase, where CSC holds the
-    residuals, the velocities and the optimizer settings it has taken over."""
+    """Cut at step 15, in epoch 2: for gradientflow with momentum correction (the most state CSC
+    keeps), in its sparse phase, where CSC holds the residuals, the chunks' ages, the velocities and
+    the optimizer settings it has taken over."""
     world = 2
     common = [*FAST, f"data.root={digits_root}", "global_batch_size=128", "epochs=2",
               "optim.warmup_epochs=1", "eval_every_epochs=1", "save_final_params=true",

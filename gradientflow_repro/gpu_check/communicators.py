@@ -43,15 +43,17 @@ COMM_CASES: list[tuple[str, dict[str, Any]]] = [
     (label, {**options, **SIZES_BY_STRATEGY.get(options["strategy"], {})})
     for label, options in registry.options_of(registry.GPU_CHECK).items()]
 COMM_STEPS = 4
-# The full stack under LARS on the device against the same run on the CPU (the path the test suite
-# checks): momentum correction with LARS's ratio, the ratio's noise sketches (world > 1), a loss
-# scale. Its invariant is not the plain mean (the velocity is what is summed), so the CPU run is the
+# The stack under LARS with momentum correction on the device against the same run on the CPU (the
+# path the test suite checks; `comm=gradientflow` itself runs without the correction, its case above):
+# momentum correction with LARS's ratio, the ratio's noise sketches (world > 1), a loss scale. Its
+# invariant is not the plain mean (the velocity is what is summed), so the CPU run is the
 # reference; rounding differs between devices, hence a tolerance.
 # fp32 wire: the two devices' fp16 wires round differently (the device agrees on one scale, the host
 # scales each message itself), and what the fp16 wire does is checked above; with fp32 the runs
 # differ only by float rounding, so chunk choices do not flip and the tolerance can be tight.
 PARITY_CASES: list[tuple[str, dict[str, Any]]] = [
-    ("gradientflow+lars vs cpu", {"strategy": "gradientflow", **CSC_KNOBS, "wire": "fp32"})]
+    ("gradientflow-mc+lars vs cpu", {"strategy": "gradientflow", **CSC_KNOBS, "wire": "fp32",
+                                     "momentum_correction": True, "momentum_masking": True})]
 PARITY_STEPS = 6
 PARITY_TOLERANCE = 1e-3  # of the largest update of any parameter over the steps
 
