@@ -129,7 +129,7 @@ class CSCCommunicator(LazyAllreduce):
         """For each chunk of the part's sparse section, the index (in ``bucket.params``) of the
         parameter its first element belongs to."""
         chunks = bucket.sparse_elements // self.chunk_size
-        starts = torch.tensor([o for o in bucket.offsets], dtype=torch.long)
+        starts = torch.tensor(bucket.offsets, dtype=torch.long)
         first = torch.arange(chunks, dtype=torch.long) * self.chunk_size
         return (torch.searchsorted(starts, first, right=True) - 1).to(bucket.flat.device)
 
@@ -255,7 +255,7 @@ class CSCCommunicator(LazyAllreduce):
         is absent), ``csc_chunks_sent`` (sends counted) and ``csc_masked_momentum_share`` (the share of
         the chunks' velocity, in L1 norm, that momentum factor masking erased). ``{}`` when no sparse
         step ran."""
-        intervals: dict[str, list[torch.Tensor]] = {}
+        intervals: dict[str, list[float]] = {}
         velocity_l1 = masked_l1 = None
         sends = 0
         for bucket, part in zip(self.buckets, self.parts):
