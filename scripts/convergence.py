@@ -30,8 +30,8 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(convergence.DEFAULT_CONFIGS),
                         help="labels of make reproduce's configurations, or LABEL='Hydra overrides'; "
                              "ddp (else the first dense one) is the reference")
-    parser.add_argument("--targets", type=float, nargs="*", default=[98.0],
-                        help="top-1 targets (%%) besides the experiment's own")
+    parser.add_argument("--targets", type=float, nargs="*", default=[],
+                        help="top-1 targets (%%) besides the experiment's own, e.g. --targets 85 88")
     parser.add_argument("--runs-dir", type=Path, default=convergence.RUNS_DIR)
     parser.add_argument("--out", type=Path, default=convergence.OUT)
     parser.add_argument("--timeout-s", type=float, default=900, help="per training run")
