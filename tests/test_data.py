@@ -110,6 +110,31 @@ def test_torchvision_fallback_reads_the_same_shards(digits_root: Path) -> None:
     assert x_dali.shape == x_folder.shape and (x_dali - x_folder).abs().mean() < 0.02
 
 
+@pytest.mark.parametrize("kind", [DaliSource, TorchvisionSource])
+def test_channels_last_batches_equal_the_nchw_batches(digits_root: Path, kind: type) -> None:
+    """data.channels_last: NCHW-shaped batches in channels_last memory (DALI emits NHWC, permuted
+    without a copy; the torchvision loader converts), with the values of the plain batches; float16
+    where asked (fp16 runs)."""
+    train = indexed(list_image_folder(digits_root / "train"))
+    val = indexed(list_image_folder(digits_root / "val", train.classes))
+    threads = 0 if kind is TorchvisionSource else 1
+
+    def make(**layout):
+        options = ImageOptions(image_size=32, val_resize=32, min_crop_scale=0.5, flip=True, mean=(0.0,) * 3,
+                               std=(255.0,) * 3, num_threads=threads, prefetch=2, **layout)
+        return kind(train, val, options, device=CPU, local_batch=32, global_batch=64, rank=1, world_size=2, seed=3)
+
+    plain, nhwc = make(), make(channels_last=True)
+    half = make(channels_last=True, output_dtype=torch.float16)
+    for batches in (lambda s: s.train_batches(1), lambda s: s.val_batches()):
+        for (x, y), (xc, yc), (xh, yh) in zip(batches(plain), batches(nhwc), batches(half), strict=True):
+            assert xc.shape == x.shape and xc.is_contiguous(memory_format=torch.channels_last)
+            assert not xc.is_contiguous() and x.is_contiguous()
+            assert torch.equal(xc, x) and torch.equal(yc, y) and torch.equal(yh, y)
+            assert xh.dtype == torch.float16 and xh.is_contiguous(memory_format=torch.channels_last)
+            assert torch.allclose(xh.float(), x, atol=2e-3)
+
+
 def test_empty_class_folder_is_named(tmp_path: Path) -> None:
     (tmp_path / "train" / "cat").mkdir(parents=True)
     with pytest.raises(DatasetError, match="cat: class folder has no images"):

@@ -11,6 +11,7 @@
    header, draw the crop window and flip: ``dali.EpochBatches``), without decoding, on synthetic
    JPEGs of ImageNet's typical size, in one process (one reader worker's rate) and through DALI's
    pool of reader workers; hence how many workers one rank needs for the paper's per-GPU rate.
+4. ImageNet from shards against files (``loader_shards``, alone with ``--shards-only``).
 """
 
 from __future__ import annotations
@@ -163,7 +164,10 @@ def bench_loader(out: Path, threads: int = 2, batches: int = 30, rounds: int = 3
     text = "\n".join(lines)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    return write_feeder_section(out, bench_feeder(rounds=rounds), command)
+    write_feeder_section(out, bench_feeder(rounds=rounds), command)
+    from gradientflow_repro.bench.loader_shards import SHARDS_JSON, bench_shards, write_shards_section
+
+    return write_shards_section(out, bench_shards(out.parent / SHARDS_JSON, rounds=rounds, command=command))
 
 
 PAPER_IMAGES_PER_GPU = 3297  # AlexNet-BN images/s per GPU in the paper (fp16)
@@ -171,10 +175,10 @@ FEEDER_SECTION = "## Training feeder alone"
 IMAGENET_SHAPES = ((500, 375), (375, 500), (500, 333), (500, 400))  # the commonest ILSVRC-2012 shapes
 
 
-def synthetic_imagenet(dest: Path, count: int = 320, classes: int = 8, seed: int = 0) -> Path:
+def synthetic_imagenet(dest: Path, count: int = 320, classes: int = 8, seed: int = 0, split: str = "train") -> Path:
     """``count`` JPEGs of ImageNet's typical size (500x375 and its neighbours, quality 90, about
     100 KB: smooth colour fields with pixel noise, which compress like photographs), in ImageNet's
-    layout under ``dest/train``; every eighth carries an EXIF orientation that swaps width and height,
+    layout under ``dest/split``; every eighth carries an EXIF orientation that swaps width and height,
     so the header parse reads EXIF as it must for such photographs."""
     import numpy as np
     from PIL import Image
@@ -187,7 +191,7 @@ def synthetic_imagenet(dest: Path, count: int = 320, classes: int = 8, seed: int
         field = np.stack([np.sin(xx / rng.uniform(15, 40) + p) * 60 + np.cos(yy / rng.uniform(15, 40) + p) * 60
                           for p in phase], axis=-1) + 128
         pixels = np.clip(field + rng.normal(0, 24, field.shape), 0, 255).astype(np.uint8)
-        folder = dest / "train" / f"n{i % classes:08d}"
+        folder = dest / split / f"n{i % classes:08d}"
         folder.mkdir(parents=True, exist_ok=True)
         exif = Image.Exif()
         if i % 8 == 7:
@@ -359,9 +363,15 @@ def _provenance(command: str, facts: dict) -> str:
 def write_feeder_section(out: Path, lines: list[str], command: str) -> str:
     """Put the feeder section (with its own provenance) into ``out``, replacing an earlier one and
     leaving the other sections, and the command and commit that made them, as they are."""
-    section = "\n".join([FEEDER_SECTION, "", _provenance(command, environment_facts()), "", *lines])
+    return write_section(out, FEEDER_SECTION, [_provenance(command, environment_facts()), "", *lines])
+
+
+def write_section(out: Path, title: str, lines: list[str]) -> str:
+    """Put section ``title`` (``lines`` under it) into ``out``, replacing an earlier one and leaving
+    the other sections as they are."""
+    section = "\n".join([title, "", *lines])
     text = out.read_text() if out.exists() else "# Data loader and harness overhead\n"
-    pattern = re.compile(rf"^{re.escape(FEEDER_SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    pattern = re.compile(rf"^{re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
     if pattern.search(text):
         text = pattern.sub(lambda _: section.rstrip("\n") + "\n\n", text)
     else:

@@ -1,25 +1,45 @@
-"""Data sources by configuration: DALI (default), torchvision folder fallback, or synthetic."""
+"""Data sources by configuration: an ImageNet-layout folder read by DALI (default) or the torchvision
+fallback, webdataset shards read by DALI (``data.kind=shards``, for ImageNet at scale), or synthetic."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from gradientflow_repro.config import DataConfig
 from gradientflow_repro.data.base import Batch, DataSource
 from gradientflow_repro.data.listing import DatasetError, ImageOptions, file_problems, list_image_folder
 
+if TYPE_CHECKING:  # only the type: ``config`` imports Hydra, and the readers must import without it
+    from gradientflow_repro.config import DataConfig
+
+
+def batch_dtype(precision: str) -> torch.dtype:
+    """The images' dtype for a run in ``precision`` (``precision.dtype``): float16 for fp16 (DALI
+    emits it directly), float32 otherwise (DALI has no bfloat16; autocast casts)."""
+    return torch.float16 if precision == "fp16" else torch.float32
+
 
 def build_data(cfg: DataConfig, *, global_batch: int, rank: int, world_size: int,
-               device: torch.device, seed: int) -> DataSource:
+               device: torch.device, seed: int, output_dtype: torch.dtype = torch.float32) -> DataSource:
+    """The data source ``cfg`` describes, for this rank. ``output_dtype``: the training and
+    validation images' dtype (``batch_dtype``); ``data.channels_last`` their memory layout."""
     local_batch = global_batch // world_size
     if cfg.kind == "synthetic":
         from gradientflow_repro.data.synthetic import SyntheticSource
         return SyntheticSource(num_train=cfg.synthetic_train_size, num_val=cfg.synthetic_val_size,
                                num_classes=cfg.num_classes, image_size=cfg.image_size,
                                local_batch=local_batch, global_batch=global_batch, rank=rank,
-                               world_size=world_size, device=device, seed=seed)
+                               world_size=world_size, device=device, seed=seed,
+                               channels_last=cfg.channels_last, dtype=output_dtype)
+    options = ImageOptions(cfg.image_size, cfg.val_resize, cfg.min_crop_scale, cfg.flip,
+                           tuple(cfg.mean), tuple(cfg.std), cfg.num_threads, cfg.prefetch,
+                           channels_last=cfg.channels_last, output_dtype=output_dtype)
+    shard = dict(local_batch=local_batch, global_batch=global_batch, rank=rank,
+                 world_size=world_size, seed=seed)
+    if cfg.kind == "shards":
+        return _shard_source(cfg, options, device, shard)
     root = Path(cfg.root)
     train = list_image_folder(root / "train")
     val = list_image_folder(root / "val", train.classes)
@@ -28,16 +48,30 @@ def build_data(cfg: DataConfig, *, global_batch: int, rank: int, world_size: int
                            f"{cfg.num_classes}")
     if cfg.verify_files:
         verify_files(train.files + val.files, rank, world_size)
-    options = ImageOptions(cfg.image_size, cfg.val_resize, cfg.min_crop_scale, cfg.flip,
-                           tuple(cfg.mean), tuple(cfg.std), cfg.num_threads, cfg.prefetch)
-    shard = dict(local_batch=local_batch, global_batch=global_batch, rank=rank,
-                 world_size=world_size, seed=seed)
     if cfg.loader == "dali":
         from gradientflow_repro.data.dali import DaliSource
         return DaliSource(train, val, options, device=device, reader_workers=cfg.reader_workers, **shard)
     from gradientflow_repro.data.folder import TorchvisionSource
     return TorchvisionSource(train, val, options, device=device, reader_workers=cfg.reader_workers,
                              **shard)
+
+
+def _shard_source(cfg: DataConfig, options: ImageOptions, device: torch.device, shard: dict) -> DataSource:
+    """Shards (``shards.py``): the manifest read once, every shard file checked against it, before
+    any pipeline is built; errors name the key or the file."""
+    from gradientflow_repro.data.shards import load_manifest
+
+    if not cfg.root:
+        raise DatasetError("data.root: data.kind=shards needs the folder of the shards' manifest.json")
+    if cfg.loader != "dali":
+        raise DatasetError(f"data.loader={cfg.loader}: shards are read by DALI only (data.loader=dali)")
+    manifest = load_manifest(Path(cfg.root))
+    if len(manifest.classes) != cfg.num_classes:
+        raise DatasetError(f"{manifest.root / 'manifest.json'}: {len(manifest.classes)} classes but "
+                           f"data.num_classes={cfg.num_classes}")
+    from gradientflow_repro.data.shard_reader import ShardSource
+
+    return ShardSource(manifest, options, device=device, shuffle_buffer=cfg.shuffle_buffer, **shard)
 
 
 def verify_files(files: list[str], rank: int, world_size: int) -> None:
@@ -59,4 +93,4 @@ def verify_files(files: list[str], rank: int, world_size: int) -> None:
                            "or set data.verify_files=false to skip this check")
 
 
-__all__ = ["Batch", "DataSource", "DatasetError", "build_data"]
+__all__ = ["Batch", "DataSource", "DatasetError", "batch_dtype", "build_data"]

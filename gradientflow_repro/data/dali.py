@@ -16,13 +16,18 @@ the pipeline behind its data, so the next call builds a new one.
 
 Validation reads this rank's shard with the last batch padded by the reader and trimmed by the
 iterator, so no image counts twice; its pipeline is also built once and rewound after every pass.
+
+Output: float32 NCHW by default; ``ImageOptions.output_dtype=float16`` makes
+``crop_mirror_normalize`` emit half precision (fp16 runs: half the bytes, no cast on the GPU) and
+``channels_last`` makes it emit NHWC, which reaches torch as ``permute(0, 3, 1, 2)`` of it: an
+NCHW-shaped tensor in channels_last memory, no copy.
 """
 
 from __future__ import annotations
 
 import io
 import math
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -122,9 +127,30 @@ class EpochBatches:
         return encoded, labels, anchors, shapes, mirrors
 
 
+DALI_DTYPES = {torch.float32: types.FLOAT, torch.float16: types.FLOAT16}
+
+
+def output_format(options: ImageOptions) -> dict:
+    """``crop_mirror_normalize``'s dtype and layout for ``options`` (DALI has no bfloat16: a bf16
+    run takes float32 batches, which autocast casts)."""
+    if options.output_dtype not in DALI_DTYPES:
+        raise ValueError(f"DALI emits float32 or float16 batches, not {options.output_dtype}")
+    return dict(dtype=DALI_DTYPES[options.output_dtype], layout="HWC" if options.channels_last else "CHW")
+
+
+def val_images(jpegs, image_size: int, resize: int, mean: list[float], std: list[float], on_gpu: bool,
+               dtype, layout: str):
+    """Validation's decoding and augmentation, the same for every reader: shorter side to
+    ``resize``, centre crop, normalize."""
+    images = fn.decoders.image(jpegs, device="mixed" if on_gpu else "cpu", output_type=types.RGB)
+    images = fn.resize(images, resize_shorter=resize)
+    return fn.crop_mirror_normalize(images, crop=(image_size, image_size), dtype=dtype,
+                                    output_layout=layout, mean=mean, std=std)
+
+
 @pipeline_def
 def train_pipeline(source: EpochBatches, image_size: int, mean: list[float], std: list[float],
-                   on_gpu: bool, parallel: bool, source_depth: int = 1):
+                   on_gpu: bool, parallel: bool, dtype, layout: str, source_depth: int = 1):
     # source_depth: batches the reader workers compute ahead (cpus.source_queue_depth); DALI
     # accepts the argument only from a parallel source
     ahead = dict(prefetch_queue_depth=source_depth) if parallel else {}
@@ -135,26 +161,54 @@ def train_pipeline(source: EpochBatches, image_size: int, mean: list[float], std
                                      output_type=types.RGB, normalized_anchor=True,
                                      normalized_shape=True, axis_names="WH")
     images = fn.resize(images, size=(image_size, image_size))
-    images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
+    images = fn.crop_mirror_normalize(images, dtype=dtype, output_layout=layout,
                                       mean=mean, std=std, mirror=mirror)
     return images, label.gpu() if on_gpu else label
 
 
 @pipeline_def
 def val_pipeline(files: list[str], labels: list[int], shard_id: int, num_shards: int,
-                 image_size: int, resize: int, mean: list[float], std: list[float], on_gpu: bool):
+                 image_size: int, resize: int, mean: list[float], std: list[float], on_gpu: bool,
+                 dtype, layout: str):
     jpegs, label = fn.readers.file(files=files, labels=labels, shard_id=shard_id,
                                    num_shards=num_shards, random_shuffle=False, stick_to_shard=True,
                                    pad_last_batch=True, name=READER)  # every pass: this rank's shard
-    images = fn.decoders.image(jpegs, device="mixed" if on_gpu else "cpu", output_type=types.RGB)
-    images = fn.resize(images, resize_shorter=resize)
-    images = fn.crop_mirror_normalize(images, crop=(image_size, image_size), dtype=types.FLOAT,
-                                      output_layout="CHW", mean=mean, std=std)
+    images = val_images(jpegs, image_size, resize, mean, std, on_gpu, dtype, layout)
     return images, label.gpu() if on_gpu else label
 
 
-def _as_batch(output: list[dict]) -> Batch:
-    return output[0]["images"], output[0]["labels"].view(-1).long()
+def as_batch(output: list[dict], channels_last: bool) -> Batch:
+    """The iterator's output as (images, labels): images NCHW-shaped, in channels_last memory when
+    the pipeline emitted NHWC (a view, no copy)."""
+    images = output[0]["images"]
+    return images.permute(0, 3, 1, 2) if channels_last else images, output[0]["labels"].view(-1).long()
+
+
+class ValidationPasses:
+    """One validation pipeline (from ``build``) kept for every pass and rewound after each; a pass
+    cut short drops it, so the next pass starts from a fresh one."""
+
+    def __init__(self, build: Callable[[], Any], channels_last: bool) -> None:
+        self.build, self.channels_last = build, channels_last
+        self._iterator: Optional[DALIGenericIterator] = None
+        self.built = 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self._iterator is None:
+            pipe = self.build()
+            with workers_ignore_stop_signals():  # no Python workers today: any it ever starts
+                pipe.build()
+            self.built += 1
+            self._iterator = DALIGenericIterator(pipe, ["images", "labels"], reader_name=READER,
+                                                 last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)
+        finished = False
+        try:
+            for output in self._iterator:
+                yield as_batch(output, self.channels_last)
+            finished = True
+        finally:
+            if not finished:
+                self._iterator = None
 
 
 class DaliSource(ShardedFolder):
@@ -174,11 +228,19 @@ class DaliSource(ShardedFolder):
         self.common = dict(batch_size=self.local_batch, num_threads=self.cpus.threads,
                            device_id=device.index if self.on_gpu else None,
                            prefetch_queue_depth=options.prefetch, mean=list(options.mean),
-                           std=list(options.std), image_size=options.image_size, on_gpu=self.on_gpu)
+                           std=list(options.std), image_size=options.image_size, on_gpu=self.on_gpu,
+                           **output_format(options))
         self._train: Optional[tuple[EpochBatches, DALIGenericIterator]] = None
         self._next_epoch = -1  # the run's epoch the training pipeline delivers next
-        self._val: Optional[DALIGenericIterator] = None
-        self.pipelines_built = 0  # for tests and benchmarks: builds should be rare
+        self._val = ValidationPasses(lambda: val_pipeline(
+            files=self.val.files, labels=self.val.labels, shard_id=self.rank, num_shards=self.world_size,
+            resize=self.options.val_resize, seed=self.seed, **self.common), options.channels_last)
+        self._train_builds = 0
+
+    @property
+    def pipelines_built(self) -> int:
+        """For tests and benchmarks: builds should be rare."""
+        return self._train_builds + self._val.built
 
     def _training_iterator(self, epoch: int, skip: int) -> DALIGenericIterator:
         if self._train is not None and epoch == self._next_epoch and skip == 0:
@@ -198,7 +260,7 @@ class DaliSource(ShardedFolder):
                               **self.common)
         with workers_ignore_stop_signals(processes=self.reader_workers > 0):  # build() starts the workers
             pipe.build()
-        self.pipelines_built += 1
+        self._train_builds += 1
         iterator = DALIGenericIterator(pipe, ["images", "labels"], auto_reset=False)
         self._train = (source, iterator)
         return iterator
@@ -209,25 +271,9 @@ class DaliSource(ShardedFolder):
         delivered = skip
         for output in iterator:
             delivered += 1
-            yield _as_batch(output)
+            yield as_batch(output, self.options.channels_last)
         if delivered == self.steps_per_epoch:
             self._next_epoch = epoch + 1
 
     def val_batches(self) -> Iterator[Batch]:
-        if self._val is None:
-            pipe = val_pipeline(files=self.val.files, labels=self.val.labels, shard_id=self.rank,
-                                num_shards=self.world_size, resize=self.options.val_resize,
-                                seed=self.seed, **self.common)
-            with workers_ignore_stop_signals():  # no Python workers today: any it ever starts
-                pipe.build()
-            self.pipelines_built += 1
-            self._val = DALIGenericIterator(pipe, ["images", "labels"], reader_name=READER,
-                                            last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)
-        finished = False
-        try:
-            for output in self._val:
-                yield _as_batch(output)
-            finished = True
-        finally:
-            if not finished:  # a pass cut short: the next one starts from a fresh pipeline
-                self._val = None
+        yield from self._val

@@ -74,11 +74,17 @@ def start_fork_server() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
-def to_device(images: torch.Tensor, labels: torch.Tensor, device: torch.device) -> Batch:
+def to_device(images: torch.Tensor, labels: torch.Tensor, device: torch.device,
+              channels_last: bool = False, dtype: torch.dtype = torch.float32) -> Batch:
     """Both tensors copied without waiting for the host: on CUDA the DataLoader pins its batches
     (``pin_memory``), so a ``non_blocking`` copy is queued on the stream and the step goes on (a
-    blocking one would stall every step until the copy lands); on the CPU nothing is copied."""
-    return images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+    blocking one would stall every step until the copy lands); on the CPU nothing is copied. Then,
+    on the device, the images in ``dtype`` and, with ``channels_last``, in channels_last memory (the
+    layout DALI's loaders emit for ``data.channels_last``)."""
+    images = images.to(device, non_blocking=True).to(dtype)
+    if channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+    return images, labels.to(device, non_blocking=True)
 
 
 def _own_generator(seed: int) -> torch.Generator:
@@ -183,7 +189,7 @@ class TorchvisionSource(ShardedFolder):
         step = 0
         while (batch := self._next_batch(batches, which)) is not None:
             if step >= skip:
-                yield to_device(*batch, self.device)
+                yield to_device(*batch, self.device, self.options.channels_last, self.options.output_dtype)
             step += 1
 
     def _next_batch(self, batches: Iterator, which: str) -> Optional[tuple[torch.Tensor, torch.Tensor]]:

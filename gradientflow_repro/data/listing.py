@@ -117,6 +117,10 @@ class ImageOptions:
     std: tuple[float, ...]
     num_threads: Optional[int]  # None: follow the rank's CPUs (cpus.loader_cpus)
     prefetch: int
+    # batches as NCHW-shaped tensors in channels_last memory (DALI emits NHWC; the torchvision
+    # loader converts), for cuDNN's NHWC tensor-core convolutions
+    channels_last: bool = False
+    output_dtype: torch.dtype = torch.float32  # float16 for fp16 runs: DALI emits half directly
 
 
 class ShardedFolder:
