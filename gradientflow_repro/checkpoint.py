@@ -46,6 +46,7 @@ import os
 import pickle
 import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, Optional
@@ -391,3 +392,30 @@ def load_checkpoint(checkpoint: Path, rank: int, world_size: int) -> tuple[dict,
         raise CheckpointError(f"{checkpoint} was written by {manifest['world_size']} ranks, this job "
                               f"has {world_size}: per-rank state is mapped by TrainState.load")
     return load_file(Path(checkpoint) / SHARED), load_file(Path(checkpoint) / rank_file(rank))
+
+
+class CheckpointClock:
+    """``checkpoint.every_minutes``: whether this rank's wall clock says a periodic checkpoint is due.
+
+    Ranks' clocks differ, so this rank's answer is never acted on alone: the trainer folds ``due()``
+    into the MAX-allreduce every step already makes (the overflow and stop-signal agreement,
+    ``preemption.StopRequests``), and every rank saves after the step in which the first of them
+    found the interval passed. No extra collective, no extra read-back. The interval is counted from
+    the last checkpoint of any kind (``restart``), or from the first step of this process."""
+
+    def __init__(self, every_minutes: Optional[float]) -> None:
+        self.interval_s = every_minutes * 60.0 if every_minutes else None
+        self._since: Optional[float] = None
+
+    def due(self) -> float:
+        """1.0 when the interval has passed on this rank's clock, else 0.0 (always 0.0 when off)."""
+        if self.interval_s is None:
+            return 0.0
+        now = time.monotonic()
+        if self._since is None:  # the first step: the clock starts with training, not the start-up
+            self._since = now
+        return 1.0 if now - self._since >= self.interval_s else 0.0
+
+    def restart(self) -> None:
+        """A checkpoint was written: the next one is due an interval from now."""
+        self._since = time.monotonic()

@@ -36,7 +36,7 @@ from gradientflow_repro.checks import (
 from gradientflow_repro.comm.knobs import CommConfig, resolve
 
 MODEL_NAMES = ("alexnet_bn", "alexnet", "resnet50")
-DATA_KINDS = ("folder", "synthetic")
+DATA_KINDS = ("folder", "shards", "synthetic")
 LOADERS = ("dali", "torchvision")
 OPTIMIZERS = ("lars", "apex_larc")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -60,7 +60,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    kind: str = setting("folder", one_of(*DATA_KINDS))  # folder: root/{train,val}/<class>/*.JPEG; synthetic
+    # folder: root/{train,val}/<class>/*.JPEG; shards: root/manifest.json and the webdataset shards it
+    # lists (scripts/prepare_imagenet.py --shards; DALI only); synthetic
+    kind: str = setting("folder", one_of(*DATA_KINDS))
     root: Optional[str] = setting(None, optional_text)
     loader: str = setting("dali", one_of(*LOADERS))
     num_classes: int = setting(1000, positive)
@@ -80,6 +82,9 @@ class DataConfig:
     reader_workers: Optional[int] = setting(None, optional(non_negative))
     prefetch: int = setting(2, positive)
     verify_files: bool = setting(True, boolean)  # check every image file (cheaply) before training
+    # batches as NCHW-shaped tensors in channels_last memory (DALI emits NHWC), for NHWC convolutions
+    channels_last: bool = setting(False, boolean)
+    shuffle_buffer: int = setting(1024, positive)  # shards: samples in each rank's DALI shuffle buffer
     synthetic_train_size: int = setting(4096, positive)
     synthetic_val_size: int = setting(512, positive)
 
@@ -118,7 +123,13 @@ class LoggerConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_epochs: int = setting(1, positive)
+    # A checkpoint is always written at a stop signal (preemption, time limit) and at the end; these
+    # add periodic ones. every_epochs: after every this-many whole epochs (null: none by epoch).
+    every_epochs: Optional[int] = setting(1, optional(positive))
+    # every_minutes: once this much wall-clock time has passed since the last checkpoint (or the
+    # start), after the step at which the first rank's clock passed it: the ranks agree on it in the
+    # step's one read-back, so all of them save after the same step (null: off)
+    every_minutes: Optional[float] = setting(None, optional(positive))
     keep: int = setting(3, positive)
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -38,6 +39,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Mapping, NoReturn, Optional, Sequence
 
 import torch
@@ -153,28 +155,89 @@ def describe_rank(world: World, device: torch.device) -> str:
 def select_device(preference: str, world: World) -> torch.device:
     """The device of this rank. With CUDA: GPU ``local_rank`` when the rank sees every GPU of its
     node, GPU 0 when the launcher gave each rank one GPU of its own (Slurm's ``--gpus-per-task=1``,
-    a per-rank CUDA_VISIBLE_DEVICES); fewer GPUs than ranks on a node is an error naming the
+    a per-rank CUDA_VISIBLE_DEVICES), and under Slurm's ``--gpu-bind=closest`` (each task sees the
+    GPUs of its NUMA domain, shared with the node's other tasks there) its place among the tasks
+    that see the same GPUs (``gpu_sharers``); fewer GPUs than ranks is an error naming the
     settings, never two ranks silently sharing a GPU (NCCL would fail later with "Duplicate GPU")."""
     if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise WorldError(f"rank {world.rank}: device=cuda asked for but CUDA is not available")
-    index = gpu_index(world, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    visible = torch.cuda.device_count()
+    sharing = None
+    if 1 < visible < world.local_world_size:  # a subset of the node's GPUs, seen by several tasks
+        # the set named by the GPUs' own identities: CUDA_VISIBLE_DEVICES may number each task's from 0
+        sharing = gpu_sharers(world, ",".join(gpu_identity(torch.device("cuda", i)) for i in range(visible)))
+    index = gpu_index(world, visible, os.environ.get("CUDA_VISIBLE_DEVICES"), sharing)
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
 
-def gpu_index(world: World, visible: int, cuda_visible_devices: Optional[str]) -> int:
-    """Which of the ``visible`` GPUs this rank drives (see ``select_device``)."""
+def gpu_index(world: World, visible: int, cuda_visible_devices: Optional[str],
+              sharing: Optional[Sequence[int]] = None) -> int:
+    """Which of the ``visible`` GPUs this rank drives (see ``select_device``). ``sharing``: the
+    local ranks of this node that see the same GPUs as this one, this one included (None: not
+    known); each takes the GPU at its place among them, in local-rank order."""
     if visible >= world.local_world_size and world.local_rank < visible:
+        # every rank's index differs, so ranks that see the same GPUs get different ones, and ranks
+        # that see disjoint sets (--gpu-bind=closest with at most one task per GPU) do too
         return world.local_rank
     if visible == 1:
         return 0  # one GPU per rank, bound by the launcher; duplicates are caught at start-up
+    if sharing and world.local_rank in sharing and len(sharing) <= visible:
+        return sorted(sharing).index(world.local_rank)
+    shared = (f"; {len(sharing)} ranks of this node (local ranks {sorted(sharing)}) see these GPUs"
+              if sharing else "")
     raise WorldError(
         f"rank {world.rank}: local rank {world.local_rank} of {world.local_world_size} ranks on this "
-        f"node, but only {visible} GPU(s) are visible (CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}); "
+        f"node, but only {visible} GPU(s) are visible (CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}){shared}; "
         f"NCCL needs one GPU per rank: start at most {visible} ranks per node (torchrun "
         f"--nproc-per-node, Slurm --ntasks-per-node) or give each rank its own GPU (--gpus-per-task=1)")
+
+
+GPU_EXCHANGE_S = 300.0  # the node's tasks start together; one that never comes is named after this
+
+
+def gpu_sharers(world: World, gpus: str, env: Optional[Mapping[str, str]] = None,
+                timeout_s: float = GPU_EXCHANGE_S, folder: Optional[Path] = None) -> Optional[list[int]]:
+    """Collective among the tasks of this node in a Slurm step, before any process group exists:
+    the local ranks (this one included) whose visible GPUs ``gpus`` (a string naming the set) are
+    the same as this rank's. None outside a Slurm step (no such exchange there: ``gpu_index``
+    then refuses what it cannot tell apart).
+
+    Why an exchange: which tasks share a NUMA domain's GPUs under ``--gpu-bind=closest`` follows
+    from the CPU distribution (Slurm's default, ``block:cyclic``, alternates sockets: local ranks
+    0, 2, 4, 6 on the first, 1, 3, 5, 7 on the second; ``block:block`` fills one socket first), the
+    cores per socket and ``--cpus-per-task``; no variable of a task says it. So each task writes its
+    set to a node-local folder (the temporary directory, one folder per job, step, restart and
+    node) and reads the others'; the last to have read removes the folder."""
+    env = os.environ if env is None else env
+    job, step = env.get("SLURM_JOB_ID"), env.get("SLURM_STEP_ID")
+    if world.source != "slurm" or not job or step is None:
+        return None
+    where = folder or Path(tempfile.gettempdir()) / (
+        f"gradientflow-gpus-{job}.{step}.{env.get('SLURM_RESTART_COUNT', '0')}.{env.get('SLURM_NODEID', '0')}")
+    where.mkdir(parents=True, exist_ok=True)
+    partial = where / f".{world.local_rank}.partial"
+    partial.write_text(gpus)
+    os.replace(partial, where / str(world.local_rank))  # whole or absent to a reader
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen = {int(p.name): p.read_text() for p in where.iterdir() if p.name.isdigit()}
+        if len(seen) >= world.local_world_size:
+            break
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(world.local_world_size)) - set(seen))
+            raise WorldError(f"rank {world.rank}: local rank(s) {missing} of this node did not say which "
+                             f"GPUs they see within {timeout_s:.0f} s (through {where})")
+        time.sleep(0.05)
+    (where / f"read.{world.local_rank}").touch()
+    try:
+        if sum(p.name.startswith("read.") for p in where.iterdir()) >= world.local_world_size:
+            shutil.rmtree(where, ignore_errors=True)
+    except OSError:  # another rank removed it meanwhile
+        pass
+    return sorted(rank for rank, theirs in seen.items() if theirs == gpus)
 
 
 def gpu_identity(device: torch.device) -> str:
@@ -746,7 +809,10 @@ def agree_max(flags: Sequence[torch.Tensor | float], device: torch.device) -> li
 
 def ranks_that_differ(tensors: Iterable[torch.Tensor], device: torch.device) -> list[int]:
     """Collective: ranks whose tensors' checksum (float64 sum and sum of squares) differs from
-    rank 0's. Identical tensors give identical sums; a changed element changes them."""
+    rank 0's. Identical tensors give identical sums; a changed element changes them. One
+    collective and one read-back whatever the world size: each rank writes its checksum into its
+    own row of a [world, 2] table of zeros, a SUM-allreduce fills the table (adding zeros is exact),
+    and the rows are compared with rank 0's on the device."""
     checksum = torch.zeros(2, dtype=torch.float64, device=device)
     for tensor in tensors:
         values = tensor.detach().double()
@@ -754,9 +820,10 @@ def ranks_that_differ(tensors: Iterable[torch.Tensor], device: torch.device) -> 
         checksum[1] += values.square().sum()
     if not dist.is_initialized():
         return []
-    gathered = [torch.empty_like(checksum) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, checksum)
-    return [rank for rank, other in enumerate(gathered) if not torch.equal(other, gathered[0])]
+    table = torch.zeros(dist.get_world_size(), 2, dtype=torch.float64, device=device)
+    table[dist.get_rank()] = checksum
+    dist.all_reduce(table)
+    return (table != table[0]).any(1).nonzero().flatten().tolist()
 
 
 LOST_RANK_WAIT_S = 3.0  # survivors of a broken collective report within milliseconds of each other

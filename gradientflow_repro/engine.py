@@ -19,8 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from gradientflow_repro import faults
+from gradientflow_repro.checkpoint import CheckpointClock
 from gradientflow_repro.comm import build_communicator
-from gradientflow_repro.data import build_data
+from gradientflow_repro.data import batch_dtype, build_data
 from gradientflow_repro.distributed import World, agree_max, all_reduce_scalars, mark_progress, ranks_that_differ
 from gradientflow_repro.mlperf_log import MlperfLog
 from gradientflow_repro.models import build_model
@@ -49,8 +50,11 @@ class Trainer:
         self.run_name = cfg.logger.name or cfg.comm.strategy  # wandb run and progress-line prefix
         self.stop = StopRequests(received=early_signal)  # before the slow start-up
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        self.model = build_model(cfg.model.name, cfg.data.num_classes, cfg.data.image_size,
-                                 cfg.model.width, cfg.model.dropout, cfg.model.bn_momentum).to(device)
+        # data.channels_last: the batches come NHWC, so the weights go channels_last too (cuDNN's
+        # tensor-core convolutions are NHWC; mixing layouts would transpose in every layer)
+        layout = torch.channels_last if cfg.data.channels_last else torch.preserve_format
+        self.model = build_model(cfg.model.name, cfg.data.num_classes, cfg.data.image_size, cfg.model.width,
+                                 cfg.model.dropout, cfg.model.bn_momentum).to(device, memory_format=layout)
         self.optimizer = build_optimizer(self.model, cfg.optim, cfg.global_batch_size)
         phases.done("model")
         self.comm = build_communicator(OmegaConf.to_container(cfg.comm), device,
@@ -81,6 +85,8 @@ class Trainer:
                       **({"precise_bn": self.precise_bn} if cfg.precise_bn_batches else {})},
             rank=world.rank, world_size=world.world_size, device=device)
         self._nonfinite_streak = 0
+        self.checkpoint_clock = CheckpointClock(cfg.checkpoint.every_minutes)  # agreed in train_step
+        self._checkpoint_due = False
         torch.manual_seed(cfg.seed + 1 + world.rank)  # dropout differs between ranks, as on a cluster
         resumed = self.state.resume(self.run_dir, cfg.resume)
         if resumed:
@@ -103,8 +109,11 @@ class Trainer:
         self.mlperf.run_start(cfg, world.world_size, device, init_s=phases.total_s)
         self.init_phases = phases
         try:
+            # on a GPU, fp16 runs take fp16 images from DALI (half the copies; autocast would cast
+            # them anyway); on a CPU the images stay fp32, as every CPU result was measured
+            images = batch_dtype(cfg.precision.dtype) if device.type == "cuda" else torch.float32
             self.data = build_data(cfg.data, global_batch=cfg.global_batch_size, rank=world.rank,
-                                   world_size=world.world_size, device=device, seed=cfg.seed)
+                                   world_size=world.world_size, device=device, seed=cfg.seed, output_dtype=images)
         except BaseException:  # bad images: the run has started (tracker, MLPerf log) and ends aborted
             self.abandon()
             raise
@@ -134,6 +143,10 @@ class Trainer:
                 self.train_step(images, labels)
                 if p.step >= self.total_steps or self.stop.agreed_signal:
                     break
+                if self._checkpoint_due:  # checkpoint.every_minutes, agreed by every rank in the step
+                    self.save()
+                    if self.stop.agreed(self.device):  # a signal during the save stops here
+                        break
             if p.step % steps_per_epoch == 0:  # a whole epoch ended (not a max_steps cut)
                 done_epochs = p.step // steps_per_epoch
                 self.mlperf.epoch_stop(epoch)
@@ -143,7 +156,7 @@ class Trainer:
                     break
                 if due:
                     self.evaluate()
-                if done_epochs % self.cfg.checkpoint.every_epochs == 0:
+                if self.cfg.checkpoint.every_epochs and done_epochs % self.cfg.checkpoint.every_epochs == 0:
                     self.save()
                     self.stop.agreed(self.device)  # a signal that came during the save stops here,
                     # not one step later with a second full checkpoint
@@ -174,8 +187,9 @@ class Trainer:
         # the step's one read-back: did any rank overflow, did any rank get a stop signal, and how
         # long the slowest rank's forward and backward took (ranks sharing cores finish at different
         # times, and the first collective after backward waits for the last: logged, not acted on)
-        overflow, signal, slowest = agree_max([self.precision.nonfinite(self.optimizer), self.stop.received,
-                                               computed], self.device)
+        overflow, signal, slowest, due = agree_max([self.precision.nonfinite(self.optimizer), self.stop.received,
+                                                    computed, self.checkpoint_clock.due()], self.device)
+        self._checkpoint_due = due > 0
         self._behind_s += slowest - computed
         applied = self.precision.apply(self.optimizer, overflow > 0)  # skipped on every rank, or none
         self.stop.agreed_signal = int(signal)
@@ -258,6 +272,7 @@ class Trainer:
         if self.progress.step > self._last_log[0] and self._last_loss_lr:  # steps since the last progress
             self._log_step(*self._last_loss_lr)  # record: log them, so the totals saved and summed are whole
         self.state.save(self.run_dir, self.progress.step, keep=self.cfg.checkpoint.keep)
+        self.checkpoint_clock.restart()
         self.tracker.checkpointed(self.progress.step)  # where a resume from it cuts metrics.jsonl
 
     # ---------------------------------------------------------------- reporting

@@ -1,6 +1,7 @@
 # Sourced by the batch scripts in this folder (not submitted itself). Expects EXPERIMENT and the
 # cluster settings (ENV_*, module loads, NCCL variables) from the template, and the Hydra overrides
-# in "$@". It activates the environment, derives the rendezvous from the allocation, starts one
+# in "$@". It activates the environment, derives the rendezvous from the allocation, copies a shard
+# set to node-local storage with one task per node (stage_data: GF_STAGE, GF_LOCAL_DATA), starts one
 # task per GPU with srun, and requeues the job when training stopped for a preemption warning.
 # A rank that crashes ends the step at once (slurm/task.sh) and the job fails without a requeue.
 #
@@ -108,6 +109,67 @@ may_requeue() {
   return 0
 }
 
+# The training data, with a shard set staged to node-local storage first. The data is a shard set
+# when its folder (a data.root=... override, else $DATA) holds manifest.json (scripts/
+# prepare_imagenet.py --shards writes one): the ranks then read it with data=imagenet_shards (unless
+# an override names the data config), and, unless GF_STAGE=0, one task per node first copies it to
+# $GF_LOCAL_DATA/<the folder's name> (python -m gradientflow_repro.data.stage, with $GF_STAGE_ARGS:
+# idempotent, so a requeued job on nodes that still hold the copy copies nothing) and data.root
+# points there. Any other folder (ImageNet's class folders, the digits) is read where it is;
+# GF_STAGE=1 makes that an error. Sets TRAIN_OVERRIDES: the overrides "$@" and the data's. Status 2
+# for a setting that is wrong, 1 when the copy failed (the ranks never start).
+stage_data() {
+  local mode=${GF_STAGE:-auto} source=${DATA:-} named_config="" arg dest started
+  local -a extra=()
+  TRAIN_OVERRIDES=()
+  case $mode in
+    auto|0|1) ;;
+    *) echo "error: GF_STAGE=$mode: auto (stage a shard set), 1 (stage, or fail) or 0 (never)" >&2; return 2 ;;
+  esac
+  for arg in "$@"; do
+    case $arg in
+      data.root=*) source=${arg#data.root=} ;;  # the user's choice wins, as for run_dir
+      data=*) named_config=1 ;;
+    esac
+  done
+  if [ -z "$source" ] || [ ! -f "$source/manifest.json" ]; then
+    if [ "$mode" = 1 ]; then
+      echo "error: GF_STAGE=1 but the data (${source:-neither DATA nor data.root set}) is no shard set" \
+           "(no manifest.json: scripts/prepare_imagenet.py --shards writes one)" >&2
+      return 2
+    fi
+    TRAIN_OVERRIDES=("$@")
+    return 0
+  fi
+  [ -n "$named_config" ] || TRAIN_OVERRIDES+=("data=imagenet_shards")
+  for arg in "$@"; do
+    case $arg in data.root=*) ;; *) TRAIN_OVERRIDES+=("$arg") ;; esac
+  done
+  if [ "$mode" = 0 ]; then
+    TRAIN_OVERRIDES+=("data.root=$source")
+    return 0
+  fi
+  dest=${GF_LOCAL_DATA:-/tmp/gradientflow-data}/$(basename "$source")
+  read -ra extra <<< "${GF_STAGE_ARGS:-}"
+  echo "job $SLURM_JOB_ID: staging the shard set $source to $dest on each of $SLURM_JOB_NUM_NODES node(s)" \
+       "(GF_STAGE=0 reads it where it is)"
+  started=$SECONDS
+  # One task per node. The preemption warning (SIGUSR1, to every process of a step) must not kill the
+  # copy: ignored, which the stage command inherits through exec. A node whose copy fails ends the
+  # step (--kill-on-bad-exit).
+  if ! srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
+       --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" --kill-on-bad-exit=1 \
+       bash -c 'trap "" USR1; exec "$@"' stage python -m gradientflow_repro.data.stage \
+       --manifest "$source/manifest.json" --to "$dest" ${extra[@]+"${extra[@]}"}; then
+    echo "error: job $SLURM_JOB_ID: staging $source to $dest failed (above); the ranks were not started." \
+         "Set GF_LOCAL_DATA to a node-local folder with room for the set, or GF_STAGE=0 to read it" \
+         "where it is" >&2
+    return 1
+  fi
+  echo "job $SLURM_JOB_ID: staged on every node in $((SECONDS - started)) s"
+  TRAIN_OVERRIDES+=("data.root=$dest")
+}
+
 PROJECT_DIR=${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
 if [ ! -d "$PROJECT_DIR/gradientflow_repro" ]; then
   echo "error: PROJECT_DIR=$PROJECT_DIR is not the gradientflow-repro checkout: submit from the" \
@@ -159,6 +221,10 @@ if [ -z "${TORCH_FR_DUMP_TEMP_FILE:-}${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-}" ]; th
   export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=$RUN_DIR/nccl_trace_$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}_rank_
 fi
 
+# --- data: a shard set staged to node-local storage, once per node, before the ranks start -------
+# Before the traps below: a stop signal now ends the job (there is nothing to save yet).
+stage_data "$@" || exit $?
+
 # --- stop signals to this script -------------------------------------------------------------
 # Slurm's time limit (and the end of a preemption's grace time, and a plain scancel) sends SIGTERM
 # to this shell and to the ranks, then SIGKILL after KillWait. Without a trap the shell would die at
@@ -197,8 +263,8 @@ trap 'on_stop_signal INT' INT
 # In the background, so that a trapped signal runs its trap at once ('wait' returns 128 + the
 # signal) instead of after srun; waiting again then gives srun's own status, the ranks'.
 srun --kill-on-bad-exit=0 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
-  bash "$PROJECT_DIR/slurm/task.sh" python -m gradientflow_repro.train "+experiment=$EXPERIMENT" "$@" \
-  "run_dir=$RUN_DIR" &
+  bash "$PROJECT_DIR/slurm/task.sh" python -m gradientflow_repro.train "+experiment=$EXPERIMENT" \
+  ${TRAIN_OVERRIDES[@]+"${TRAIN_OVERRIDES[@]}"} "run_dir=$RUN_DIR" &
 srun_pid=$!
 ranks_running=1
 while :; do

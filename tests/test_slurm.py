@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gradientflow_repro.distributed import World
 from gradientflow_repro.precision import native_bf16
 
 from conftest import REPO, final_params, train
@@ -548,3 +549,254 @@ def test_a_job_whose_runs_make_no_progress_stops_requeueing(slurm, tmp_path: Pat
                       f" (the runs stop before they save anything new: see their lines above, e.g. a preemption"
                       f" warning earlier than the start-up takes, or a checkpoint that cannot be written); fix"
                       f" that, then resubmit with run_dir={run} to resume from step 5"], errors
+
+
+# --- GPU binding: --gpu-bind=closest, each task seeing the GPUs of its NUMA domain ----------------
+
+# What select_device does with CUDA (gradientflow_repro/distributed.py), with the fake GPUs named by
+# CUDA_VISIBLE_DEVICES (torch sees none of them): prints node, local rank, the task's GPUs and the
+# one it picked.
+GPU_PROBE = """
+import os
+from gradientflow_repro.distributed import discover_world, gpu_index, gpu_sharers
+world = discover_world()
+gpus = os.environ["CUDA_VISIBLE_DEVICES"].split(",")
+sharing = gpu_sharers(world, ",".join(gpus)) if 1 < len(gpus) < world.local_world_size else None
+picked = gpus[gpu_index(world, len(gpus), os.environ["CUDA_VISIBLE_DEVICES"], sharing)]
+print("gpu", os.environ["SLURM_NODEID"], world.local_rank, ",".join(gpus), picked, flush=True)
+"""
+
+
+def _world_on_node(local_rank: int, local_world_size: int) -> World:
+    return World(rank=local_rank, world_size=local_world_size, local_rank=local_rank,
+                 local_world_size=local_world_size, master_addr="n0", master_port=1, source="slurm")
+
+
+def _domains(layout: str, tasks: int, domains: int) -> list[int]:
+    """The NUMA domain of each local rank: Slurm's default distribution (block:cyclic) alternates
+    sockets, block:block fills one first."""
+    return [rank % domains if layout == "cyclic" else rank * domains // tasks for rank in range(tasks)]
+
+
+@pytest.mark.parametrize("layout", ["cyclic", "block"])
+@pytest.mark.parametrize("tasks, domains", [(8, 2), (8, 4), (4, 2)])
+def test_gpu_index_gives_each_rank_its_own_gpu_among_those_it_shares(layout: str, tasks: int, domains: int) -> None:
+    """8 GPUs in NUMA domains, each task seeing its domain's (as CUDA_VISIBLE_DEVICES lists them):
+    every rank gets a GPU of its own, whichever way the tasks were spread over the domains."""
+    from gradientflow_repro.distributed import gpu_index
+
+    per_domain = 8 // domains
+    domain_of = _domains(layout, tasks, domains)
+    seen = {d: ",".join(str(d * per_domain + i) for i in range(per_domain)) for d in range(domains)}
+    picked = []
+    for rank in range(tasks):
+        mine = seen[domain_of[rank]]
+        sharing = [r for r in range(tasks) if seen[domain_of[r]] == mine]
+        picked.append(mine.split(",")[gpu_index(_world_on_node(rank, tasks), per_domain, mine, sharing)])
+    assert sorted(picked, key=int) == sorted({*picked}, key=int) and len(picked) == tasks, picked
+
+
+def test_gpu_index_refuses_more_ranks_than_the_gpus_they_share() -> None:
+    from gradientflow_repro.distributed import WorldError, gpu_index
+
+    with pytest.raises(WorldError, match=r"local rank 2 of 6 ranks.*only 2 GPU\(s\).*3 ranks of this node "
+                                         r"\(local ranks \[0, 2, 4\]\) see these GPUs"):
+        gpu_index(_world_on_node(2, 6), visible=2, cuda_visible_devices="0,1", sharing=[0, 2, 4])
+
+
+def test_gpu_sharers_exchange_through_a_node_local_folder_and_remove_it(tmp_path: Path) -> None:
+    """Eight tasks of one node (threads here) say which GPUs they see; each learns which local ranks
+    share its set; the folder is gone afterwards. Outside a Slurm step there is no exchange."""
+    import threading
+
+    from gradientflow_repro.distributed import gpu_sharers
+
+    env = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "1", "SLURM_NODEID": "0"}
+    sets = ["0,1,2,3" if rank % 2 == 0 else "4,5,6,7" for rank in range(8)]
+    answers: dict[int, object] = {}
+
+    def task(rank: int) -> None:
+        try:
+            answers[rank] = gpu_sharers(_world_on_node(rank, 8), sets[rank], env, timeout_s=30,
+                                        folder=tmp_path / "exchange")
+        except Exception as error:  # noqa: BLE001 - reported below
+            answers[rank] = error
+
+    threads = [threading.Thread(target=task, args=(rank,)) for rank in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert answers == {rank: [0, 2, 4, 6] if rank % 2 == 0 else [1, 3, 5, 7] for rank in range(8)}, answers
+    assert not (tmp_path / "exchange").exists()
+    assert gpu_sharers(_world_on_node(0, 8), "0,1", {}) is None  # not a Slurm step
+
+
+def _gpu_step(env: dict[str, str], tmp_path: Path, options: list[str]) -> list[tuple[str, int, str, str]]:
+    """Runs GPU_PROBE as a job step with the fake GPUs; (node id, local rank, seen, picked) per task."""
+    import sys
+
+    result = subprocess.run(["srun", "--gpus-per-node=8", "--cpus-per-task=1", "--time=5", *options,
+                             sys.executable, "-c", GPU_PROBE], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("gpu ")]
+    return sorted((node, int(local), seen, picked) for node, local, seen, picked in rows)
+
+
+def _each_task_has_its_own_gpu(rows: list[tuple[str, int, str, str]], nodes: int, per_node: int) -> None:
+    assert len(rows) == nodes * per_node, rows
+    for node in {row[0] for row in rows}:
+        picked = [row[3] for row in rows if row[0] == node]
+        assert len(set(picked)) == per_node, f"node {node}: two ranks on one GPU: {rows}"
+    assert all(picked in seen.split(",") for _, _, seen, picked in rows), rows
+
+
+def test_gpu_bind_by_numa_domain_gives_each_rank_its_own_gpu_under_slurm(slurm, tmp_path: Path) -> None:
+    """Under srun with the fake GPUs: closest binding on the local node (one socket: every task sees
+    all 8) and, as closest binding on two-socket nodes shows them, each task the GPUs of one
+    domain, tasks alternating between the domains (Slurm's default distribution) or filling one
+    first, on one node and on two (each node exchanging on its own)."""
+    rows = _gpu_step(slurm, tmp_path, ["--nodes=1", "--ntasks-per-node=2", "--gpu-bind=closest"])
+    _each_task_has_its_own_gpu(rows, 1, 2)
+    assert {seen for *_, seen, _ in rows} == {"0,1,2,3,4,5,6,7"}, rows
+    cyclic = _gpu_step(slurm, tmp_path, ["--nodes=1", "--ntasks-per-node=4", "--gpu-bind=mask_gpu:0x3,0xC"])
+    _each_task_has_its_own_gpu(cyclic, 1, 4)
+    assert [seen for *_, seen, _ in cyclic] == ["0,1", "2,3"] * 2, cyclic  # alternating domains
+    block = _gpu_step(slurm, tmp_path, ["--nodes=2", "--ntasks-per-node=3", "--gpu-bind=mask_gpu:0x3,0x3,0xC"])
+    _each_task_has_its_own_gpu(block, 2, 3)
+    assert [seen for *_, seen, _ in block] == ["0,1", "0,1", "2,3"] * 2, block
+    import tempfile
+
+    assert not list(Path(tempfile.gettempdir()).glob("gradientflow-gpus-*")), "the exchange left its folders behind"
+
+
+# --- slurm/launch.sh: a shard set staged to node-local storage before the ranks start ------------
+
+def _shard_set(tmp_path: Path) -> Path:
+    shards = tmp_path / "imagenet-shards"
+    (shards / "train").mkdir(parents=True)
+    (shards / "manifest.json").write_text("{}")
+    return shards
+
+
+def _stand_in_python(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """An environment (ENV_VENV) whose ``python`` records each call (its arguments, Slurm node and
+    rank, whether SIGUSR1 is ignored, when) as a JSON line and exits: with status $STAGE_STATUS
+    when it is the stage command, else 0. The record file is returned with the environment."""
+    import sys
+    import textwrap
+
+    venv, log = tmp_path / "stand-in-env", tmp_path / "calls.jsonl"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text(f'export PATH="{venv / "bin"}:$PATH"\n')
+    python = venv / "bin" / "python"
+    python.write_text(f"#!{sys.executable}\n" + textwrap.dedent(f"""\
+        import json, os, signal, sys, time
+        call = {{"argv": sys.argv[1:], "node": os.environ.get("SLURM_NODEID"), "rank": os.environ.get("SLURM_PROCID"),
+                "usr1_ignored": signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN, "time": time.time()}}
+        with open({str(log)!r}, "a") as handle:
+            handle.write(json.dumps(call) + "\\n")
+        sys.exit(int(os.environ.get("STAGE_STATUS", "0")) if "gradientflow_repro.data.stage" in sys.argv else 0)
+        """))
+    python.chmod(0o755)
+    return {"ENV_VENV": str(venv), "ENV_CONDA": ""}, log
+
+
+def _calls(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def _stage_data(tmp_path: Path, env: dict[str, str], *overrides: str) -> tuple[subprocess.CompletedProcess, list]:
+    """slurm/launch.sh's stage_data alone (no Slurm): ``srun`` is a stub that runs its command once,
+    as on a one-node allocation. Returns the result, whose ``stdout`` is TRAIN_OVERRIDES (what the
+    function said is appended to ``stderr``), and the stand-in python's calls."""
+    stubs = tmp_path / "stubs"
+    stubs.mkdir(exist_ok=True)
+    srun = stubs / "srun"
+    srun.write_text('#!/bin/bash\necho "srun $*" >&2\nwhile [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
+    srun.chmod(0o755)
+    venv, log = _stand_in_python(tmp_path) if not (tmp_path / "stand-in-env").exists() else (
+        None, tmp_path / "calls.jsonl")
+    log.unlink(missing_ok=True)
+    script = _launch_functions("stage_data") + '\nstage_data "$@"\nstatus=$?\nprintf "override %s\\n" ' \
+        '${TRAIN_OVERRIDES[@]+"${TRAIN_OVERRIDES[@]}"}\nexit $status'
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("GF_", "DATA"))}
+    path = f"{stubs}:{tmp_path / 'stand-in-env' / 'bin'}:{os.environ['PATH']}"
+    result = subprocess.run(["bash", "-c", "set -uo pipefail\n" + script, "bash", *overrides], capture_output=True,
+                            text=True, timeout=60, env={**base, "PATH": path, "SLURM_JOB_ID": "9",
+                                                        "SLURM_JOB_NUM_NODES": "1", **env})
+    lines = result.stdout.splitlines()
+    said = [line for line in lines if not line.startswith("override ")]
+    overrides = [line.removeprefix("override ") for line in lines if line not in said]
+    return subprocess.CompletedProcess(result.args, result.returncode, overrides, result.stderr + "".join(
+        line + "\n" for line in said)), _calls(log)
+
+
+def test_stage_data_copies_a_shard_set_once_per_node_and_points_the_ranks_at_the_copy(tmp_path: Path) -> None:
+    shards, local = _shard_set(tmp_path), tmp_path / "local"
+    folders = tmp_path / "imagenet"
+    (folders / "train").mkdir(parents=True)
+    # a shard set (DATA): staged by one task per node, then read there by data=imagenet_shards
+    result, calls = _stage_data(tmp_path, {"DATA": str(shards), "GF_LOCAL_DATA": str(local),
+                                           "GF_STAGE_ARGS": "--workers 3"}, "epochs=1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ["data=imagenet_shards", "epochs=1", f"data.root={local}/imagenet-shards"]
+    assert re.search(r"^srun --nodes=1 --ntasks=1 --ntasks-per-node=1 .*--kill-on-bad-exit=1 ", result.stderr,
+                     re.M), result.stderr
+    assert [c["argv"] for c in calls] == [["-m", "gradientflow_repro.data.stage", "--manifest",
+                                          f"{shards}/manifest.json", "--to", f"{local}/imagenet-shards",
+                                          "--workers", "3"]]
+    assert calls[0]["usr1_ignored"], "the preemption warning would kill the copy"
+    # named by an override, with its data config: that one is kept, the copy replaces the root
+    result, calls = _stage_data(tmp_path, {"DATA": str(folders), "GF_LOCAL_DATA": str(local)},
+                                f"data.root={shards}", "data=imagenet_shards")
+    assert result.returncode == 0 and len(calls) == 1, result.stderr
+    assert result.stdout == ["data=imagenet_shards", f"data.root={local}/imagenet-shards"]
+    # GF_STAGE=0: read where it is
+    result, calls = _stage_data(tmp_path, {"DATA": str(shards), "GF_STAGE": "0"}, "epochs=1")
+    assert result.returncode == 0 and calls == [], result.stderr
+    assert result.stdout == ["data=imagenet_shards", "epochs=1", f"data.root={shards}"]
+    # class folders: nothing staged, nothing added
+    result, calls = _stage_data(tmp_path, {"DATA": str(folders)}, "epochs=1")
+    assert result.returncode == 0 and calls == [] and result.stdout == ["epochs=1"], result.stderr
+    # GF_STAGE=1 insists; a failed copy and a bad setting end the job before any rank starts
+    result, calls = _stage_data(tmp_path, {"DATA": str(folders), "GF_STAGE": "1"})
+    assert result.returncode == 2 and "is no shard set" in result.stderr and calls == [], result.stderr
+    result, calls = _stage_data(tmp_path, {"DATA": str(shards), "GF_LOCAL_DATA": str(local), "STAGE_STATUS": "1"})
+    assert result.returncode == 1 and len(calls) == 1, result.stderr
+    assert re.search(r"^error: job 9: staging .* failed \(above\); the ranks were not started", result.stderr, re.M)
+    result, _ = _stage_data(tmp_path, {"DATA": str(shards), "GF_STAGE": "yes"})
+    assert result.returncode == 2 and "GF_STAGE=yes" in result.stderr, result.stderr
+
+
+def test_template_stages_a_shard_set_on_every_node_before_the_ranks_start(slurm, tmp_path: Path) -> None:
+    """Two nodes of two tasks: the stage command runs once on each node, with the preemption warning
+    ignored, before any rank; every rank reads the node-local copy. A copy that fails ends the job
+    before any rank starts, with one line saying so."""
+    shards, local, log = _shard_set(tmp_path), tmp_path / "local", tmp_path / "job.out"
+    venv, calls_file = _stand_in_python(tmp_path)
+    env = {**slurm, **venv, "DATA": str(shards), "GF_LOCAL_DATA": str(local)}
+    job = _sbatch(env, ["--wait", "--nodes=2", "--ntasks-per-node=2", *SCALED_DOWN, f"--output={log}"],
+                  [f"run_dir={tmp_path / 'run'}"])
+    output = log.read_text() if log.exists() else ""
+    assert job.returncode == 0, f"{job.stderr}\n{output[-3000:]}"
+    calls = _calls(calls_file)
+    staged = [c for c in calls if "gradientflow_repro.data.stage" in c["argv"]]
+    ranks = [c for c in calls if "gradientflow_repro.train" in c["argv"]]
+    assert sorted(c["node"] for c in staged) == ["0", "1"], staged
+    assert all(c["usr1_ignored"] and c["argv"][-2:] == ["--to", f"{local}/imagenet-shards"] for c in staged), staged
+    assert sorted(c["rank"] for c in ranks) == ["0", "1", "2", "3"], ranks
+    assert all("data=imagenet_shards" in c["argv"] and f"data.root={local}/imagenet-shards" in c["argv"]
+               for c in ranks), ranks
+    assert max(c["time"] for c in staged) < min(c["time"] for c in ranks)
+    assert re.search(r"^job \d+: staged on every node in \d+ s$", output, re.M), output[-3000:]
+
+    calls_file.unlink()
+    failing = _sbatch({**env, "STAGE_STATUS": "1"}, ["--wait", "--nodes=2", "--ntasks-per-node=2", *SCALED_DOWN,
+                                                     f"--output={log}"], [f"run_dir={tmp_path / 'run2'}"])
+    output = log.read_text()
+    assert failing.returncode != 0, output[-3000:]
+    assert not [c for c in _calls(calls_file) if "gradientflow_repro.train" in c["argv"]], "ranks started"
+    assert len(re.findall(r"^error: job \d+: staging .* failed \(above\); the ranks were not started", output,
+                          re.M)) == 1, output[-3000:]
