@@ -88,7 +88,7 @@ def _train(cfg: DictConfig, world: Any, phases: Any) -> None:
     phases.done("config check and imports")
     try:
         device = distributed.select_device(cfg.device, world)
-        from gradientflow_repro.comm.factory import prepare_backend  # NCCL_ALGO: before NCCL starts
+        from gradientflow_repro.comm.factory import prepare_backend  # refusals: before NCCL starts
 
         prepare_backend(cfg.comm, device, world.world_size)
         distributed.init_process_group(world, device, cfg.dist_timeout_s, cfg.watchdog_s)

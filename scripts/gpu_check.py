@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""The GPU check: is this project's CUDA path sound on this machine? -> results/gpu_check.md
+"""The GPU check: is this project's CUDA path sound on this machine? -> the report named by --out
 
-One line per item, ``PASS|FAIL|SKIP  <item>: <figures or reason>``, each item with its share of an
-8-minute budget; exit status 1 if any item failed, 2 for bad options (refused before anything
+One line per item, ``PASS|FAIL|SKIP  <item>: <figures or reason>``, each item with its share of a
+3-minute budget; exit status 1 if any item failed, 2 for bad options (refused before anything
 runs). Items whose packages (DALI, hydra-core, ...) or GPUs are missing are SKIP, naming them. What
 each item checks and what a bare machine needs: ``gradientflow_repro/gpu_check/items.py``.
 
-    make gpu-check                                   # installs nothing: the venv's python, else python3
+    python3 -m gradientflow_repro.gpu_check --out DIR/gpu_check.md   # the command: from the repo root,
+                                                                     # needs only torch (and timm)
+    make gpu-check GPU_CHECK_OUT=DIR/gpu_check.md    # the same; installs nothing (the venv's python, else python3)
     python scripts/gpu_check.py [--out FILE] [--only nccl_2gpu nccl_1rank ...] [--strict]
-    python3 -m gradientflow_repro.gpu_check [...]    # from the repo root on a bare machine: needs only torch
+
+Without ``--out`` the report goes to results/gpu_check.md in the checkout (the log beside it).
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def test_what_sums_on_each_backend() -> None:
     """The one mapping (knobs.summing): NCCL's allreduce by default on NCCL, ours on gloo."""
     for algorithm in ("ring", "hierarchical", "auto", "builtin"):
         on_nccl = knobs.summing(algorithm, 512, 8, "nccl")
-        assert on_nccl.how == "backend" and on_nccl.nccl_algo == ("Ring" if algorithm == "ring" else None)
+        assert on_nccl == knobs.Summing("backend", "nccl")  # NCCL's tuner: no NCCL_ALGO of its own
     assert knobs.summing("ring", 512, 8, "nccl", "ours").how == "ring"
     assert knobs.summing("auto", 512, 8, "nccl", "ours").how == "two-level"
     assert knobs.summing("auto", 512, 8, "gloo").how == "two-level"  # gloo: ours, as measured
@@ -117,28 +117,29 @@ def test_what_sums_on_each_backend() -> None:
         knobs.resolve({"strategy": "ring", "implementation": "nccl"})
 
 
-def test_algorithm_ring_on_nccl_sets_nccl_algo_before_the_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    cuda = torch.device("cuda", 0)  # a device object only: nothing touches a GPU
-    monkeypatch.delenv("NCCL_ALGO", raising=False)
-    assert prepare_backend({"strategy": "gradientflow"}, cuda, 8) is None  # auto: NCCL's tuner picks
-    assert prepare_backend({"strategy": "ring"}, torch.device("cpu"), 8) is None  # gloo: nothing to set
-    assert prepare_backend({"strategy": "ring"}, cuda, 1) is None  # one rank: no NCCL
-    assert prepare_backend({"strategy": "ring", "implementation": "ours"}, cuda, 8) is None
-    assert prepare_backend({"strategy": "lazy", "wire": "fp16"}, cuda, 8) == "Ring"
+def test_no_configuration_sets_nccl_algo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL reads NCCL_ALGO once for the whole job: set for the ring rungs it would also send their
+    small messages around a ring of all ranks, and not gradientflow's (docs/strategies.md, On NCCL).
+    A user's NCCL_ALGO is kept, for every strategy alike, and the run says so."""
     import os
 
+    cuda = torch.device("cuda", 0)  # a device object only: nothing touches a GPU
+    monkeypatch.delenv("NCCL_ALGO", raising=False)
+    for options in ({"strategy": "gradientflow"}, {"strategy": "ring"}, {"strategy": "lazy", "wire": "fp16"},
+                    {"strategy": "ring", "implementation": "ours"}, {"strategy": "hierarchical"}):
+        assert prepare_backend(options, cuda, 8) is None, options
+        assert "NCCL_ALGO" not in os.environ, options
+    assert prepare_backend({"strategy": "ring"}, torch.device("cpu"), 8) is None  # gloo
+    assert knobs.describe_nccl_algo() == "NCCL_ALGO unset: ring or tree by size"
+    monkeypatch.setenv("NCCL_ALGO", "Ring")  # a user's choice is kept, and the run says so
+    assert prepare_backend({"strategy": "gradientflow"}, cuda, 8) == "Ring"
     assert os.environ["NCCL_ALGO"] == "Ring"
-    assert knobs.describe_nccl_algo("Ring") == "NCCL_ALGO=Ring"
-    monkeypatch.setenv("NCCL_ALGO", "Tree")  # a user's choice is kept, and the run says so
-    assert prepare_backend({"strategy": "ring"}, cuda, 8) == "Tree"
-    kept = "NCCL_ALGO=Tree from the environment, kept (comm.algorithm asks for Ring)"
-    assert knobs.describe_nccl_algo("Ring") == kept
-    assert knobs.describe_nccl_algo(None) == "NCCL_ALGO=Tree from the environment"
+    assert knobs.describe_nccl_algo() == "NCCL_ALGO=Ring from the environment, for every strategy alike"
 
 
-def test_the_trainer_sets_nccl_algo_before_it_starts_the_process_group() -> None:
-    """NCCL reads NCCL_ALGO once, when its communicator is created, which ``init_process_group``
-    does eagerly (``device_id``): the trainer must call ``prepare_backend`` before it."""
+def test_the_trainer_checks_the_backend_before_it_starts_the_process_group() -> None:
+    """What cannot overlap on the backend is refused before ``init_process_group`` (which creates
+    NCCL's communicator eagerly, ``device_id``): the trainer calls ``prepare_backend`` before it."""
     import inspect
 
     from gradientflow_repro import train
@@ -284,17 +285,18 @@ def test_the_model_prices_nccls_allreduce_on_a_gpu_cluster_and_ours_as_before() 
     gloo = pm.Network(1e8, 1e-3, ranks_per_node=4, intra_bandwidth_Bps=1e10, intra_latency_s=1e-5)
     nccl = replace(gloo, nccl=True)
     payload = 4e6
-    # NCCL_ALGO=Ring (comm.algorithm=ring): 2(N-1) = 14 steps, of which 2(M-1) = 2 cross the two
-    # nodes at the network's latency, 12 stay inside at the intra-node latency; no recursive doubling
+    # NCCL's ring: 2(N-1) = 14 steps, of which 2(M-1) = 2 cross the two nodes at the network's
+    # latency, 12 stay inside at the intra-node latency; no recursive doubling
     ring = pm.Strategy.from_knobs("ring", knobs.resolve({"strategy": "ring"}))
-    assert ring.implementation == "auto" and ring.summing(8, nccl).nccl_algo == "Ring"
+    assert ring.implementation == "auto" and ring.summing(8, nccl) == knobs.Summing("backend", "nccl")
     nccl_ring = 12 * 1e-5 + 2 * 1e-3 + 14 / 8 * payload / 1e8
-    assert pm.allreduce_s(payload, 8, nccl, "ring", implementation="auto") == pytest.approx(nccl_ring)
-    assert pm.allreduce_s(400, 8, nccl, "ring", implementation="auto") == pytest.approx(
-        12 * 1e-5 + 2 * 1e-3 + 14 / 8 * 400 / 1e8)
-    # auto / hierarchical: NCCL's tuner, the faster of its ring and its tree (depth log2(2) = 1)
+    assert pm.nccl_allreduce_s(payload, 8, nccl, "Ring") == pytest.approx(nccl_ring)  # a user's NCCL_ALGO=Ring
+    # every algorithm on NCCL: its tuner, the faster of its ring and its tree (depth log2(2) = 1)
     tree_small = 2 * (3 * 1e-5 + 1 * 1e-3) + 2 * 400 / 1e8
-    assert pm.allreduce_s(400, 8, nccl, "auto", implementation="auto") == pytest.approx(tree_small)
+    for algorithm in ("ring", "auto"):
+        assert pm.allreduce_s(400, 8, nccl, algorithm, implementation="auto") == pytest.approx(tree_small)
+        assert pm.allreduce_s(payload, 8, nccl, algorithm, implementation="auto") == pytest.approx(
+            min(nccl_ring, 2 * (3 * 1e-5 + 1e-3) + 2 * payload / 1e8))
     assert pm.allreduce_s(payload, 8, nccl, "hierarchical", implementation="auto") == pytest.approx(
         min(nccl_ring, 2 * (3 * 1e-5 + 1e-3) + 2 * payload / 1e8))
     # ours on NCCL, by name: priced as before (the hand-built Strategy's default)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -80,6 +81,17 @@ def test_the_communicator_item_needs_neither_hydra_nor_omegaconf() -> None:
     pull Hydra in (it would fail there instead of checking)."""
     code = ("import sys; sys.modules.update(hydra=None, omegaconf=None); "
             "import gradientflow_repro.comm.factory, gradientflow_repro.optim")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_what_the_items_import_needs_no_hydra_where_they_do_not_use_it() -> None:
+    """The DALI item's readers (``data``, ``data.listing``) and the throughput item's CSC local work
+    (``scaling.profile``) import without Hydra, OmegaConf and matplotlib (which only the trainer's
+    configuration and its plot use)."""
+    code = ("import sys; sys.modules.update(hydra=None, omegaconf=None, matplotlib=None); "
+            "import gradientflow_repro.data, gradientflow_repro.data.listing; "
+            "from gradientflow_repro.scaling.profile import sparsify_work")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -170,26 +182,32 @@ def test_the_collective_items_pass_on_gloo_and_say_what_they_checked(tmp_path: P
     assert f"TEST HOOKS SET (not a check of this machine): {gpu_check.TEST_DEVICE_ENV}=cpu" in header
 
 
+POOL_LINES = [f"nccl_1rank/{label} pool at world size 1 vs dist.all_reduce" for label in ("lazy", "gradientflow")]
+
+
 @pytest.mark.parametrize("fault, items, failing", [
     ("wrong_sum", ["nccl_1rank", "nccl_2gpu"],
-     ["nccl_1rank/all_reduce SUM 4 MiB fp32", "nccl_1rank/all_reduce SUM 8 B fp64", "nccl_2gpu/ring float32",
-      "nccl_2gpu/hierarchical (1 rank per node) float16", "nccl_2gpu/the trainer's helpers"]),
+     ["nccl_1rank/all_reduce SUM 4 MiB fp32", "nccl_1rank/all_reduce SUM 8 B fp64", *POOL_LINES,
+      "nccl_2gpu/ring float32", "nccl_2gpu/hierarchical (1 rank per node) float16", "nccl_2gpu/the trainer's helpers"]),
     # every rank sends the same stale pool: they agree with each other; only the reference tells
     # (the lazy item against dist.all_reduce; lazy and CSC on the communicator item against the
-    # mean of the ranks' own gradients and residuals)
-    ("stale_pool", ["nccl_2gpu", "comm_gloo_cuda"],
-     ["nccl_2gpu/lazy vs dist.all_reduce", "comm_gloo_cpu/lazy", "comm_gloo_cpu/ring+fp16+lazy", "comm_gloo_cpu/csc",
-      "comm_gloo_cpu/gradientflow"]),
+    # mean of the ranks' own gradients and residuals; at world size 1 against dist.all_reduce)
+    ("stale_pool", ["nccl_2gpu", "nccl_1rank", "comm_gloo_cuda"],
+     ["nccl_2gpu/lazy vs dist.all_reduce", *POOL_LINES, "comm_gloo_cpu/lazy", "comm_gloo_cpu/ring+fp16+lazy",
+      "comm_gloo_cpu/csc", "comm_gloo_cpu/gradientflow"]),
 ])
 def test_an_injected_fault_is_a_fail_line_and_a_non_zero_exit_status(tmp_path: Path, fault: str, items: list[str],
                                                                       failing: list[str]) -> None:
-    done, results = run_check(tmp_path, ["--only", *items], {**CPU_TEST_ENV, gpu_check.TEST_FAULT_ENV: fault},
-                              timeout=300)
+    """Each fault, injected once, turns the lines that check it to FAIL, on the bare GPU machine
+    (``BARE_GPU_MACHINE_LACKS``) as everywhere."""
+    env = {**CPU_TEST_ENV, gpu_check.TEST_FAULT_ENV: fault, **bare_machine(tmp_path, BARE_GPU_MACHINE_LACKS)}
+    done, results = run_check(tmp_path, ["--only", *items], env, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr[-3000:]
     for item in failing:
         assert results[item][0] == "FAIL", (item, done.stdout)
     if fault == "stale_pool":  # the sums themselves are right: only the pool is stale
         assert results["nccl_2gpu/ring float32"][0] == "PASS"
+        assert results["nccl_1rank/all_reduce SUM 4 MiB fp32"][0] == "PASS"
         assert results["comm_gloo_cpu/allreduce"][0] == "PASS"  # no pool
     text = (tmp_path / "gpu_check.md").read_text()
     assert "exit status 1" in text and f"{gpu_check.TEST_FAULT_ENV}={fault}" in text
@@ -201,6 +219,28 @@ def test_throughput_passes_only_above_the_papers_figure() -> None:
     assert gpu_check.throughput_verdict(3296.0) == "FAIL"
     assert gpu_check.throughput_verdict(3298.0) == "PASS"
     assert gpu_check.throughput_verdict(float("nan")) == "FAIL"
+
+
+@pytest.mark.parametrize("name, key, tflops", [
+    ("NVIDIA H100 80GB HBM3", "H100", 989), ("NVIDIA H100 PCIe", "H100 PCIe", 756), ("NVIDIA H200", "H200", 989),
+    ("NVIDIA A100-SXM4-80GB", "A100", 312), ("Tesla V100-SXM2-32GB", "V100", 125), ("NVIDIA L40S", "L40S", 362),
+    ("Tesla P40", "P40", 12), ("NVIDIA GeForce RTX 4090", None, None), ("NVIDIA L40", None, None)])
+def test_the_throughput_bar_is_the_papers_figure_scaled_to_the_gpu_found(name: str, key: Optional[str],
+                                                                         tflops: Optional[float]) -> None:
+    """A tenth of 3,297 images/s x the GPU's published dense fp16 TFLOPS / the P40's 12; none for a GPU
+    not in the table (its line is reported without a bar)."""
+    from gradientflow_repro.gpu_check.training import fp16_tflops, throughput_bar
+
+    bar = throughput_bar(name)
+    if key is None:
+        assert fp16_tflops(name) is None and bar is None
+        return
+    assert fp16_tflops(name) == (key, tflops)
+    floor, how = bar
+    assert floor == pytest.approx(0.1 * 3297 * tflops / 12)
+    assert "estimate" in how and f"{tflops:g} TFLOPS" in how and "Tesla P40" in how
+    assert gpu_check.throughput_verdict(floor * 1.01, floor) == "PASS"
+    assert gpu_check.throughput_verdict(floor * 0.99, floor) == "FAIL"
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 8])
@@ -266,9 +306,16 @@ def test_the_trainer_item_skips_naming_every_missing_package(monkeypatch: pytest
 
 # What a bare GPU machine may lack (torch is there, and numpy): importing any of these, or a module
 # under them, raises ModuleNotFoundError in every Python process that starts with this
-# ``sitecustomize`` on its path, the check's children and spawned ranks included.
+# ``sitecustomize`` on its path, the check's children and spawned ranks included. BARE_MACHINE_LACKS:
+# a machine with torch alone; BARE_GPU_MACHINE_LACKS: the machine the check is meant for (Python,
+# torch and timm, which brings PyYAML, torchvision and numpy: no Hydra, OmegaConf, wandb, DALI,
+# matplotlib or mlperf-logging).
 BARE_MACHINE_LACKS = ("hydra", "omegaconf", "antlr4", "yaml", "wandb", "nvidia.dali", "mlperf_logging", "timm",
                       "matplotlib", "torchvision")
+BARE_GPU_MACHINE_LACKS = ("hydra", "omegaconf", "antlr4", "wandb", "nvidia.dali", "matplotlib", "mlperf_logging")
+# what each blocked import is called in a SKIP line (results.PACKAGES)
+SKIP_NAMES = {"hydra": "hydra-core", "omegaconf": "omegaconf", "antlr4": "antlr4-python3-runtime", "wandb": "wandb",
+              "nvidia.dali": "DALI", "matplotlib": "matplotlib", "mlperf_logging": "mlperf-logging"}
 BLOCKER = """
 import importlib.abc, sys
 LACKS = {lacks!r}
@@ -280,11 +327,11 @@ sys.meta_path.insert(0, Missing())
 """
 
 
-def bare_machine(tmp_path: Path) -> dict[str, str]:
-    """The environment of a machine with torch and nothing of BARE_MACHINE_LACKS."""
+def bare_machine(tmp_path: Path, lacks: tuple[str, ...] = BARE_MACHINE_LACKS) -> dict[str, str]:
+    """The environment of a machine with torch and nothing of ``lacks``."""
     folder = tmp_path / "bare_machine"
-    folder.mkdir()
-    (folder / "sitecustomize.py").write_text(BLOCKER.format(lacks=BARE_MACHINE_LACKS))
+    folder.mkdir(exist_ok=True)
+    (folder / "sitecustomize.py").write_text(BLOCKER.format(lacks=lacks))
     return {"PYTHONPATH": str(folder)}
 
 
@@ -312,11 +359,109 @@ def test_on_a_machine_with_only_torch_the_torch_items_run_and_a_skip_names_what_
     done, results = run_check(tmp_path, ["--only", "environment", "nccl_1rank"], env, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     collectives = {item: status for item, (status, _) in results.items()
-                   if item.startswith("nccl_1rank/") and item != "nccl_1rank/send/recv to self"}
+                   if item.startswith("nccl_1rank/") and item not in ("nccl_1rank/send/recv to self", *POOL_LINES)}
     assert len(collectives) >= 10 and set(collectives.values()) == {"PASS"}, done.stdout
+    for line in POOL_LINES:  # building a communicator needs timm's Lars and PyYAML's presets
+        status, detail = results[line]
+        assert status == "SKIP" and detail.startswith("needs ") and "which is missing" in detail, detail
     assert results["nccl_1rank/the trainer's helpers at world size 1"][0] == "PASS", done.stdout
     status, detail = results["environment/dali"]
     assert status == "SKIP" and "DALI" in detail and "nvidia.dali" in detail, detail
+
+
+def test_on_the_bare_gpu_machine_every_item_runs_and_every_skip_names_what_is_missing(tmp_path: Path) -> None:
+    """The machine the check is meant for (torch and timm; no Hydra, OmegaConf, wandb, DALI,
+    matplotlib, in every process the check starts), the items run by the one command on their CPU
+    stand-ins (the test device): no line is FAIL; every item that has a stand-in runs (the lazy pool
+    and CSC through the one-rank group, AlexNet-BN NCHW and channels_last with their figures, CSC's
+    local work); a GPU-only item SKIPs naming the GPU, and every other SKIP names a package this
+    machine lacks and the item's code uses (the trainer's step: Hydra, not matplotlib)."""
+    env = {**CPU_TEST_ENV, **bare_machine(tmp_path, BARE_GPU_MACHINE_LACKS)}
+    done, results = run_check(tmp_path, [], env, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert not [line for line in done.stdout.splitlines() if line.startswith("FAIL")], done.stdout
+    def item_of(line: str) -> str:  # (the communicator item names its lines by the tensors' device)
+        return {"comm_gloo_cpu": "comm_gloo_cuda"}.get(line.split("/")[0], line.split("/")[0])
+
+    for item in gpu_check.ITEMS:
+        lines = {name: status for name, (status, _) in results.items() if item_of(name) == item.name}
+        assert lines, (item.name, done.stdout)
+        if item.on_test_cpu:
+            assert "PASS" in lines.values(), (item.name, done.stdout)
+    for name, (status, detail) in results.items():
+        if status != "SKIP":
+            continue
+        item = gpu_check.ITEM_BY_NAME[item_of(name)]
+        if name == "nccl_1rank/send/recv to self":  # gloo (the stand-in) has no pair to itself; NCCL has
+            assert detail.startswith("refused by torch/gloo"), detail
+        elif detail == "no CUDA device":
+            assert item.gpus and not item.on_test_cpu, name
+        else:
+            named = [SKIP_NAMES[module] for module in BARE_GPU_MACHINE_LACKS if f"import {module}:" in detail]
+            assert named and all(package in detail for package in named), (name, detail)
+    for line in POOL_LINES:
+        status, detail = results[line]
+        assert status == "PASS" and "collectives through gloo" in detail and "gradientflow-comm" in detail, detail
+    for part in ("alexnet_bn", "alexnet_bn channels_last"):
+        status, detail = results[f"throughput/{part}"]
+        assert status == "PASS" and "images/s" in detail and "aten operator calls (CPU)/step" in detail, detail
+    assert "ms/step, channels_last)" in results["throughput/alexnet_bn channels_last"][1]  # as the tensors say
+    assert "ms/step, NCHW)" in results["throughput/alexnet_bn"][1]
+    assert results["throughput/local work beside backward"][0] == "PASS"
+    status, detail = results["throughput/host syncs per step"]
+    assert status == "SKIP" and "hydra-core" in detail and "matplotlib" not in detail, detail
+    assert results["environment/dali"][0] == "SKIP" and "DALI" in results["environment/dali"][1]
+
+
+AT_WORLD_1 = """
+import datetime, torch, torch.distributed as dist
+from gradientflow_repro.cluster.world import free_port
+from gradientflow_repro.comm.factory import build_communicator
+from gradientflow_repro.gpu_check.communicators import SmallNet
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=60))
+grads = {}
+for at_world_1 in (False, True):
+    torch.manual_seed(0)
+    model = SmallNet()
+    comm = build_communicator({"strategy": "gradientflow", "bucket_mb": 0.001, "chunk_size": 64,
+                               "csc_warmup_epochs": 0.0}, torch.device("cpu"), at_world_1=at_world_1)
+    module = comm.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    comm.begin_step(0.0, 1.0)
+    module(torch.randn(16, 37, generator=torch.Generator().manual_seed(1))).pow(2).mean().backward()
+    comm.synchronize()
+    grads[at_world_1] = [p.grad.clone() for p in model.parameters()]
+    comm.end_step(applied=True)
+    comm.close()
+    print(at_world_1, comm.stats.collectives, comm.summing)
+dist.destroy_process_group()
+# the same gradients but for the fp16 wire's rounding (at world size 1 by default there is no wire)
+assert all((a - b).abs().max() <= 2e-3 * a.abs().max() for a, b in zip(grads[False], grads[True]))
+"""
+
+
+def test_at_world_1_the_communicators_send_through_a_one_rank_group_only_when_asked() -> None:
+    """``build_communicator(..., at_world_1=True)``, the GPU check's way to drive NCCL from the pool at
+    world size 1: the pool's parts and CSC's norms go through the one-rank group (with the fp16 wire
+    here: ``gradientflow``), and the gradients are the default's (which sends nothing) up to the
+    wire's fp16 rounding."""
+    done = subprocess.run([sys.executable, "-c", AT_WORLD_1], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    (_, default_sent, _), (_, forced_sent, _) = (line.split(" ", 2) for line in done.stdout.splitlines()[-2:])
+    assert int(default_sent) == 0 and int(forced_sent) >= 2, done.stdout
+
+
+def test_the_trainers_step_needs_no_matplotlib(tmp_path: Path) -> None:
+    """The trainer draws a plot only when a run ends: its step (``throughput``'s host-sync count)
+    runs where matplotlib, wandb and DALI are missing (on the CPU: nothing to count, the steps run)."""
+    code = ("import torch\n"
+            "from gradientflow_repro.gpu_check.training import trainer_step_syncs\n"
+            "assert trainer_step_syncs(torch.device('cpu'), 1) == (None, '')\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               **bare_machine(tmp_path, ("matplotlib", "wandb", "nvidia.dali"))})
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_make_gpu_check_installs_nothing(tmp_path: Path) -> None:
@@ -324,7 +469,7 @@ def test_make_gpu_check_installs_nothing(tmp_path: Path) -> None:
     def dry_run(*args: str) -> list[str]:
         # under a parent make (as `make test` runs it) MAKELEVEL/MAKEFLAGS would add "Entering directory"
         env = {k: v for k, v in os.environ.items()
-               if k not in ("PYTHON", "VENV") and not k.startswith(("MAKE", "MFLAGS"))}
+               if k not in ("PYTHON", "VENV", "GPU_CHECK_OUT") and not k.startswith(("MAKE", "MFLAGS"))}
         done = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", *args], cwd=REPO,
                               capture_output=True, text=True, timeout=60, env=env)
         assert done.returncode == 0, done.stderr
@@ -333,6 +478,8 @@ def test_make_gpu_check_installs_nothing(tmp_path: Path) -> None:
     assert dry_run(f"VENV={tmp_path / 'none'}") == ["python3 -m gradientflow_repro.gpu_check"]
     assert dry_run(f"VENV={tmp_path / 'none'}", "PYTHON=/opt/py/bin/python3", "ARGS=--only dali") == [
         "/opt/py/bin/python3 -m gradientflow_repro.gpu_check --only dali"]
+    assert dry_run(f"VENV={tmp_path / 'none'}", "GPU_CHECK_OUT=/out/gpu_check.md", "ARGS=--strict") == [
+        "python3 -m gradientflow_repro.gpu_check --out /out/gpu_check.md --strict"]
     (tmp_path / "venv" / "bin").mkdir(parents=True)
     (tmp_path / "venv" / "bin" / "python").write_text("")
     assert dry_run(f"VENV={tmp_path / 'venv'}") == [f"{tmp_path / 'venv'}/bin/python -m gradientflow_repro.gpu_check"]

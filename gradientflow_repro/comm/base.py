@@ -4,9 +4,11 @@ A communicator is attached once to the model (and its optimizer, which sparse co
 adjust); then every step the trainer calls ``begin_step`` before the forward pass and
 ``synchronize`` after ``backward``, which leaves each ``p.grad`` holding the global mean over ranks
 (or, under sparse communication, the mean of what was sent this step). Strategies that work during
-backward do so from gradient hooks. Per-rank state (residuals, velocities) travels through
-``state_dict``/``load_state_dict`` into each rank's own checkpoint file; ``rank_rules`` says how it
-maps onto another number of ranks. ``stats`` counts, per step,
+backward do so from gradient hooks; between ``backward`` and ``synchronize`` a ``p.grad`` may be in
+flight (the lazy pool's gradients are views of parts being summed, as under DDP's
+``gradient_as_bucket_view``): read gradients after ``synchronize``. Per-rank state (residuals,
+velocities) travels through ``state_dict``/``load_state_dict`` into each rank's own checkpoint file;
+``rank_rules`` says how it maps onto another number of ranks. ``stats`` counts, per step,
 the bytes this rank put on the wire, the collectives it issued and the seconds the trainer waited
 in ``synchronize()``.
 
@@ -75,23 +77,28 @@ class BuiltinSum:
 
     asynchronous = True  # has ``start``
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
-        self.group = group
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, at_world_1: bool = False) -> None:
+        """``at_world_1``: send even when the group has one rank (the sum of one rank is itself, so
+        nothing changes but that the backend runs): how the GPU check drives NCCL from the pool's
+        thread and stream on one GPU. Otherwise one rank sends nothing."""
+        self.group, self.at_world_1 = group, at_world_1
 
-    def _count(self, tensor: torch.Tensor, stats: CommStats) -> int:
+    def _count(self, tensor: torch.Tensor, stats: CommStats) -> bool:
+        """Whether ``tensor`` is sent (more than one rank, or ``at_world_1``); counts it if so."""
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
-        if world > 1:
-            stats.collectives += 1
-            stats.bytes += ring_bytes(tensor.numel() * tensor.element_size(), world)
-        return world
+        if world == 1 and not (self.at_world_1 and dist.is_initialized()):
+            return False
+        stats.collectives += 1
+        stats.bytes += ring_bytes(tensor.numel() * tensor.element_size(), world)
+        return True
 
     def __call__(self, tensor: torch.Tensor, stats: CommStats) -> None:
-        if self._count(tensor, stats) > 1:
+        if self._count(tensor, stats):
             dist.all_reduce(tensor, group=self.group)
 
     def start(self, tensor: torch.Tensor, stats: CommStats) -> "torch.futures.Future[torch.Tensor]":
         """Issue the allreduce of ``tensor`` (in place) and return at once: a future of ``tensor``."""
-        if self._count(tensor, stats) <= 1:
+        if not self._count(tensor, stats):
             done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             done.set_result(tensor)
             return done
@@ -102,9 +109,9 @@ class BuiltinSum:
         return dist.all_reduce(tensor, group=self.group, async_op=True).get_future().then(summed)
 
 
-def builtin_sum(group: Optional[dist.ProcessGroup] = None) -> SumFn:
+def builtin_sum(group: Optional[dist.ProcessGroup] = None, at_world_1: bool = False) -> SumFn:
     """The backend's own allreduce (NCCL or gloo): ``BuiltinSum``."""
-    return BuiltinSum(group)
+    return BuiltinSum(group, at_world_1)
 
 
 def communication_thread(device: torch.device) -> ThreadPoolExecutor:

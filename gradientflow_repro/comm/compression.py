@@ -154,9 +154,11 @@ class Fp16Wire:
     """Wraps a summing function: ``Fp16Wire(inner)(tensor, stats)`` sums ``tensor`` in place over
     ranks with fp16 on the wire."""
 
-    def __init__(self, inner: SumFn, world: int, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, inner: SumFn, world: int, group: Optional[dist.ProcessGroup] = None,
+                 at_world_1: bool = False) -> None:
         self.inner, self.world = inner, world
-        self.max_fn = small_sum(group, op="max")  # the shared scale: a one-value MAX-allreduce
+        # the shared scale: a one-value MAX-allreduce (sent by one rank too under ``at_world_1``: base.BuiltinSum)
+        self.max_fn = small_sum(group, op="max", at_world_1=at_world_1)
 
     def __call__(self, tensor: torch.Tensor, stats: CommStats) -> None:
         if tensor.dtype == torch.float16 or tensor.numel() == 0:

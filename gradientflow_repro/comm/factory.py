@@ -26,17 +26,17 @@ from gradientflow_repro.comm.hierarchical import HierarchicalSum
 from gradientflow_repro.comm.knobs import (
     SMALL_MESSAGE_BYTES,
     CommConfig,
+    check_backend,
     check_overlap,
     csc_warmup,
     describe_nccl_algo,
     resolve,
     sends_sparse,
-    set_nccl_algo,
     small_message_bytes,
     summing,
 )
 from gradientflow_repro.comm.lazy import LazyAllreduce
-from gradientflow_repro.comm.recursive_doubling import SizedSum
+from gradientflow_repro.comm.recursive_doubling import SizedSum, small_sum
 from gradientflow_repro.comm.ring import DEFAULT_SEGMENT_BYTES, ring_sum
 
 
@@ -50,7 +50,7 @@ def backend_name(backend: Optional[str] = None) -> str:
 def build_sum(algorithm: str, wire: str, ranks_per_node: int | None = None,
               segment_kb: int = DEFAULT_SEGMENT_BYTES // 1024, local_rank: int | None = None,
               small_bytes: int = SMALL_MESSAGE_BYTES, implementation: str = "auto",
-              backend: Optional[str] = None) -> SumFn:
+              backend: Optional[str] = None, at_world_1: bool = False) -> SumFn:
     """The summing function of ``algorithm`` (with the fp16 wire around it) on ``backend`` (None:
     the process group's) under ``comm.implementation``: what ``knobs.summing`` says, the backend's
     allreduce by default on NCCL (``comm.algorithm=ring`` then selects NCCL's ring through
@@ -58,10 +58,15 @@ def build_sum(algorithm: str, wire: str, ranks_per_node: int | None = None,
     many consecutive ranks share a node, as the launcher says (torchrun's LOCAL_WORLD_SIZE, Slurm's
     tasks per node) or ``comm.ranks_per_node`` sets; ``local_rank`` checks that layout. Our own
     algorithms send small messages (at most ``small_bytes``: by default ``SMALL_MESSAGE_BYTES``,
-    measured) by recursive doubling: log2(N) latencies instead of the ring's 2(N-1)."""
+    measured) by recursive doubling: log2(N) latencies instead of the ring's 2(N-1). One rank has
+    nothing to sum with and sends nothing, unless ``at_world_1`` (``build_communicator``)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
-        return builtin_sum()  # nothing to sum with
+        if not at_world_1:
+            return builtin_sum()  # nothing to sum with
+        # the backend's allreduce of one rank, as NCCL's carries the messages of many by default
+        sent = builtin_sum(at_world_1=True)
+        return Fp16Wire(sent, 1, at_world_1=True) if wire == "fp16" else sent
     chosen = summing(algorithm, world, ranks_per_node, backend_name(backend), implementation)
     if chosen.how == "two-level":
         sum_fn = SizedSum(HierarchicalSum(ranks_per_node or 1, segment_kb * 1024, local_rank=local_rank),
@@ -75,24 +80,24 @@ def build_sum(algorithm: str, wire: str, ranks_per_node: int | None = None,
 
 def prepare_backend(options: Union[Mapping[str, Any], CommConfig, Any], device: torch.device,
                     world_size: int) -> Optional[str]:
-    """Before the process group starts (``train.py``): set NCCL_ALGO for the job as the
-    configuration asks (``knobs.set_nccl_algo``: NCCL reads it when its communicator is created,
-    which ``distributed.init_process_group`` does eagerly), and refuse a combination that cannot
-    overlap (``knobs.check_overlap``) before any work. The backend follows the device as
+    """Before the process group starts (``train.py``): refuse a combination that cannot overlap
+    (``knobs.check_overlap``) before any work. The backend follows the device as
     ``distributed.init_process_group`` chooses it: NCCL for CUDA devices on more than one rank.
-    Returns the NCCL_ALGO in force. Raises ``distributed.WorldError`` naming the keys."""
+    Returns the NCCL_ALGO in force (a user's; no configuration sets it: ``knobs.Summing``). Raises
+    ``distributed.WorldError`` naming the keys."""
     from gradientflow_repro.distributed import WorldError
 
     backend = "nccl" if device.type == "cuda" and world_size > 1 else "gloo"
     try:
-        return set_nccl_algo(options, backend)
+        return check_backend(options, backend)
     except ValueError as error:
         raise WorldError(str(error)) from None
 
 
 def build_communicator(options: Union[Mapping[str, Any], CommConfig], device: torch.device,
                        ranks_per_node: int | None = None, local_rank: int | None = None,
-                       lr_warmup_epochs: float = 0.0, backend: Optional[str] = None) -> Communicator:
+                       lr_warmup_epochs: float = 0.0, backend: Optional[str] = None,
+                       at_world_1: bool = False) -> Communicator:
     """The communicator of ``options`` (``comm.*``, resolved against its preset). ``ranks_per_node``
     and ``local_rank`` come from the launcher (``distributed.World``); ``comm.ranks_per_node``
     overrides the former, to emulate nodes on one machine (then the launcher's local rank says
@@ -100,15 +105,21 @@ def build_communicator(options: Union[Mapping[str, Any], CommConfig], device: to
     CSC's dense warm-up follows unless ``comm.csc_warmup_epochs`` is set (``knobs.csc_warmup``;
     0, as without a training run: sparse from the first step). ``backend``: the process group's
     (None: as ``dist.get_backend()`` says), for the payloads; the small messages (CSC's norms, the
-    fp16 wire's scale: ``recursive_doubling.small_sum``) follow the group's own backend."""
+    fp16 wire's scale: ``recursive_doubling.small_sum``) follow the group's own backend.
+    ``at_world_1``: in a process group of one rank, send every message anyway through the backend's
+    allreduce (the pool's parts, the fp16 wire's scale, CSC's norms), which the sum of one rank
+    leaves as it is: how the GPU check runs NCCL from the pool's thread and stream on one GPU. By
+    default one rank sends nothing."""
     knobs = resolve(options)
     backend = backend_name(backend)
     check_overlap(knobs, backend)
     if knobs.ranks_per_node:
         ranks_per_node, local_rank = knobs.ranks_per_node, None
     sum_fn = build_sum(knobs.algorithm, knobs.wire, ranks_per_node, knobs.segment_kb, local_rank,
-                       small_message_bytes(knobs), knobs.implementation, backend)
+                       small_message_bytes(knobs), knobs.implementation, backend, at_world_1)
     communicator = _communicator(knobs, device, sum_fn, lr_warmup_epochs)
+    if at_world_1 and hasattr(communicator, "norm_sum"):  # CSC's chunk norms: a small sum of their own
+        communicator.norm_sum = small_sum(at_world_1=True)
     communicator.summing = describe_sum(knobs.algorithm, knobs.wire, ranks_per_node, small_message_bytes(knobs),
                                         knobs.implementation, backend)
     communicator.schedule = describe_schedule(knobs, lr_warmup_epochs)
@@ -141,7 +152,7 @@ def describe_sum(algorithm: str, wire: str, ranks_per_node: int | None,
     backend = backend_name(backend)
     chosen = summing(algorithm, world, ranks_per_node, backend, implementation)
     if chosen.how == "backend" and backend == "nccl":
-        how = f"NCCL's allreduce ({describe_nccl_algo(chosen.nccl_algo)}) over {world} ranks"
+        how = f"NCCL's allreduce ({describe_nccl_algo()}) over {world} ranks"
     elif chosen.how == "backend":
         how = f"the backend's allreduce ({backend}) over {world} ranks"
     else:

@@ -36,7 +36,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, MutableMapping, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 from gradientflow_repro.checks import (
     boolean,
@@ -192,12 +192,15 @@ class Summing:
     ``how``: ``backend`` (the process group's own allreduce, one call per message), ``ring`` (our
     flat ring, ``ring.py``) or ``two-level`` (our reduce / leaders' ring / broadcast,
     ``hierarchical.py``); ours send messages up to ``small_message_bytes`` by our recursive
-    doubling. ``nccl_algo``: the NCCL_ALGO this choice asks NCCL for, for the whole job (None: NCCL's
-    tuner picks by size and topology)."""
+    doubling. On NCCL the backend's allreduce is NCCL's as its tuner picks it (ring or tree by size
+    and topology): no configuration sets NCCL_ALGO, because NCCL reads it once for the whole job,
+    and forcing its ring would send every small message (the step's agreement, the fp16 wire's
+    peak) around a ring of all ranks in the strategies that asked for it and not in the others, a
+    bias in a comparison of strategies (``docs/strategies.md``, On NCCL). A user's NCCL_ALGO
+    applies to every strategy alike."""
 
     how: str
     backend: str
-    nccl_algo: Optional[str] = None
 
     @property
     def ours(self) -> bool:
@@ -222,23 +225,12 @@ def implementation_of(algorithm: str, implementation: str, backend: str) -> str:
     return implementation
 
 
-def nccl_algo_for(algorithm: str, implementation: str, backend: str) -> Optional[str]:
-    """The NCCL_ALGO that ``algorithm`` asks for on ``backend``: ``Ring`` for ``comm.algorithm=ring``
-    carried by NCCL's allreduce (the paper's algorithm, run by NCCL's kernels rather than our loop),
-    None otherwise: ``hierarchical`` and ``auto`` leave NCCL's tuner to pick per size between its
-    ring and its trees (intra-node chain, inter-node double binary tree: NCCL's own two levels,
-    topology-aware), and ``builtin`` is the backend as it comes."""
-    if backend == "nccl" and algorithm == "ring" and implementation_of(algorithm, implementation, backend) == "backend":
-        return "Ring"
-    return None
-
-
 def summing(algorithm: str, world: int, ranks_per_node: Optional[int], backend: str = "gloo",
             implementation: str = "auto") -> Summing:
     """What sums ``algorithm``'s messages for ``world`` ranks placed ``ranks_per_node`` per node on
     ``backend`` under ``comm.implementation``: see ``Summing``, ``implementation_of``, ``two_level``."""
     if world > 1 and implementation_of(algorithm, implementation, backend) == "backend":
-        return Summing("backend", backend, nccl_algo_for(algorithm, implementation, backend))
+        return Summing("backend", backend)
     if world > 1 and two_level(algorithm, world, ranks_per_node):
         return Summing("two-level", backend)
     return Summing("ring" if world > 1 else "backend", backend)
@@ -259,34 +251,23 @@ def check_overlap(knobs: CommConfig, backend: str) -> None:
                          f"(our pool overlaps on its own thread)")
 
 
-def set_nccl_algo(options: Union[Mapping[str, Any], Any], backend: str,
-                  environ: Optional[MutableMapping[str, str]] = None) -> Optional[str]:
-    """Set NCCL_ALGO in ``environ`` (the process's environment) for ``options`` on ``backend``, as
-    ``nccl_algo_for`` asks, unless it is set already (a user's NCCL_ALGO is kept, and
-    ``describe_nccl_algo`` says so). Must run before the NCCL communicator is created: NCCL reads
-    it once, at its initialisation. Also refuses, before the process group starts, what
-    ``check_overlap`` refuses. Returns the NCCL_ALGO now in force (None: unset)."""
+def check_backend(options: Union[Mapping[str, Any], Any], backend: str,
+                  environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """Before the process group starts: refuse what ``check_overlap`` refuses for ``options`` on
+    ``backend``. Returns the NCCL_ALGO in force (a user's, from ``environ``; None: unset): no
+    configuration sets it (``Summing``)."""
     environ = os.environ if environ is None else environ
-    knobs = resolve(options)
-    check_overlap(knobs, backend)
-    wanted = nccl_algo_for(knobs.algorithm, knobs.implementation, backend)
-    if wanted and not environ.get("NCCL_ALGO"):
-        environ["NCCL_ALGO"] = wanted
+    check_overlap(resolve(options), backend)
     return environ.get("NCCL_ALGO") or None
 
 
-def describe_nccl_algo(wanted: Optional[str], environ: Optional[Mapping[str, str]] = None) -> str:
-    """NCCL_ALGO in words, against what the configuration asks for (``wanted``)."""
+def describe_nccl_algo(environ: Optional[Mapping[str, str]] = None) -> str:
+    """NCCL_ALGO in words: the user's, for every strategy alike, or NCCL's tuner."""
     actual = (os.environ if environ is None else environ).get("NCCL_ALGO")
-    if actual and wanted and actual != wanted:
-        return f"NCCL_ALGO={actual} from the environment, kept (comm.algorithm asks for {wanted})"
-    if actual and actual == wanted:
-        return f"NCCL_ALGO={actual}"
     if actual:
-        return f"NCCL_ALGO={actual} from the environment"
-    if wanted:
-        return f"NCCL_ALGO not set (comm.algorithm asks for {wanted}: set before the process group starts)"
+        return f"NCCL_ALGO={actual} from the environment, for every strategy alike"
     return "NCCL_ALGO unset: ring or tree by size"
+
 
 
 def small_message_bytes(knobs: CommConfig) -> int:

@@ -124,23 +124,25 @@ def recursive_doubling_allreduce_(tensor: torch.Tensor, group: Optional[dist.Pro
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-def small_sum(group: Optional[dist.ProcessGroup] = None, op: str = "sum", ours: bool = False) -> SumFn:
+def small_sum(group: Optional[dist.ProcessGroup] = None, op: str = "sum", ours: bool = False,
+              at_world_1: bool = False) -> SumFn:
     """An allreduce for small messages as a summing function that records its bytes: NCCL's own
     allreduce on an NCCL group (it picks trees for small messages itself; bytes counted as the
     ring's, like every builtin collective) unless ``ours`` (``comm.implementation=ours``: our
     recursive doubling over NCCL's point-to-point, for comparison), recursive doubling on any other
     backend (gloo) for CPU tensors. Gloo's point-to-point messages cannot carry CUDA tensors (its
     allreduce stages them through the host itself), so a CUDA tensor on a group other than NCCL's
-    takes the builtin too."""
+    takes the builtin too. ``at_world_1``: one rank sends too, by the backend's allreduce (the GPU
+    check: ``base.BuiltinSum``); otherwise it sends nothing."""
     if op not in OPS:
         raise ValueError(f"small_sum: op must be one of {OPS}, not {op!r}")
 
     def sum_(tensor: torch.Tensor, stats: CommStats) -> None:
         world = dist.get_world_size(group) if dist.is_initialized() else 1
-        if world == 1:
+        if world == 1 and not (at_world_1 and dist.is_initialized()):
             return
         nccl = dist.get_backend(group) == "nccl"
-        if (nccl and not ours) or (tensor.is_cuda and not nccl):
+        if (nccl and not ours) or (tensor.is_cuda and not nccl) or world == 1:
             dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group)
             stats.bytes += ring_bytes(tensor.numel() * tensor.element_size(), world)
         else:

@@ -36,8 +36,9 @@ matches or beats gloo's own allreduce. On NCCL it runs only when asked for by na
 (``comm.implementation=ours``, for comparison): there each step is a separate launch issued from
 Python and serialised on the communicator's one stream (2(N-1) per message: 1,022 at 512 ranks),
 and the hop between nodes leaves from one GPU through one NIC. By default on NCCL
-``comm.algorithm=ring`` means NCCL's own ring instead (NCCL_ALGO=Ring for the job: one kernel per
-message, channels over every NIC; ``knobs.summing``, ``knobs.nccl_algo_for``).
+``comm.algorithm=ring`` means NCCL's own allreduce instead (one kernel per message, channels over
+every NIC, ring or tree as NCCL's tuner picks: NCCL_ALGO is never set for one strategy,
+``knobs.Summing``).
 """
 
 from __future__ import annotations

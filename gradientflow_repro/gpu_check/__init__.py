@@ -1,12 +1,13 @@
 """The GPU check: one prepared command that says whether this project's CUDA path works on a machine.
 
 The test suite runs on CPUs with gloo; what only a GPU machine can show is collected here, to run
-in one go within a budget (8 minutes by default, however many GPUs) as ``make gpu-check``. That
-installs nothing: it runs ``python -m gradientflow_repro.gpu_check`` with the project's venv where
-there is one, else with the machine's ``python3`` (``PYTHON=...`` names another). On a bare machine
-with nothing but torch, from the repository root::
+in one go within a budget (3 minutes by default, however many GPUs) as one command, from the
+repository root, on a machine with nothing but torch (and timm) as on one with everything::
 
-    python3 -m gradientflow_repro.gpu_check [--out FILE] [--only ITEM ...] [--budget-s S] [--strict]
+    python3 -m gradientflow_repro.gpu_check --out DIR/gpu_check.md [--only ITEM ...] [--budget-s S] [--strict]
+
+``make gpu-check GPU_CHECK_OUT=DIR/gpu_check.md`` runs the same and installs nothing: the project's
+venv where there is one, else the machine's ``python3`` (``PYTHON=...`` names another).
 
 (``scripts/gpu_check.py`` takes the same options.) The items, in the order they run, and what each
 needs beyond torch: ``items.py``.
@@ -18,9 +19,10 @@ for a part of one):
 - FAIL: it ran and a result was wrong, or it raised, hung past its time limit or its process died;
 - SKIP: it could not run here; the line names what was missing (a GPU, a package, the budget).
 
-All lines and a header (date, host, GPUs, versions, commit, command) go to ``results/gpu_check.md``
-(``--out``), rewritten before every item so that a check cut short still leaves its file; every
-child process's full output goes to the ``.log`` beside it.
+All lines and a header (date, host, GPUs, versions, commit, command) go to ``--out`` (by default
+``results/gpu_check.md`` in the checkout; on a machine whose runner brings back only an output
+folder, name a file in it), rewritten before every item so that a check cut short still leaves its
+file; every child process's full output goes to the ``.log`` beside it.
 
 Exit status: 0 when no line is FAIL; 1 if any line is FAIL (with ``--strict`` also if any is SKIP);
 2 for bad options (an ``--out`` that is a directory or cannot be written, an unknown item, a budget
@@ -42,7 +44,9 @@ The modules:
 
 Importing the package imports only the standard library, torch and ``cluster.world`` (standard
 library only); the project's other modules and optional packages (Hydra, DALI, timm, ...) are
-imported inside the items that use them, so that a machine with nothing but torch runs the check.
+imported inside the items that use them, so that a machine with nothing but torch runs the check
+(the test suite runs every item so, on the CPU, with Hydra, OmegaConf, wandb, DALI and matplotlib
+made unimportable).
 """
 
 from gradientflow_repro.gpu_check.communicators import COMM_CASES, PARITY_CASES, check_communicators_on_cpu

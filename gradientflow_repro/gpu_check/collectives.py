@@ -4,7 +4,13 @@
 (all_reduce SUM/MAX/MIN, broadcast, all_gather, reduce, ...) is really sent through NCCL on random
 data and its result checked (the out-of-place ones start from a filled output, which shows that
 NCCL wrote it), with its time per call. The helpers themselves return before any collective at
-world size 1: ``nccl_2gpu`` sends theirs.
+world size 1: ``nccl_2gpu`` sends theirs. Then the lazy pool and CSC (``POOL_CASES``), built as the
+trainer builds them but told to send at world size 1 (``build_communicator(..., at_world_1=True)``:
+one rank's sum is itself, so only that NCCL runs changes), a few steps each: every pool part must
+send from the pool's thread on its side stream (as on many GPUs), and the result must equal
+``dist.all_reduce`` of what the rank accumulated (``pool_against_all_reduce``). Without that option
+one rank sends nothing, and the one-GPU trainer has no process group at all: this is where NCCL
+driven from the pool's thread and stream runs on one GPU.
 
 ``nccl_2gpu``: one NCCL rank per GPU on two GPUs:
 
@@ -26,13 +32,14 @@ import datetime
 import functools
 import os
 import sys
+import threading
 import traceback
 from typing import Any, Callable, Optional
 
 import torch
 
 from gradientflow_repro.cluster.world import free_port
-from gradientflow_repro.gpu_check.communicators import SmallNet
+from gradientflow_repro.gpu_check.communicators import SmallNet, residuals, same_message
 from gradientflow_repro.gpu_check.devices import backend_for, collective_device, median_us, synchronize
 from gradientflow_repro.gpu_check.environment import cuda_uuid, gpu_processes
 from gradientflow_repro.gpu_check.hooks import break_sum, stale_pool, test_device
@@ -116,6 +123,108 @@ def _one_rank_collectives(device: torch.device) -> dict[str, tuple[Callable[[], 
     return calls
 
 
+# The pool's cases at world size 1: the strategies' presets (their algorithm is moot for one rank:
+# at_world_1 sends by the backend's allreduce, which carries them on NCCL by default), with pool
+# parts of about 1 KiB so that the small model fills several, and CSC sparse from the first step.
+POOL_CASES: dict[str, dict[str, Any]] = {
+    "lazy": {"strategy": "lazy", "bucket_mb": 0.001},
+    "gradientflow": {"strategy": "gradientflow", "bucket_mb": 0.001, "chunk_size": 64, "density": 0.1,
+                     "csc_warmup_epochs": 0.0},
+}
+POOL_STEPS = 3
+
+
+def watch_the_pool(comm: Any) -> list[tuple[str, bool, int]]:
+    """Wrap ``comm.reduce_bucket``: per pool part sent, (the thread that sent it, whether it ran on
+    the pool's side stream (always true without one: the CPU), the collectives it issued)."""
+    seen: list[tuple[str, bool, int]] = []
+    reduce_bucket = comm.reduce_bucket
+    side = getattr(comm, "_stream", None)
+
+    def watched(bucket: Any) -> None:
+        before = comm.stats.collectives
+        on_side = side is None or torch.cuda.current_stream(comm.device) == side
+        reduce_bucket(bucket)
+        seen.append((threading.current_thread().name, on_side, comm.stats.collectives - before))
+
+    comm.reduce_bucket = watched
+    return seen
+
+
+def pool_against_all_reduce(options: dict[str, Any], device: torch.device) -> tuple[str, str]:
+    """``POOL_STEPS`` steps of ``SmallNet`` through the communicator of ``options``, built as the
+    trainer builds it (``build_communicator`` of the options, then ``attach``) but sending at world
+    size 1. Per step, with this rank's gradient g (from a plain copy of the model) and CSC's
+    residuals before (old) and after (new) the step: p.grad + new must equal ``dist.all_reduce(old +
+    g) / world`` (the lazy pool has no residual: p.grad is the summed gradient), within float
+    rounding (fp32 wire) or the fp16 wire's (2e-3 of the largest value of the message). Every pool
+    part must have been sent from the pool's thread, on its side stream on a GPU, with at least one
+    collective. Returns the verdict and the line's detail."""
+    import torch.distributed as dist
+
+    from gradientflow_repro.comm.factory import build_communicator
+    from gradientflow_repro.comm.knobs import resolve
+
+    world = dist.get_world_size()
+    fp16 = resolve(options).wire == "fp16"
+    torch.manual_seed(0)
+    model = SmallNet().to(device)
+    reference = copy.deepcopy(model)
+    comm = build_communicator(options, device, at_world_1=True)
+    module = comm.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))  # momentum 0: CSC sends g
+    stale_pool(comm)
+    seen = watch_the_pool(comm)
+    params = list(model.parameters())
+    message = same_message(comm, params)
+    worst, problems = 0.0, []
+    try:
+        for step in range(POOL_STEPS):
+            x = torch.randn(16, 37, generator=torch.Generator().manual_seed(step)).to(device)
+            reference.zero_grad(set_to_none=True)
+            reference(x).pow(2).mean().backward()
+            old = residuals(comm, params)
+            expected = [(r.to(device) + p.grad).detach().clone() for r, p in zip(old, reference.parameters())]
+            for tensor in expected:
+                dist.all_reduce(tensor)
+                tensor.div_(world)
+            comm.begin_step(float(step), 1.0)
+            module(x).pow(2).mean().backward()
+            comm.synchronize()
+            synced = [break_sum(p.grad.detach().float().cpu().clone()) for p in params]
+            comm.end_step(applied=True)  # (CSC's new residuals are kept from here)
+            got = [g + r for g, r in zip(synced, residuals(comm, params))]
+            model.zero_grad(set_to_none=True)
+            want = [t.float().cpu() for t in expected]
+            largest = [max(t.abs().max().item(), 1e-30) for t in want]
+            for i, (g, w) in enumerate(zip(got, want)):
+                peak = max(largest[j] for j in message[i]) if fp16 else largest[i]
+                error = (g - w).abs().max().item() / peak
+                worst = max(worst, error)
+                if not error <= (2e-3 if fp16 else 1e-6):  # a NaN fails too
+                    problems.append(f"step {step} parameter {i}: |error| {error:.2g} of the largest value")
+    finally:
+        comm.close()
+    parts = len(comm.buckets)
+    threads = sorted({name for name, _, _ in seen})
+    if not seen:
+        problems.append("no pool part was sent")
+    if any(not name.startswith("gradientflow-comm") for name in threads):
+        problems.append(f"pool parts sent from thread(s) {threads}, not the pool's")
+    if not all(on_side for _, on_side, _ in seen):
+        problems.append("pool parts sent off the pool's side stream")
+    silent = sum(1 for *_, sent in seen if sent < 1)
+    if silent:
+        problems.append(f"{silent} of {len(seen)} pool part(s) sent no collective (world size 1 short-circuited?)")
+    collectives = sum(sent for *_, sent in seen)
+    stream = "on its side stream" if device.type == "cuda" else "(no side stream on the CPU)"
+    detail = (f"{POOL_STEPS} steps, {parts} pool parts: p.grad{' + residual' if hasattr(comm, 'residual') else ''} "
+              f"vs dist.all_reduce of the accumulated gradient, worst |error| {worst:.2g} of the largest value "
+              f"(tolerance {'2e-3, fp16 wire' if fp16 else '1e-6'}); {collectives} collectives through "
+              f"{dist.get_backend()} ({collectives / max(1, len(seen)):.0f} per part), from the pool's thread "
+              f"{', '.join(threads) or 'none'} {stream}")
+    return ("FAIL", f"{'; '.join(problems[:4])} ({detail})") if problems else ("PASS", detail)
+
+
 def check_nccl_single_rank(report: Reporter) -> None:
     """A process group of one rank (NCCL on cuda:0; gloo on the CPU under the test device): every
     collective really sent, its result checked, and the trainer's helpers' answers at world size 1
@@ -170,6 +279,12 @@ def check_nccl_single_rank(report: Reporter) -> None:
                        "agree_max, all_reduce_scalars, ranks_that_differ, barrier answer right (they send "
                        "nothing at world size 1: their collectives are in nccl_2gpu)",
                        "the trainer's helpers at world size 1")
+        for label, options in POOL_CASES.items():
+            part = f"{label} pool at world size 1 vs dist.all_reduce"
+            with report.part(part):
+                with project_imports():  # the presets need PyYAML
+                    import gradientflow_repro.comm.factory  # noqa: F401
+                report.add(*pool_against_all_reduce(options, device), part)
     finally:
         dist.destroy_process_group()
 

@@ -88,7 +88,7 @@ def _gather_cpu(tensors: list[torch.Tensor], world: int) -> list[list[torch.Tens
     return out
 
 
-def _residuals(comm: Any, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+def residuals(comm: Any, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     """CSC's per-rank residual of each parameter (zeros for dense strategies and dense tails).
     ``comm.residual`` is per pool part and covers its chunks; ``comm.buckets`` says where each
     parameter lies in the part (a parameter past the chunks is in the dense tail: no residual)."""
@@ -104,7 +104,7 @@ def _residuals(comm: Any, params: list[torch.nn.Parameter]) -> list[torch.Tensor
     return [by_param[id(p)] for p in params]
 
 
-def _same_message(comm: Any, params: list[torch.nn.Parameter]) -> list[list[int]]:
+def same_message(comm: Any, params: list[torch.nn.Parameter]) -> list[list[int]]:
     """For each parameter, the parameters sent in the same message: its pool part, or itself."""
     index = {id(p): i for i, p in enumerate(params)}
     together = [[i] for i in range(len(params))]
@@ -135,14 +135,14 @@ def _check_communicator(options: dict[str, Any], rank: int, world: int, device: 
     module = comm.attach(model, optimizer)
     stale_pool(comm)
     params = list(model.parameters())
-    message = _same_message(comm, params)
+    message = same_message(comm, params)
     worst, step_ms, problems = 0.0, [], []
     for step in range(COMM_STEPS):
         x = torch.randn(16, 37, generator=torch.Generator().manual_seed(100 * rank + step)).to(device)
         reference.zero_grad(set_to_none=True)
         reference(x).pow(2).mean().backward()
         local = [p.grad for p in reference.parameters()]
-        old = _residuals(comm, params)
+        old = residuals(comm, params)
         synchronize(device)
         started = time.perf_counter()
         comm.begin_step(float(step), 1.0)
@@ -153,7 +153,7 @@ def _check_communicator(options: dict[str, Any], rank: int, world: int, device: 
         synced = [p.grad.detach().float().cpu() for p in params]
         comm.end_step(applied=True)
         model.zero_grad(set_to_none=True)
-        ranks = _gather_cpu([*local, *old, *_residuals(comm, params)], world)
+        ranks = _gather_cpu([*local, *old, *residuals(comm, params)], world)
         n = len(params)
         accumulated = [torch.stack([r[n + i] + r[i] for r in ranks]) for i in range(n)]  # old_r + g_r
         # the fp16 wire scales each message by its largest value, and a pool part holds several

@@ -3,8 +3,10 @@
 Two environment variables, never set outside tests; the report's header names them whenever they
 are set, and bad values are refused with the other options (exit status 2).
 
-- ``GRADIENTFLOW_GPU_CHECK_TEST_DEVICE=cpu`` runs the collective items (``nccl_1rank``,
-  ``nccl_2gpu``, ``comm_gloo_cuda``) on gloo with CPU tensors instead of skipping them.
+- ``GRADIENTFLOW_GPU_CHECK_TEST_DEVICE=cpu`` runs the items that have a CPU stand-in
+  (``nccl_1rank``, ``nccl_2gpu``, ``comm_gloo_cuda`` on gloo with CPU tensors, ``throughput`` at
+  toy sizes) instead of skipping them, with ``TEST_LIMIT_SCALE`` times the nominal limits and the
+  budget (those are a GPU machine's; a shared CPU runs the stand-ins slower).
 - ``GRADIENTFLOW_GPU_CHECK_TEST_FAULT=wrong_sum`` adds one to an element of every sum under test
   (never to its reference); ``=stale_pool`` makes the lazy and CSC communicators send, after their
   first step, that first step's pool contents again (the ranks still agree with each other, so only
@@ -22,11 +24,17 @@ TEST_DEVICE_ENV = "GRADIENTFLOW_GPU_CHECK_TEST_DEVICE"
 TEST_FAULT_ENV = "GRADIENTFLOW_GPU_CHECK_TEST_FAULT"
 TEST_DEVICES = ("cpu",)
 TEST_FAULTS = ("wrong_sum", "stale_pool")
+TEST_LIMIT_SCALE = 4.0
 
 
 def test_device() -> Optional[str]:
     """``cpu`` when a test runs the collective items on gloo with CPU tensors, else None."""
     return os.environ.get(TEST_DEVICE_ENV) or None
+
+
+def limit_scale() -> float:
+    """What the items' nominal limits are multiplied by: ``TEST_LIMIT_SCALE`` under the test device, else 1."""
+    return TEST_LIMIT_SCALE if test_device() == "cpu" else 1.0
 
 
 def injected(fault: str) -> bool:

@@ -2,13 +2,16 @@
 exit status (what each line and the exit status mean: the package's docstring).
 
 Time: every item has a nominal limit (``items.py``); an item's limit is its share of what is left
-of the budget (default 480 s), in proportion to the nominal limits of the items still to run here,
+of the budget (default 180 s), in proportion to the nominal limits of the items still to run here,
 and never more than its nominal limit, so the whole check ends within the budget whatever the GPU
 count. An item given less than ``MIN_ITEM_S`` is SKIP (it could not even start CUDA and NCCL).
 
-The report is rewritten before every item, so a check cut short (by its budget, a hang it could
-not recover from, Ctrl-C) still leaves its file; options are checked before anything runs, and a
-bad one is refused in one line with exit status 2, leaving no report and no log.
+The report goes to ``--out`` (the log beside it): name a file in a folder of its own, ``--out
+DIR/gpu_check.md``, so that a runner that brings back only an output folder brings both back (the
+default, ``results/gpu_check.md`` in the checkout, is for a run by hand). It is rewritten before
+every item, so a check cut short (by its budget, a hang it could not recover from, Ctrl-C) still
+leaves its file. Options are checked before anything runs, and a bad one is refused in one line
+with exit status 2, leaving no report and no log.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Optional
 from gradientflow_repro import REPO
 from gradientflow_repro.gpu_check.devices import gpu_gate
 from gradientflow_repro.gpu_check.environment import gpu_environment, gpu_summary, versions_summary
-from gradientflow_repro.gpu_check.hooks import test_hooks_problem, test_hooks_set
+from gradientflow_repro.gpu_check.hooks import limit_scale, test_hooks_problem, test_hooks_set
 from gradientflow_repro.gpu_check.items import ITEM_BY_NAME, ITEMS
 from gradientflow_repro.gpu_check.processes import run_here, run_in_child
 from gradientflow_repro.gpu_check.results import Item, Result
@@ -36,7 +39,7 @@ from gradientflow_repro.provenance import git_commit
 
 DESCRIPTION = "The GPU check: whether this project's CUDA path works on this machine, item by item."
 DEFAULT_OUT = REPO / "results" / "gpu_check.md"
-BUDGET_S = 480.0  # the whole check: 8 minutes even when items hang
+BUDGET_S = 180.0  # the whole check: 3 minutes even when items hang
 MIN_ITEM_S = 15.0  # an item given less than this is SKIP: it could not even start CUDA and NCCL
 
 
@@ -122,8 +125,8 @@ def parse_options(argv: Optional[list[str]]) -> argparse.Namespace:
     """The options, or BadOption naming the first bad one (nothing has run yet)."""
     parser = _Parser(prog="gradientflow_repro.gpu_check", description=DESCRIPTION,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"report file (default {DEFAULT_OUT}); "
-                        "the children's output goes to the .log beside it")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report file, e.g. DIR/gpu_check.md (default "
+                        f"{DEFAULT_OUT}, inside the checkout); the children's output goes to the .log beside it")
     parser.add_argument("--only", nargs="+", metavar="ITEM",
                         help=f"run only these items, of: {', '.join(ITEM_BY_NAME)}")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S,
@@ -159,7 +162,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     header = header_lines(command)
     results: list[Result] = []
     limits: dict[str, float] = {}
-    chosen = [item for item in ITEMS if not args.only or item.name in args.only]
+    budget_s = args.budget_s * limit_scale()  # (the test device's stand-ins: scaled with the limits)
+    chosen = [dataclasses.replace(item, timeout_s=item.timeout_s * limit_scale())
+              for item in ITEMS if not args.only or item.name in args.only]
     gates = {item.name: gpu_gate(item.gpus, item.on_test_cpu) for item in chosen}
 
     def emit(result: Result) -> None:
@@ -173,11 +178,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         for index, item in enumerate(chosen):
             write_report(args.out, header, results, f"running {item.name} ({tally(results)} so far)", limits)
-            left = args.budget_s - (time.monotonic() - started)
+            left = budget_s - (time.monotonic() - started)
             later = [other for other in chosen[index + 1:] if other.gpus and not gates[other.name]]
             limit = item_limit(item, later, left) if item.gpus else min(item.timeout_s, left)
             reason = gates[item.name] or (None if limit >= MIN_ITEM_S else (
-                f"the check's {args.budget_s:.0f} s budget is spent ({left:.0f} s left)"))
+                f"the check's {budget_s:.0f} s budget is spent ({left:.0f} s left)"))
             try:
                 if reason:
                     emit(Result("SKIP", item.name, reason))

@@ -47,9 +47,9 @@ is the registry's, not retyped), the sparsifier priced by its registered rule:
   ours). NCCL's allreduce is priced as NCCL's own tuning model prices it (``nccl_allreduce_s``: one
   kernel per message, so no per-step launch from the host; its ring's steps inside a node at the
   intra-node latency, only the 2(M-1) steps between M nodes at the network's; its tree's depth
-  log2(M); between nodes the node's whole uplink, all its NICs), the faster of ring and tree unless
-  ``comm.algorithm=ring`` sets NCCL_ALGO=Ring. Our rings cross between nodes from one GPU, so
-  through one NIC of ``Network.rails``. Gloo's own allreduce is a ring. Where the network
+  log2(M); between nodes the node's whole uplink, all its NICs), the faster of ring and tree, as
+  NCCL's tuner picks (no configuration sets NCCL_ALGO: ``knobs.Summing``). Our rings cross between
+  nodes from one GPU, so through one NIC of ``Network.rails``. Gloo's own allreduce is a ring. Where the network
   description carries the backend's measured cost by message size (as nccl-tests measures it),
   that table is used instead, interpolated linearly in bytes: the builtin is a black box (gloo
   picks its algorithm by size, and small calls pay the host's scheduling), so it is measured, not
@@ -377,7 +377,7 @@ def allreduce_s(payload_bytes: float, ranks: int, net: Network, algorithm: str =
         if net.builtin_cost_by_size:
             return measured_cost_s(payload_bytes, net.builtin_cost_by_size)
         if net.nccl:
-            return nccl_allreduce_s(payload_bytes, ranks, net, chosen.nccl_algo)
+            return nccl_allreduce_s(payload_bytes, ranks, net)
         return _ring_s(payload_bytes, ranks, net, "builtin")  # gloo's own: a ring, unless measured
     if payload_bytes <= small_message_bytes:
         return small_allreduce_s(payload_bytes, ranks, net)
@@ -394,8 +394,8 @@ def nccl_allreduce_s(payload_bytes: float, ranks: int, net: Network, nccl_algo: 
       the tree and down again) over the link.
     Between nodes both run over the node's whole uplink, ``bandwidth_Bps``: NCCL lays a channel
     over every NIC (``rails``). One kernel per message: no per-step launch from the host.
-    ``nccl_algo`` "Ring" (NCCL_ALGO=Ring, set by ``comm.algorithm=ring``): the ring alone; None: the
-    faster of the two, as NCCL's tuner picks."""
+    ``nccl_algo`` "Ring" (NCCL_ALGO=Ring: the published systems of 2017, before NCCL's trees): the
+    ring alone; None: the faster of the two, as NCCL's tuner picks."""
     if ranks <= 1 or payload_bytes <= 0:
         return 0.0
     per_node = min(max(1, net.ranks_per_node), ranks)

@@ -45,7 +45,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
-from gradientflow_repro.config import compose
 from gradientflow_repro.scaling.perfmodel import ModelProfile, TensorProfile
 
 if TYPE_CHECKING:
@@ -262,6 +261,7 @@ def profile_model(out: Path, overrides: Sequence[str], world: int = 4) -> None:
     ``world`` ranks, and the local work per element; written to ``out`` as JSON."""
     import torch
 
+    from gradientflow_repro.config import compose  # Hydra: here only (the GPU check imports sparsify_work without it)
     from gradientflow_repro.models import build_model
     from gradientflow_repro.optim import build_optimizer
 
