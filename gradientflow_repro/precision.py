@@ -66,9 +66,15 @@ class Precision:
         return self.apply(optimizer, overflow > 0)
 
     def nonfinite(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """Unscale the gradients; 1.0 (on the device) if any of this rank's is inf or NaN, else 0."""
+        """Unscale the gradients; 1.0 (on the device) if any of this rank's is inf or NaN, else 0.
+        Under loss scaling that is what ``unscale_`` found while it unscaled (its inf flags): the
+        gradients are not read a second time."""
         if self.scaler:
             self.scaler.unscale_(optimizer)
+            flags = self._inf_flags(optimizer)
+            if flags:  # one device per rank: one flag
+                found = next(iter(flags.values())) if len(flags) == 1 else sum(flags.values())
+                return (found > 0).float()
         grads = [p.grad for group in optimizer.param_groups for p in group["params"]
                  if p.grad is not None]
         if not grads:
@@ -94,14 +100,21 @@ class Precision:
         overflow of its own (halve the scale, restart the count towards growing it), on the device.
         Its per-optimizer inf flags are not public; where they are not as expected, the scale is
         set directly (the growth count then goes on, and reading the scale waits for the device)."""
-        states = getattr(self.scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
-        flags = states.get("found_inf_per_device", {})
+        flags = self._inf_flags(optimizer)
         if flags:
             for flag in flags.values():
                 flag.fill_(1.0)
             self.scaler.update()
         else:
             self.scaler.update(self.scaler.get_scale() * self.scaler.get_backoff_factor())
+
+    def _inf_flags(self, optimizer: torch.optim.Optimizer) -> dict:
+        """GradScaler's inf flags for ``optimizer`` from its last ``unscale_`` (device -> a tensor on
+        it, 1.0 where an inf or NaN was found); empty where its private state is not as expected
+        (the callers then do without: a norm of the gradients, a direct scale update)."""
+        states = getattr(self.scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
+        flags = states.get("found_inf_per_device", {})
+        return flags if isinstance(flags, dict) else {}
 
     @property
     def loss_scale(self) -> float:

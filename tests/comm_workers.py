@@ -302,6 +302,12 @@ def pool_layout(bucket, tensors: list[torch.Tensor]) -> torch.Tensor:
 def check_csc_selection_and_no_loss(rank: int, world: int, out: str, release_cap: float = 0.0) -> None:
     model = TwoLayerNet()
     comm = csc(density=0.3, density_ramp_epochs=2, release_cap=release_cap)  # densities 0.67, 0.45, then 0.3
+    # what this rank produced, taken as autograd finishes each gradient: from then on p.grad is a
+    # view of the pool, which the communication thread sums in place (hooks run in the order they
+    # were registered, so these run before the pool's)
+    produced_now: dict = {}
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(lambda p: produced_now.__setitem__(p, p.grad.detach().clone()))
     comm.attach(model)
     sent_total = [torch.zeros_like(b.flat) for b in comm.buckets]
     grad_total = [torch.zeros_like(b.flat) for b in comm.buckets]
@@ -311,7 +317,7 @@ def check_csc_selection_and_no_loss(rank: int, world: int, out: str, release_cap
         backward(model, rank, step)
         # what this rank produced, in pool layout (reduced only after synchronize(): while the
         # communication thread runs, no other collective may be issued)
-        produced = [pool_layout(bucket, [p.grad for p in bucket.params]) for bucket in comm.buckets]
+        produced = [pool_layout(bucket, [produced_now[p] for p in bucket.params]) for bucket in comm.buckets]
         comm.synchronize()
         for i, local in enumerate(produced):
             dist.all_reduce(local)

@@ -102,3 +102,22 @@ def test_an_overflow_on_any_rank_restarts_the_scale_s_growth_count_everywhere(tm
     spawn(_growth_restarts_after_an_overflow_anywhere, 2, str(tmp_path))
     for rank in range(2):
         assert torch.load(tmp_path / f"rank{rank}.pt") == [1024.0, 512.0, 512.0, 1024.0], rank
+
+
+@pytest.mark.parametrize("poison", [None, "inf", "nan"])
+def test_fp16_overflow_check_reads_the_scalers_own_result(poison: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under loss scaling the overflow flag is what ``unscale_`` found while unscaling: no second
+    pass over the gradients (a norm of them would fail here)."""
+    model = nn.Linear(6, 3)
+    precision = Precision(PrecisionConfig(dtype="fp16", init_scale=1024.0), torch.device("cpu"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    precision.backward(model(torch.randn(4, 6)).sum())
+    if poison:
+        model.weight.grad[1, 2] = float(poison)
+
+    def second_pass(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the gradients were read again after unscale_")
+    monkeypatch.setattr(torch.nn.utils, "get_total_norm", second_pass)
+    flag = precision.nonfinite(optimizer)
+    assert flag.shape == () and float(flag) == (1.0 if poison else 0.0)
+    assert precision.apply(optimizer, bool(flag)) is (poison is None)

@@ -56,3 +56,56 @@ def test_a_training_step_reads_one_value_back(strategy: str, precision: str, tmp
             setattr(torch.Tensor, name, function)
         trainer.comm.close()
     assert sum(where.values()) == steps, dict(where)  # the agreement's one read, nothing else
+
+
+def _counted(owner: object, name: str, counter: collections.Counter, counts=lambda *args: True) -> None:
+    """Replace ``owner.name`` by a wrapper that counts its calls in ``counter`` (those ``counts`` takes)."""
+    original = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        if counts(*args):
+            counter.update([name])
+        return original(*args, **kwargs)
+    setattr(owner, name, wrapper)
+
+
+def _differing_ranks(rank: int, world: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from gradientflow_repro.distributed import ranks_that_differ
+
+    from conftest import save_failures
+
+    failures, calls, reads = [], collections.Counter(), collections.Counter()
+    for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast", "gather"):
+        _counted(dist, name, calls)
+    for name in READS:  # what returns a host value from a device tensor; torch.equal does too
+        _counted(torch.Tensor, name, reads)
+    _counted(torch, "equal", reads)
+    tensors = [torch.arange(7.0).reshape(7, 1), torch.ones(5)]
+    for odd_ones in ([], [1], [0], [world - 1, 1]):
+        if rank in odd_ones:
+            tensors[1][rank % 5] += 1e-6
+        calls.clear()
+        reads.clear()
+        found = ranks_that_differ(tensors, torch.device("cpu"))
+        if sum(reads.values()) != 1:
+            failures.append(f"{dict(reads)}: one read back to the host expected")
+        expected = [r for r in range(world) if r not in odd_ones] if 0 in odd_ones else sorted(set(odd_ones))
+        if found != expected:
+            failures.append(f"odd ranks {odd_ones}: found {found}, expected {expected}")
+        if sum(calls.values()) != 1:
+            failures.append(f"{dict(calls)}: one collective expected")
+        if rank in odd_ones:
+            tensors[1][rank % 5] -= 1e-6
+            tensors[1].copy_(torch.ones(5))
+    save_failures(failures, out, rank)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_parameter_consistency_is_one_collective(world: int, tmp_path: Path) -> None:
+    """Ranks whose parameters differ from rank 0's, found with one collective and one read back to the
+    host whatever the world size (every rank but 0 when rank 0 is the odd one)."""
+    from conftest import spawn_checked
+
+    spawn_checked(_differing_ranks, world, tmp_path)

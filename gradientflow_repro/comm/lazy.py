@@ -15,6 +15,14 @@ every rank issues the same collectives in the same order whatever order its hook
 holding a parameter that got no gradient this step (unused branch) is completed with zeros at
 ``synchronize()``. Under ``accumulating()`` (micro-batches of gradient accumulation) hooks do
 nothing, and the last micro-batch's hooks copy the accumulated gradients.
+
+Gradients are views of the pool (as DDP's ``gradient_as_bucket_view``): a hook copies the gradient
+autograd made into its place in the pool once and points ``p.grad`` at that place, so the summed
+mean is in ``p.grad`` without a copy out (or a fresh gradient tensor) per step. The copy in stays:
+autograd allocates each gradient, and accumulating straight into a pool that must first be zeroed
+reads and writes more than copying once. Each view lies in memory like its parameter
+(``shaped_like``: a channels_last weight's gradient stays channels_last), so elementwise work and
+the optimizer's fused kernels pair gradients with weights without a transpose.
 """
 
 from __future__ import annotations
@@ -32,6 +40,23 @@ from gradientflow_repro.comm.base import Communicator, SumFn, communication_thre
 from gradientflow_repro.comm.pool import pack_parts
 
 
+def channels_last(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a 4-d tensor laid out channels_last (and not also contiguous)."""
+    return (tensor.dim() == 4 and not tensor.is_contiguous()
+            and tensor.is_contiguous(memory_format=torch.channels_last))
+
+
+def shaped_like(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
+    """The ``param.numel()`` elements of ``flat`` from ``offset`` as a view shaped like ``param`` and
+    laid out like it (in its memory order: channels_last stays channels_last; any other layout is
+    taken as contiguous): where a parameter's gradient lies in the pool."""
+    segment = flat[offset:offset + param.numel()]
+    if channels_last(param):
+        n, c, h, w = param.shape
+        return segment.view(n, h, w, c).permute(0, 3, 1, 2)
+    return segment.view(param.shape)
+
+
 @dataclass(eq=False)
 class Bucket:
     """One pool part: the parameters whose gradients it holds, where each lies in it, and the
@@ -44,10 +69,28 @@ class Bucket:
     sparse_elements: int = 0  # csc: the leading elements that may be sparsified (whole chunks)
     index: int = -1  # position in the layout (the order parts are sent in)
     seen: list[bool] = field(default_factory=list)
+    views: list[torch.Tensor] = field(default_factory=list)  # each parameter's place in ``flat``, shaped like it
+
+    def __post_init__(self) -> None:
+        if not self.views:
+            self.views = [shaped_like(self.flat, offset, param) for param, offset in zip(self.params, self.offsets)]
 
     @property
     def full(self) -> bool:
         return all(self.seen)
+
+
+def pool_gradient(param: nn.Parameter, view: torch.Tensor) -> None:
+    """Make ``param.grad`` the pool's ``view``: copy the gradient autograd made there (zeros where it
+    made none) unless ``param.grad`` is that view already (a micro-batch accumulated into it). A
+    gradient of another type than the fp32 pool (a half-precision parameter) stays its own tensor,
+    and ``synchronize`` copies the mean back into it."""
+    grad = param.grad
+    if grad is not None and grad.data_ptr() == view.data_ptr() and grad.stride() == view.stride():
+        return
+    view.copy_(grad) if grad is not None else view.zero_()
+    if grad is None or grad.dtype == view.dtype:  # (a gradient of another type than the fp32 pool keeps its own)
+        param.grad = view
 
 
 class LazyAllreduce(Communicator):
@@ -61,7 +104,9 @@ class LazyAllreduce(Communicator):
         self._next_launch = 0
         self._accumulating = False
         self._executor: Optional[ThreadPoolExecutor] = None
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # high priority: a part's collective and CSC's local work are the step's critical path at the
+        # end of backward, so the GPU schedules them ahead of the rest of backward's kernels
+        self._stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
 
     # ------------------------------------------------------------------ layout
     def attach(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> nn.Module:
@@ -107,8 +152,7 @@ class LazyAllreduce(Communicator):
             return
         index, position = self._slot[param]
         bucket = self.buckets[index]
-        offset = bucket.offsets[position]
-        bucket.flat[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        pool_gradient(param, bucket.views[position])
         bucket.seen[position] = True
         if self._executor is not None:
             self._launch_full_buckets()
@@ -141,8 +185,7 @@ class LazyAllreduce(Communicator):
         for bucket in self.buckets:
             for position, param in enumerate(bucket.params):
                 if not bucket.seen[position]:  # no hook fired: unused parameter (or hooks bypassed)
-                    view = bucket.flat[bucket.offsets[position]:bucket.offsets[position] + param.numel()]
-                    view.copy_(param.grad.reshape(-1)) if param.grad is not None else view.zero_()
+                    pool_gradient(param, bucket.views[position])
                     bucket.seen[position] = True
         if self._executor is not None:
             self._launch_full_buckets()
@@ -153,19 +196,17 @@ class LazyAllreduce(Communicator):
             future.result()  # re-raises a failure of the communication thread here
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
-        for bucket in self.buckets:
-            bucket.flat.div_(self.world_size)
-            for param, offset in zip(bucket.params, bucket.offsets):
-                mean = bucket.flat[offset:offset + param.numel()].view_as(param)
-                if param.grad is None:
-                    param.grad = mean.clone()
-                else:
-                    param.grad.copy_(mean)
+        for bucket in self.buckets:  # p.grad is a view of its part: the mean needs no copy out
+            if self.world_size > 1:
+                bucket.flat.div_(self.world_size)
+            for param, view in zip(bucket.params, bucket.views):
+                if param.grad.data_ptr() != view.data_ptr():  # a gradient of its own type (see pool_gradient)
+                    param.grad.copy_(view)
             bucket.seen = [False] * len(bucket.params)
         self._futures, self._next_launch = [], 0
         self.stats.wait_s += time.perf_counter() - started
 
-    def close(self) -> None:
+    def close(self) -> None:  # (each p.grad stays a view of the pool: the model keeps its last gradients)
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

@@ -27,7 +27,7 @@ one step's size, and the momentum's gain would be lost: sparse training ran at a
 learning rate and took several times the epochs of dense training on the digits recipe
 (docs/notes/2026-12-01-csc-under-lars.md). So what the optimizer does to a gradient before its momentum
 moves with the momentum: each rank adds the weight decay to its own gradient and, for the layers
-Lars adapts, rescales it by the trust ratio (``trust.lars_rescale_``), before ``u <- m u + g``; the
+Lars adapts, rescales it by the trust ratio (``trust.trust_ratios``), before ``u <- m u + g``; the
 optimizer's groups run as plain SGD (momentum, weight decay and adaptation handed to CSC). Where the
 weight decay goes is a choice (``comm.weight_decay_in``): into the velocity that is sparsified and
 sent ("velocity", as PaddlePaddle's DGC kernel does), or into a velocity of its own on each rank,
@@ -46,13 +46,13 @@ than run wrongly.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
 from gradientflow_repro.comm.csc.state import BucketState
-from gradientflow_repro.comm.csc.trust import TrustNoise, adapts, lars_rescale_
-from gradientflow_repro.comm.lazy import Bucket
+from gradientflow_repro.comm.csc.trust import TrustNoise, adapts, trust_ratios
+from gradientflow_repro.comm.lazy import Bucket, shaped_like
 from gradientflow_repro.optim import is_lars
 
 # What CSC takes from each optimizer group for a sparse phase, and the value the group keeps
@@ -92,15 +92,36 @@ def velocity_from_optimizer(optimizer: torch.optim.Optimizer, buckets: list[Buck
         for param, offset in zip(bucket.params, bucket.offsets):
             buffer = optimizer.state.get(param, {}).get("momentum_buffer")
             if buffer is not None:
-                part.velocity[offset:offset + param.numel()].copy_(buffer.reshape(-1))
+                shaped_like(part.velocity, offset, param).copy_(buffer)
+
+
+class _Plan(NamedTuple):
+    """One pool part's local step for one set of optimizer settings, as tensors on the device."""
+
+    adapted: list[int]  # entries Lars adapts
+    decayed: list[tuple[float, list[int]]]  # (weight decay, entries) for each weight decay in use
+    trust: torch.Tensor  # per adapted entry
+    decay: torch.Tensor
+    eps: torch.Tensor
+    adapted_index: torch.Tensor  # ``adapted`` as a tensor on the device
+    adapted_segments: torch.Tensor  # each adapted entry's segment (``LocalStep._segments``)
+    noise_at: torch.Tensor  # for each layer ``TrustNoise`` corrects, its position among the adapted
 
 
 class LocalStep:
     """What the optimizer does to a gradient before its momentum, done instead by momentum
     correction to each rank's own gradient (this module's docstring): ``g <- g + wd w`` and, in the groups
-    Lars adapts, ``g <- ratio * (g + wd w)`` (``lars_rescale_``), with the ratio corrected for the
+    Lars adapts, ``g <- ratio * (g + wd w)`` (``trust.trust_ratios``), with the ratio corrected for the
     noise of the rank's own gradient (``TrustNoise``, unless ``noise_correction`` is off). Knows,
-    for every pool part, each parameter's optimizer group and where its gradient lies."""
+    for every pool part, each parameter's optimizer group and where its gradient lies.
+
+    A part's layers are done together, in a number of operations that does not grow with them
+    (what a GPU pays per kernel launch): one fused norm over the weights and one over the gradients
+    (``torch._foreach_norm``), the ratios as vectors, one fused ``g += wd w`` per weight decay value
+    (``torch._foreach_add_``), and one multiplication of the whole part by its ratios, spread over
+    the elements by ``repeat_interleave`` (1 on the elements of layers Lars does not adapt and on
+    the padding). Only the noise sketch (``TrustNoise.sketch``, under ``comm.trust_noise_correction``)
+    still works layer by layer."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[Bucket], world: int = 1,
                  noise_correction: bool = True) -> None:
@@ -116,11 +137,59 @@ class LocalStep:
                     for param in group["params"]}
         self.entries = [[(param, offset, group_of[param]) for param, offset in zip(bucket.params, bucket.offsets)
                          if param in group_of] for bucket in buckets]
+        self._positions = [[position for position, param in enumerate(bucket.params) if param in group_of]
+                           for bucket in buckets]  # each entry's position in its bucket
         self.noise = (TrustNoise(self.entries, optimizer.param_groups, buckets, world)
                       if noise_correction and world > 1 else None)
         # per bucket, this step's trust ratio of each entry (1 where Lars does not adapt): what
         # ``comm.rank_by=raw`` divides the chunk norms by
         self.ratios: dict[int, torch.Tensor] = {}
+        self._weights = [[param.detach() for param, _, _ in entries] for entries in self.entries]  # views: the
+        # optimizer updates the weights in place
+        self._segments = [self._cut(entries, bucket) for entries, bucket in zip(self.entries, buckets)]
+        self._plans: dict[tuple, _Plan] = {}
+
+    @staticmethod
+    def _cut(entries: list[tuple[torch.nn.Parameter, int, int]], bucket: Bucket) -> tuple[torch.Tensor, list[int]]:
+        """The part cut into segments, each entry one and each gap between them one (padding,
+        parameters outside the optimizer): their lengths (a tensor on the device) and each entry's
+        segment."""
+        lengths, of_entry, at = [], [0] * len(entries), 0
+        for index in sorted(range(len(entries)), key=lambda i: entries[i][1]):
+            param, offset, _ = entries[index]
+            if offset > at:
+                lengths.append(offset - at)
+            of_entry[index], at = len(lengths), offset + param.numel()
+            lengths.append(param.numel())
+        if at < bucket.flat.numel():
+            lengths.append(bucket.flat.numel() - at)
+        return torch.tensor(lengths, dtype=torch.long, device=bucket.flat.device), of_entry
+
+    def _plan(self, bucket_index: int, settings: list[dict], device: torch.device) -> _Plan:
+        """The part's plan for these settings, made once per distinct settings (a new learning rate
+        changes none of them; a changed weight decay makes a new plan)."""
+        entries = self.entries[bucket_index]
+        used = [settings[group] for _, _, group in entries]
+        key = (bucket_index, *((bool(adapts(own)), own.get("weight_decay", 0.0), own.get("trust_coeff"),
+                                own.get("eps")) for own in used))
+        plan = self._plans.get(key)
+        if plan is None:
+            adapted = [index for index, own in enumerate(used) if adapts(own)]
+            decays: dict[float, list[int]] = {}
+            for index, own in enumerate(used):
+                if own.get("weight_decay", 0.0):
+                    decays.setdefault(float(own["weight_decay"]), []).append(index)
+
+            def vector(values: list[float]) -> torch.Tensor:
+                return torch.tensor(values, dtype=torch.float32, device=device)
+            noise_layers = [index for index, _ in self.noise.layers[bucket_index]] if self.noise else []
+            plan = self._plans[key] = _Plan(
+                adapted, sorted(decays.items()), vector([used[i]["trust_coeff"] for i in adapted]),
+                vector([used[i]["weight_decay"] for i in adapted]), vector([used[i]["eps"] for i in adapted]),
+                torch.tensor(adapted, dtype=torch.long, device=device),
+                torch.tensor([self._segments[bucket_index][1][i] for i in adapted], dtype=torch.long, device=device),
+                torch.tensor([adapted.index(i) for i in noise_layers], dtype=torch.long, device=device))
+        return plan
 
     def noise_layers(self, bucket_index: int) -> int:
         """How many layers of the bucket have their trust ratio corrected for noise."""
@@ -138,23 +207,34 @@ class LocalStep:
         (``comm.weight_decay_in=local``)."""
         noise = self.noise if state is not None and state.noise is not None else None
         sketch = noise.sketch(bucket, gradient, state) if noise is not None else None
-        factors = noise.factors(bucket, state) if noise is not None else {}
-        rescaled, adapted, decay_views = [], [], []
+        entries = self.entries[bucket.index]
+        plan = self._plan(bucket.index, settings, gradient.device)
+        weights = self._weights[bucket.index]
+        views = ([bucket.views[position] for position in self._positions[bucket.index]] if gradient is bucket.flat
+                 else [shaped_like(gradient, offset, param) for param, offset, _ in entries])
+        ratios = None
+        if plan.adapted:  # the norms of the gradients as they came, before the weight decay joins them
+            c: Any = 1.0
+            if noise is not None and plan.noise_at.numel():
+                c = torch.ones(len(plan.adapted), device=gradient.device).index_copy_(
+                    0, plan.noise_at, noise.factor_vector(state))
+            ratios = trust_ratios(torch.stack(torch._foreach_norm([weights[i] for i in plan.adapted])),
+                                  torch.stack(torch._foreach_norm([views[i] for i in plan.adapted])),
+                                  plan.trust, plan.decay, plan.eps, c)
         if decay is not None:
             decay.zero_()
-        for index, (param, offset, group) in enumerate(self.entries[bucket.index]):
-            own, view = settings[group], gradient[offset:offset + param.numel()]
-            if adapts(own):
-                rescaled.append((view, param.detach().reshape(-1), own, factors.get(index, 1.0)))
-                adapted.append(index)
-                if decay is not None:
-                    decay_views.append(decay[offset:offset + param.numel()])
-            elif own.get("weight_decay", 0.0):
-                target = view if decay is None else decay[offset:offset + param.numel()]
-                target.add_(param.detach().reshape(-1), alpha=own["weight_decay"])
-        ratios = torch.ones(len(self.entries[bucket.index]), dtype=torch.float32, device=gradient.device)
-        if rescaled:
-            found = lars_rescale_(*map(list, zip(*rescaled)), decay_into=decay_views if decay is not None else None)
-            ratios[adapted] = torch.stack(found).to(torch.float32)
-        self.ratios[bucket.index] = ratios
+        targets = views if decay is None else [shaped_like(decay, offset, param) for param, offset, _ in entries]
+        for weight_decay, indices in plan.decayed:
+            torch._foreach_add_([targets[i] for i in indices], [weights[i] for i in indices], alpha=weight_decay)
+        every = torch.ones(len(entries), dtype=torch.float32, device=gradient.device)
+        if ratios is not None:
+            lengths, _ = self._segments[bucket.index]
+            per_segment = torch.ones(lengths.numel(), dtype=torch.float32, device=gradient.device)
+            per_element = torch.repeat_interleave(per_segment.index_copy_(0, plan.adapted_segments, ratios),
+                                                  lengths, output_size=gradient.numel())
+            gradient.mul_(per_element)
+            if decay is not None:
+                decay.mul_(per_element)
+            every.index_copy_(0, plan.adapted_index, ratios)
+        self.ratios[bucket.index] = every
         return sketch

@@ -130,12 +130,27 @@ class TrustNoise:
                                            into=torch.zeros(layers, dtype=torch.float32, device=summed.device))
         state.stage_noise(torch.stack([summed[:layers] / self.world, mean_squared / self.world**2]), NOISE_KEEP)
 
-    def factors(self, bucket: Bucket, state: BucketState) -> dict[int, torch.Tensor]:
-        """Entry index -> c (0-d, on the device) for each of ``bucket``'s layers, from the
-        committed running means; 1 where nothing is observed yet."""
+    def factor_vector(self, state: BucketState) -> torch.Tensor:
+        """c for each of a bucket's layers (in ``layers`` order, on the device), from the committed
+        running means of its ``state``; 1 where nothing is observed yet."""
         own, mean = state.noise
-        squared = torch.where(mean > 0, own / mean, 1.0).clamp_(1.0, float(self.world))
-        return {index: c for (index, _), c in zip(self.layers[bucket.index], squared.sqrt().unbind())}
+        return torch.where(mean > 0, own / mean, 1.0).clamp_(1.0, float(self.world)).sqrt_()
+
+    def factors(self, bucket: Bucket, state: BucketState) -> dict[int, torch.Tensor]:
+        """Entry index -> c (0-d, on the device) for each of ``bucket``'s layers (``factor_vector``)."""
+        return {index: c for (index, _), c in zip(self.layers[bucket.index], self.factor_vector(state).unbind())}
+
+
+def trust_ratios(weight_norms: torch.Tensor, gradient_norms: torch.Tensor, trust: Union[float, torch.Tensor],
+                 decay: Union[float, torch.Tensor], eps: Union[float, torch.Tensor],
+                 noise: Union[float, torch.Tensor] = 1.0) -> torch.Tensor:
+    """timm ``Lars``'s trust ratio, elementwise over layers (or for one): ``trust |w| / (|g| / c + wd |w|
+    + eps)``, 1 where ``|w|`` or ``|g|`` is 0 (``timm.optim.lars._lars_trust_ratio``, private there;
+    ``noise`` c divides ``|g|``: ``TrustNoise``). The one definition of the ratio: ``lars_rescale_``
+    applies it layer by layer, ``momentum.LocalStep`` to all of a pool part's layers at once."""
+    scaled = gradient_norms if isinstance(noise, float) and noise == 1.0 else gradient_norms / noise
+    ratio = trust * weight_norms / (scaled + weight_norms * decay + eps)
+    return torch.where(torch.minimum(weight_norms, gradient_norms) > 0, ratio, 1.0)
 
 
 def lars_rescale_(gradients: list[torch.Tensor], weights: list[torch.Tensor], groups: list[dict],
@@ -153,8 +168,7 @@ def lars_rescale_(gradients: list[torch.Tensor], weights: list[torch.Tensor], gr
     for index, (gradient, weight, w_norm, g_norm, group, c) in enumerate(
             zip(gradients, weights, weight_norms, gradient_norms, groups, noise or [1.0] * len(gradients))):
         decay = group["weight_decay"]
-        ratio = group["trust_coeff"] * w_norm / (g_norm / c + w_norm * decay + group["eps"])
-        ratio = torch.where((w_norm > 0) & (g_norm > 0), ratio, 1.0)
+        ratio = trust_ratios(w_norm, g_norm, group["trust_coeff"], decay, group["eps"], c)
         if decay_into is None:
             gradient.add_(weight, alpha=decay).mul_(ratio)
         else:
