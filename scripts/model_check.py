@@ -39,7 +39,7 @@ def cli_command(row: Published, params: cal.Parameters) -> str:
                "--single-gpu-images-s", f"{row.single_gpu_images_s:g}",
                "--overlap-slowdown", f"{setup.overlap_slowdown:g}",
                "--step-overhead-ms", f"{1e3 * setup.step_overhead_s:g}",
-               "--strategy", row.strategy]
+               "--strategy", row.strategy, *(["--nccl-algo", "Ring"] if row.ring_only else [])]
     return "python scripts/simulate_scaling.py " + " ".join(shlex.quote(o) for o in options)
 
 

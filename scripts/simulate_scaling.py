@@ -100,6 +100,8 @@ def build_parser() -> Parser:
     cluster.add_argument("--latency-us", type=float, default=default.latency_us, help="per message")
     cluster.add_argument("--backend", choices=("nccl", "gloo"), default="nccl" if default.nccl else "gloo",
                          help="nccl (default): NCCL's allreduce sums unless a strategy asks for ours; gloo: ours")
+    cluster.add_argument("--nccl-algo", choices=("Ring",), default=None,
+                         help="NCCL_ALGO in the job's environment (Ring: NCCL's ring alone); default: its tuner")
     cluster.add_argument("--overlap-slowdown", type=float, default=default.overlap_slowdown,
                          help="seconds backward loses per second of communication it overlaps, at least 0 "
                               "(Network.overlap_slowdown)")
@@ -198,7 +200,7 @@ def setup_of(args: argparse.Namespace, image_size: int) -> Setup:
                  gpus_per_node=args.gpus_per_node, intra_node_GBps=args.intra_node_gbytes_s,
                  latency_us=args.latency_us, gpu_memory_GBps=args.gpu_memory_gbytes_s,
                  num_classes=args.num_classes, strategies=chosen or DEFAULT_STRATEGIES,
-                 nccl=args.backend == "nccl", bucket_mb=args.bucket_mb, density=args.density,
+                 nccl=args.backend == "nccl", nccl_algo=args.nccl_algo, bucket_mb=args.bucket_mb, density=args.density,
                  link_efficiency=args.link_efficiency, overlap_slowdown=args.overlap_slowdown,
                  local_work_slowdown=args.local_work_slowdown, step_overhead_s=args.step_overhead_ms * 1e-3)
 

@@ -71,7 +71,9 @@ PRICING_RULES = ("dense", "chunks", "csc", "low_rank")
 # these constants everywhere else (a strategy's own name, ``gradientflow``, is its label too)
 RING_FP16 = "ring+fp16"  # the ring preset with the fp16 wire
 LAZY_FP16 = "ring+fp16+lazy"  # the lazy preset with the fp16 wire: the full stack less CSC
-FLAT = "gradientflow (flat)"  # the full stack forced onto the flat ring
+# the full stack forced onto our flat ring (on NCCL too, where the backend's allreduce would otherwise
+# carry it with NCCL's tuner: no configuration forces NCCL's ring, knobs.Summing)
+FLAT = "gradientflow (flat)"
 HIERARCHICAL = "gradientflow (hierarchical)"  # the full stack forced onto the two-level ring
 DDP_STYLE = "ddp-style bucketed builtin"  # DDP's 25 MB buckets of builtin allreduces, done by our pool
 
@@ -166,7 +168,7 @@ ENTRIES: tuple[Entry, ...] = (
           (Variant("csc", {}, (CLUSTER_BENCH, GPU_CHECK)), *_CSC_SWEEP)),
     Entry("gradientflow", "the paper's full stack: ring (two-level on multi-rank nodes), fp16 wire, lazy pool, CSC",
           (Variant("gradientflow", {}, (LADDER, GPU_CHECK, PROJECTION)),
-           Variant(FLAT, {"algorithm": "ring"}, (CLUSTER_BENCH, PROJECTION)),
+           Variant(FLAT, {"algorithm": "ring", "implementation": "ours"}, (CLUSTER_BENCH, PROJECTION)),
            Variant(HIERARCHICAL, {"algorithm": "hierarchical"}, (CLUSTER_BENCH,),
                    layout_keys=("ranks_per_node",)),
            # CSC's convergence at a lower density, and with DGC's momentum correction and masking (the

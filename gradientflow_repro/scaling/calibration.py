@@ -159,6 +159,8 @@ def setup(row: Published, params: Parameters) -> Setup:
                  gpus_per_node=row.gpus_per_node,
                  intra_node_GBps=INTRA_NODE[row.intra][0] * params.intra_efficiency.get(row.intra, 1.0),
                  latency_us=row.latency_us, strategies=(row.strategy,), nccl=True,
+                 # NCCL's ring alone where the system predates NCCL's tree
+                 nccl_algo="Ring" if row.ring_only else None,
                  link_efficiency=params.link(row.fabric), overlap_slowdown=params.overlap_slowdown,
                  local_work_slowdown=params.local_work_slowdown,
                  step_overhead_s=step_overhead_s(row, params))
@@ -171,10 +173,8 @@ def network(row: Published, params: Parameters) -> pm.Network:
 
 
 def strategy(row: Published) -> pm.Strategy:
-    """The row's registered strategy; on NCCL's ring alone (``comm.algorithm=ring``) where the
-    system predates NCCL's tree (``ring_only``)."""
-    chosen = pm.strategy_of(row.strategy)
-    return replace(chosen, algorithm="ring") if row.ring_only and chosen.builtin else chosen
+    """The row's registered strategy."""
+    return pm.strategy_of(row.strategy)
 
 
 def predicted_efficiency(row: Published, params: Parameters, profile: pm.ModelProfile) -> float:

@@ -164,6 +164,9 @@ class Network:
     # takes the faster of its tree and its ring for each size, unless comm.implementation=ours asks
     # for our recursive doubling; gloo: our recursive doubling always
     nccl: bool = False
+    # NCCL_ALGO in the job's environment ("Ring": NCCL's ring alone, as the systems of 2017 ran it);
+    # None: NCCL's tuner picks ring or tree. A property of the cluster's job, never of a strategy
+    nccl_algo: Optional[str] = None
     burst_bytes: float = 0.0  # payload an idle link passes at once (an emulated link's token bucket)
     # NICs per node that ``bandwidth_Bps`` adds up (a rail-optimised GPU node: one per GPU). NCCL's
     # allreduce spreads its channels over all of them; our rings cross between nodes from one GPU,
@@ -377,7 +380,7 @@ def allreduce_s(payload_bytes: float, ranks: int, net: Network, algorithm: str =
         if net.builtin_cost_by_size:
             return measured_cost_s(payload_bytes, net.builtin_cost_by_size)
         if net.nccl:
-            return nccl_allreduce_s(payload_bytes, ranks, net)
+            return nccl_allreduce_s(payload_bytes, ranks, net, net.nccl_algo)
         return _ring_s(payload_bytes, ranks, net, "builtin")  # gloo's own: a ring, unless measured
     if payload_bytes <= small_message_bytes:
         return small_allreduce_s(payload_bytes, ranks, net)
@@ -394,8 +397,9 @@ def nccl_allreduce_s(payload_bytes: float, ranks: int, net: Network, nccl_algo: 
       the tree and down again) over the link.
     Between nodes both run over the node's whole uplink, ``bandwidth_Bps``: NCCL lays a channel
     over every NIC (``rails``). One kernel per message: no per-step launch from the host.
-    ``nccl_algo`` "Ring" (NCCL_ALGO=Ring: the published systems of 2017, before NCCL's trees): the
-    ring alone; None: the faster of the two, as NCCL's tuner picks."""
+    ``nccl_algo`` "Ring" (NCCL_ALGO=Ring in the job's environment, ``Network.nccl_algo``: the published
+    systems of 2017, before NCCL's trees): the ring alone; None: the faster of the two, as NCCL's
+    tuner picks."""
     if ranks <= 1 or payload_bytes <= 0:
         return 0.0
     per_node = min(max(1, net.ranks_per_node), ranks)

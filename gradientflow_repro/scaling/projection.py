@@ -101,6 +101,7 @@ class Setup:
     num_classes: int = 1000
     strategies: tuple[str, ...] = field(default_factory=default_strategies)
     nccl: bool = True  # an NCCL network (GPUs); False: gloo, where our algorithms carry every non-builtin sum
+    nccl_algo: Optional[str] = None  # NCCL_ALGO in the job's environment (``Network.nccl_algo``); None: the tuner
     bucket_mb: Optional[float] = None  # every fused strategy's pool part (DDP's bucket); None: each preset's
     density: Optional[float] = None  # every sparse strategy's density; None: each preset's
     link_efficiency: float = 1.0  # ``Network.link_efficiency``
@@ -124,7 +125,7 @@ class Setup:
 
     def network(self) -> pm.Network:
         return pm.Network(self.link_gbps * 1e9 / 8, self.latency_us * 1e-6, self.gpus_per_node,
-                          self.intra_node_GBps * 1e9, self.latency_us * 1e-6, nccl=self.nccl,
+                          self.intra_node_GBps * 1e9, self.latency_us * 1e-6, nccl=self.nccl, nccl_algo=self.nccl_algo,
                           link_efficiency=self.link_efficiency, overlap_slowdown=self.overlap_slowdown,
                           local_work_slowdown=self.local_work_slowdown)
 
@@ -439,7 +440,7 @@ def _paper_rows(setup: Setup, profile: pm.ModelProfile, table: dict[str, list[fl
         f"| {base[1]}: the calibrated model reaches 2.5x with links of {rate:.1f} Gbit/s effective, or "
         f"{latency * 1e3:.2f} ms per message at 56 Gbit/s; the baseline systems used neither the link's rate "
         "nor its latency (TCP, parameter servers) |",
-        f"| full stack on the flat ring, 512 GPUs | - | {flat:.1f}x | {central.get(registry.FLAT, [0.0])[-1]:.1f}x "
+        f"| full stack on our flat ring, 512 GPUs | - | {flat:.1f}x | {central.get(registry.FLAT, [0.0])[-1]:.1f}x "
         "| the flat ring's 2(N-1) = 1022 latencies per pool part are why the two-level ring is the default |"]
     peers = [label for label in ("gradientflow", "ddp", *registry.labels(registry.PEERS)) if label in band]
     if len(peers) > 1:
