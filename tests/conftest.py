@@ -25,6 +25,68 @@ CONFIGS = REPO / "configs"
 os.environ["GFR_ALLOW_FAULTS"] = "1"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fast", action="store_true",
+                     help="the fast tier (make test-fast): a test that starts a Python process (ranks, "
+                          "torchrun, a script) is skipped where it would start it; the full suite runs it")
+
+
+def _launches(command: object) -> bool:
+    """Whether a ``subprocess`` command starts a Python process or a job (ranks, torchrun, a script,
+    make, Slurm): what the fast tier leaves to the full suite. Other commands (git, bash -n) are cheap."""
+    text = command if isinstance(command, str) else " ".join(map(str, command))  # type: ignore
+    return any(word in text for word in ("python", "torchrun", "srun", "sbatch", "slurm", "make "))
+
+
+FAST_TIER_SKIP = "starts a process: in the full suite only (make test)"
+_running: list[pytest.Item] = []  # the test being run (its fixtures included), for the fast tier
+
+
+def _refuse_launch(*args: object, **kwargs: object) -> None:
+    if _running:  # a test that catches the skip (a thread, except BaseException) still ends skipped
+        _running[-1].fast_tier_launched = True  # type: ignore[attr-defined]
+    pytest.skip(FAST_TIER_SKIP)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``--fast``, for the whole session (module and session fixtures included): starting a
+    Python process (a subprocess, a multiprocessing or fork server child, a fork) skips the test
+    that asked for it, so the tier runs in-process work only."""
+    if not config.getoption("--fast"):
+        return
+    import multiprocessing.process
+
+    popen_init = subprocess.Popen.__init__
+
+    def popen(self: subprocess.Popen, args: object, *rest: object, **options: object) -> None:
+        if _launches(args):
+            _refuse_launch()
+        popen_init(self, args, *rest, **options)
+    subprocess.Popen.__init__ = popen  # type: ignore[method-assign]
+    multiprocessing.process.BaseProcess.start = _refuse_launch  # type: ignore[method-assign]
+    os.fork = _refuse_launch  # type: ignore[assignment]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: object) -> object:
+    _running.append(item)
+    try:
+        yield
+    finally:
+        _running.pop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
+    """Under ``--fast``, a test that tried to start a process is skipped, whatever it did with the
+    skip."""
+    outcome = yield
+    report = outcome.get_result()
+    if getattr(item, "fast_tier_launched", False) and report.failed:
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {FAST_TIER_SKIP}")
+
+
 @pytest.fixture(scope="session")
 def digits_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from gradientflow_repro.data.digits import build_digits
