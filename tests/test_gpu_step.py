@@ -103,15 +103,19 @@ def test_gradients_are_views_of_the_pool() -> None:
 
 
 def _channels_last_parity(rank: int, world: int, out: str) -> None:
+    from gradientflow_repro.comm.factory import build_communicator
+
     failures = []
-    for name in ("lazy", "csc"):
+    for name in ("lazy", "csc", "ring", "allreduce"):
         model = convnet(3, channels_last=True)
         reference = convnet(3, channels_last=True)
         if name == "lazy":
             comm = LazyAllreduce(CPU, ring_sum(segment_bytes=1024), bucket_bytes=8192, overlap=True)
-        else:  # every chunk sent: the mean gradient, chunked in the weights' memory order
+        elif name == "csc":  # every chunk sent: the mean gradient, chunked in the weights' memory order
             comm = CSCCommunicator(CPU, ring_sum(segment_bytes=1024), bucket_bytes=8192, overlap=True,
                                    chunk_size=100, density=1.0, warmup_epochs=0, momentum_correction=False)
+        else:  # per tensor: our ring and recursive doubling, gloo's allreduce (both need one dense dimension)
+            comm = build_communicator({"strategy": name}, CPU)
         comm.attach(model)
         images = torch.randn(4, 8, 8, 8, generator=torch.Generator().manual_seed(rank)).contiguous(
             memory_format=torch.channels_last)
@@ -135,8 +139,8 @@ def _channels_last_parity(rank: int, world: int, out: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_channels_last_gradients_are_the_mean(world: int, tmp_path: Path) -> None:
-    """A channels_last model through the lazy pool and CSC (all chunks): the mean gradient, as
-    ``dist.all_reduce`` gives it."""
+    """A channels_last model through the lazy pool, CSC (all chunks) and the per-tensor strategies:
+    the mean gradient, as ``dist.all_reduce`` gives it."""
     spawn_checked(_channels_last_parity, world, tmp_path)
 
 

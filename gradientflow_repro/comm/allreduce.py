@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from gradientflow_repro.comm.base import Communicator, SumFn, trainable
+from gradientflow_repro.comm.base import Communicator, SumFn, in_memory_order, trainable
 
 
 class PerTensorAllreduce(Communicator):
@@ -27,6 +27,12 @@ class PerTensorAllreduce(Communicator):
             for param in trainable(self.model):
                 if param.grad is None:  # unused this step here, maybe not elsewhere: still reduce
                     param.grad = torch.zeros_like(param)
-                self.sum_fn(param.grad, self.stats)
+                # the summing algorithms take one contiguous dimension: a channels_last gradient is
+                # summed in its memory order, as a view; any other layout through a copy
+                flat = in_memory_order(param.grad)
+                message = flat if flat is not None else param.grad.contiguous().view(-1)
+                self.sum_fn(message, self.stats)
+                if flat is None:
+                    param.grad.copy_(message.view_as(param.grad))
                 param.grad.div_(self.world_size)
         self.stats.wait_s += time.perf_counter() - started

@@ -129,6 +129,23 @@ def communication_thread(device: torch.device) -> ThreadPoolExecutor:
 GradScale = Union[torch.Tensor, float, None]
 
 
+def channels_last(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a 4-d tensor laid out channels_last (and not also contiguous)."""
+    return (tensor.dim() == 4 and not tensor.is_contiguous()
+            and tensor.is_contiguous(memory_format=torch.channels_last))
+
+
+def in_memory_order(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """``tensor``'s elements as one contiguous dimension in the order they lie in memory, a view
+    (contiguous and channels_last tensors); None for other layouts. A sum over ranks is elementwise,
+    so it may run in memory order wherever every rank lays the tensor out alike (the same model)."""
+    if tensor.is_contiguous():
+        return tensor.view(-1)
+    if channels_last(tensor):
+        return tensor.permute(0, 2, 3, 1).view(-1)
+    return None
+
+
 def trainable(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 

@@ -36,14 +36,8 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from gradientflow_repro.comm.base import Communicator, SumFn, communication_thread, trainable
+from gradientflow_repro.comm.base import Communicator, SumFn, channels_last, communication_thread, trainable
 from gradientflow_repro.comm.pool import pack_parts
-
-
-def channels_last(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a 4-d tensor laid out channels_last (and not also contiguous)."""
-    return (tensor.dim() == 4 and not tensor.is_contiguous()
-            and tensor.is_contiguous(memory_format=torch.channels_last))
 
 
 def shaped_like(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
