@@ -50,6 +50,17 @@ from gradientflow_repro.gpu_check.results import Reporter, Result, Skip, describ
 # nccl_1rank: every collective the trainer's helpers send, really sent at world size 1
 
 
+
+def mean_over_ranks(tensors: list[torch.Tensor], world: int) -> list[torch.Tensor]:
+    """Each of ``tensors`` replaced, in place, by its mean over the ranks (``dist.all_reduce``): the
+    reference the communicators are compared with."""
+    import torch.distributed as dist
+
+    for tensor in tensors:
+        dist.all_reduce(tensor)
+        tensor.div_(world)
+    return tensors
+
 def _one_rank_collectives(device: torch.device) -> dict[str, tuple[Callable[[], Any], Callable[[], list[str]]]]:
     """name -> (call, verify) for one rank's process group. Each call sends one collective on random
     data; verify (after one more call on fresh inputs) lists what is wrong with the result. At world
@@ -183,10 +194,8 @@ def pool_against_all_reduce(options: dict[str, Any], device: torch.device) -> tu
             reference.zero_grad(set_to_none=True)
             reference(x).pow(2).mean().backward()
             old = residuals(comm, params)
-            expected = [(r.to(device) + p.grad).detach().clone() for r, p in zip(old, reference.parameters())]
-            for tensor in expected:
-                dist.all_reduce(tensor)
-                tensor.div_(world)
+            expected = mean_over_ranks([(r.to(device) + p.grad).detach().clone()
+                                        for r, p in zip(old, reference.parameters())], world)
             comm.begin_step(float(step), 1.0)
             module(x).pow(2).mean().backward()
             comm.synchronize()
@@ -413,10 +422,7 @@ def lazy_without_stray_context(report: Reporter, rank: int, world: int, device: 
         x = torch.randn(16, 37, generator=torch.Generator().manual_seed(100 * rank + step)).to(device)
         reference.zero_grad(set_to_none=True)
         reference(x).pow(2).mean().backward()
-        expected = [p.grad.detach().clone() for p in reference.parameters()]
-        for grad in expected:
-            dist.all_reduce(grad)
-            grad.div_(world)
+        expected = mean_over_ranks([p.grad.detach().clone() for p in reference.parameters()], world)
         comm.begin_step(float(step), 1.0)
         module(x).pow(2).mean().backward()
         comm.synchronize()
