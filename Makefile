@@ -69,11 +69,11 @@ $(PATTERNS)/train: | $(STAMP)
 data: $(DIGITS)/train $(PATTERNS)/train
 
 reproduce: venv $(if $(DATA),,data)
-	$(PY) scripts/reproduce.py --experiment $(EXPERIMENT) --world $(NPROC) $(REPRO_ARGS) -- \
+	$(PY) scripts/reproduce.py --report --experiment $(EXPERIMENT) --world $(NPROC) $(REPRO_ARGS) -- \
 	  $(if $(DATA),data=imagenet data.root=$(DATA)) $(ARGS)
 
 convergence: venv $(if $(DATA),,data)
-	$(PY) scripts/convergence.py --experiment $(EXPERIMENT) --world $(NPROC) $(CONVERGENCE_ARGS) -- \
+	$(PY) scripts/convergence.py --report --experiment $(EXPERIMENT) --world $(NPROC) $(CONVERGENCE_ARGS) -- \
 	  $(if $(DATA),data=imagenet data.root=$(DATA)) $(ARGS)
 
 train: venv $(if $(DATA),,data)
@@ -90,18 +90,21 @@ test-fast: venv data
 lint: venv
 	$(PY) -m ruff check .
 
+# each script writes under results/runs/ unless given --report: these rewrite the committed results/
 bench: venv data
-	$(PY) scripts/bench_loader.py
-	$(PY) scripts/bench_allreduce.py
-	$(PY) scripts/bench_comm.py
-	$(PY) scripts/bench_small_allreduce.py
-	$(PY) scripts/bench_cluster.py
-	$(PY) scripts/bench_checkpoint.py
-	$(PY) scripts/model_check.py
+	$(PY) scripts/bench_loader.py --report
+	$(PY) scripts/bench_allreduce.py --report
+	$(PY) scripts/bench_allreduce.py --worlds 2 --max-mb 16 --repeats 3 --ring-segment-kb 1024 512 128 \
+	  --name allreduce_segments --report
+	$(PY) scripts/bench_comm.py --report
+	$(PY) scripts/bench_small_allreduce.py --report
+	$(PY) scripts/bench_cluster.py --report
+	$(PY) scripts/bench_checkpoint.py --report
+	$(PY) scripts/model_check.py --report
 	$(PY) scripts/simulate_scaling.py --report
 
 reliability: venv data
-	$(PY) scripts/fault_report.py
+	$(PY) scripts/fault_report.py --report
 
 # Installs nothing (offline it could not; online it would replace the stack under test): the
 # project's venv where there is one, else the machine's python3 (PYTHON=... names another); run

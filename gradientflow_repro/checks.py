@@ -39,6 +39,8 @@ positive = Check(lambda v: _number(v) and v > 0, "must be positive")
 non_negative = Check(lambda v: _number(v) and v >= 0, "must be zero or positive")
 boolean = Check(lambda v: isinstance(v, bool), "must be true or false")
 text = Check(lambda v: isinstance(v, str), "must be a string")
+# a node of keys checked as a whole elsewhere (``comm.*``: ``plan.resolve``)
+options_node = Check(lambda v: hasattr(v, "items") and all(isinstance(k, str) for k in v), "must be a mapping of keys")
 config_keys = Check(lambda v: not isinstance(v, str) and all(isinstance(k, str) and k for k in v),
                     "must be a list of dotted config keys, e.g. [optim.base_lr]")
 

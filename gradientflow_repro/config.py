@@ -29,11 +29,13 @@ from gradientflow_repro.checks import (
     numbers,
     one_of,
     optional,
+    options_node,
     positive,
     setting,
     text,
 )
-from gradientflow_repro.comm.knobs import CommConfig, resolve
+from gradientflow_repro.comm.knobs import CommConfig
+from gradientflow_repro.comm.plan import resolve
 
 MODEL_NAMES = ("alexnet_bn", "alexnet", "resnet50")
 DATA_KINDS = ("folder", "shards", "synthetic")
@@ -138,7 +140,9 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    comm: CommConfig = field(default_factory=CommConfig)
+    # comm.*: the keys every strategy shares (CommConfig's), then the preset's (configs/comm/), whose
+    # sparsifier may declare keys of its own: an open node, checked whole by ``plan.resolve``
+    comm: dict[str, Any] = setting(None, options_node, factory=lambda: dataclasses.asdict(CommConfig()))
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -187,11 +191,11 @@ def validate(cfg: Config | DictConfig, world_size: int) -> None:
     for key, value, allowed in field_problems(Config, cfg):  # what each field declares
         _fail(key, value, allowed)
     try:
-        knobs = resolve(cfg.comm)  # raises naming the comm.* key at fault
+        knobs = resolve(cfg.comm, world=world_size)  # raises naming the comm.* key at fault
     except ValueError as error:
         raise ConfigError(str(error)) from None
     # rules that involve several keys, or the machine
-    if cfg.optim.name == "apex_larc" and knobs.sparsity == "csc" and knobs.momentum_correction:
+    if cfg.optim.name == "apex_larc" and knobs.sparsity == "csc" and knobs.keys.momentum_correction:
         _fail("optim.name", cfg.optim.name, "LARC rescales every update, so under CSC's momentum correction it "
               "would rescale the accumulated velocity: use optim.name=lars (CSC then applies its rescaling "
               "before the velocity) or comm.momentum_correction=false")

@@ -10,6 +10,7 @@ its end, ``tracking.run_summary``; its MLPerf-format log (``<run_dir>/mlperf.log
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -18,7 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from gradientflow_repro import faults
+from gradientflow_repro import faults, logs
 from gradientflow_repro.checkpoint import CheckpointClock
 from gradientflow_repro.comm import build_communicator
 from gradientflow_repro.data import batch_dtype, build_data
@@ -32,6 +33,8 @@ from gradientflow_repro.preemption import StopRequests
 from gradientflow_repro.run_dir import write_atomically, write_text_atomically
 from gradientflow_repro.state import LocalBuffers, ModelName, ModelWeights, TrainingProgress, TrainState, rng_parts
 from gradientflow_repro.tracking import Phases, Tracker, duration, run_summary
+
+log = logging.getLogger(__name__)
 
 
 class TrainingError(RuntimeError):
@@ -48,6 +51,8 @@ class Trainer:
         self.cfg, self.world, self.device = cfg, world, device
         self.run_dir = Path(cfg.run_dir)
         self.run_name = cfg.logger.name or cfg.comm.strategy  # wandb run and progress-line prefix
+        # every line from here on names the run; information from rank 0 only (logs.configure)
+        logs.set_prefix(f"{cfg.experiment}/{self.run_name}", world.rank)
         self.stop = StopRequests(received=early_signal)  # before the slow start-up
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         # data.channels_last: the batches come NHWC, so the weights go channels_last too (cuDNN's
@@ -60,11 +65,11 @@ class Trainer:
         self.comm = build_communicator(OmegaConf.to_container(cfg.comm), device,
                                        world.local_world_size, world.local_rank, cfg.optim.warmup_epochs)
         self.train_model = self.comm.attach(self.model, self.optimizer)
-        self._print(f"communication: {cfg.comm.strategy}, {self.comm.summing}"
-                    + (f"; {self.comm.schedule}" if self.comm.schedule else ""))
+        log.info(f"communication: {cfg.comm.strategy}, {self.comm.summing}"
+                 + (f"; {self.comm.schedule}" if self.comm.schedule else ""))
         self.precision = Precision(cfg.precision, device)
-        if self.precision.emulated_bf16:
-            self._print("warning: precision=bf16 on a CPU without native bf16 (no AVX-512 BF16 or AMX): oneDNN "
+        if self.precision.emulated_bf16 and world.is_main:  # the same on every rank: said once
+            log.warning("precision=bf16 on a CPU without native bf16 (no AVX-512 BF16 or AMX): oneDNN "
                         "emulates it, so each step takes many times its fp32 time; precision=fp32 is faster here")
         self.criterion = nn.CrossEntropyLoss()
         self.model.train()
@@ -90,11 +95,11 @@ class Trainer:
         torch.manual_seed(cfg.seed + 1 + world.rank)  # dropout differs between ranks, as on a cluster
         resumed = self.state.resume(self.run_dir, cfg.resume)
         if resumed:
-            self._print(f"resumed from {resumed} at step {self.progress.step}")
+            log.info(f"resumed from {resumed} at step {self.progress.step}")
             if self.state.regrouped:  # another number of ranks: how the per-rank state was mapped
-                self._print(self.state.regrouped)
+                log.info(self.state.regrouped)
             if self.state.set_aside:  # an abandoned lineage, or checkpoints the resume skipped
-                self._print(self.state.set_aside)
+                log.info(self.state.set_aside)
         phases.done("resume")
         # after the resume: a resumed run continues its wandb run, and its metrics.jsonl is cut back
         # to the checkpoint it resumed from (tracking.Tracker: one lineage)
@@ -166,8 +171,8 @@ class Trainer:
         self.stop.ignore_from_now()
         self.comm.close()
         if self.stop.agreed_signal:
-            self._print(f"stopped by {self.stop.name} after step {p.step}: checkpoint saved"
-                        + (", asking for a requeue" if self.stop.requeue else ""))
+            log.info(f"stopped by {self.stop.name} after step {p.step}: checkpoint saved"
+                     + (", asking for a requeue" if self.stop.requeue else ""))
         return self._finish()
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
@@ -258,8 +263,8 @@ class Trainer:
             p.reached_at = {"step": p.step, **p.clocks()}
         self._log({"kind": "eval", "top1": top1, "target_top1": target,
                    "epoch": p.step / self.data.steps_per_epoch})
-        self._print(f"eval  step {p.step} epoch {p.step / self.data.steps_per_epoch:.1f}: "
-                    f"top-1 {top1:.2f}% (target {target}) at {p.mlperf_s:.1f}s")
+        log.info(f"eval  step {p.step} epoch {p.step / self.data.steps_per_epoch:.1f}: "
+                 f"top-1 {top1:.2f}% (target {target}) at {p.mlperf_s:.1f}s")
         return top1
 
     def abandon(self) -> None:
@@ -295,17 +300,13 @@ class Trainer:
         self._log(record)
         eta = (self.total_steps - p.step) * interval / steps
         top1 = f"{p.last_top1:.2f}%" if p.last_top1 is not None else "-"
-        self._print(f"step {p.step}/{self.total_steps} epoch {record['epoch']:.2f}/{self.cfg.epochs} "
-                    f"loss {record['loss']:.4f} top-1 {top1} {images_per_s:.0f} img/s lr {lr:.4g} "
-                    f"eta {duration(eta)}")
+        log.info(f"step {p.step}/{self.total_steps} epoch {record['epoch']:.2f}/{self.cfg.epochs} "
+                 f"loss {record['loss']:.4f} top-1 {top1} {images_per_s:.0f} img/s lr {lr:.4g} "
+                 f"eta {duration(eta)}")
 
     def _log(self, record: dict) -> None:
         p = self.progress
         self.tracker.log({**record, "step": p.step, **p.clocks()})
-
-    def _print(self, line: str) -> None:
-        if self.world.is_main:
-            print(f"[{self.cfg.experiment}/{self.run_name}] {line}", flush=True)
 
     def _finish(self) -> dict[str, Any]:
         summary = run_summary(self.cfg, self.progress, world=self.world, device=self.device,
@@ -318,6 +319,6 @@ class Trainer:
                              lambda handle: torch.save(params, handle))
         self.tracker.finish(summary)
         if reached := self.progress.reached_at:
-            self._print(f"target {self.cfg.target_top1}% reached at step {reached['step']}: "
-                        f"{reached['mlperf_s']:.1f}s (MLPerf clock), {reached['train_s']:.1f}s (training)")
+            log.info(f"target {self.cfg.target_top1}% reached at step {reached['step']}: "
+                     f"{reached['mlperf_s']:.1f}s (MLPerf clock), {reached['train_s']:.1f}s (training)")
         return summary

@@ -63,9 +63,10 @@ def planned() -> tuple[Fault, ...]:
 
 
 def ignored_warning() -> Optional[str]:
-    """The warning for faults planned without ``GFR_ALLOW_FAULTS=1`` (None where there are none)."""
+    """The warning for faults planned without ``GFR_ALLOW_FAULTS=1`` (None where there are none), for
+    ``log.warning`` (whose formatter says "warning: ")."""
     if os.environ.get(ENV) and os.environ.get(ALLOW) != "1":
-        return (f"warning: {ENV}={os.environ[ENV]!r} is set but ignored: faults are injected only in "
+        return (f"{ENV}={os.environ[ENV]!r} is set but ignored: faults are injected only in "
                 f"tests, which also set {ALLOW}=1")
     return None
 

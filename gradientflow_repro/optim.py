@@ -9,12 +9,8 @@ per iteration over the warm-up, then decays polynomially (power 2 by default) to
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import sys
-import types
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,36 +20,33 @@ if TYPE_CHECKING:  # only for hints: the GPU check imports this module where Hyd
     from gradientflow_repro.config import OptimConfig
 
 
-_TIMM_OPTIM = "gradientflow_repro._timm_optim"  # the private package timm's optim folder is loaded as
-
-
-def _timm_lars() -> type[torch.optim.Optimizer]:
-    """timm's ``Lars`` class, without running timm's package ``__init__``. That imports timm's model
-    zoo and through it torchvision and ``torch._dynamo``: seconds per process on a small CPU, paid by
-    every rank of every launch, none of which uses a timm model. ``timm/optim/lars.py`` needs only
-    torch and its sibling ``_helpers.py``, so those files run unchanged as modules of a private
-    package whose path is timm's ``optim`` folder. Where timm's own module is loaded already, its
-    class is the one used."""
-    if (loaded := sys.modules.get("timm.optim.lars")) is not None:
-        return loaded.Lars
-    spec = importlib.util.find_spec("timm")  # finds the package without running it
-    if spec is None or not spec.submodule_search_locations:
+def lars_class() -> type[torch.optim.Optimizer]:
+    """timm's ``Lars`` (``from timm.optim import Lars``), imported on first use: importing timm runs
+    its package ``__init__``, which imports its model zoo and through it torchvision, seconds per
+    process that only a run whose optimizer is Lars needs (the communication tests, the GPU check's
+    other items and ``optim.name=apex_larc`` runs never pay them). A missing timm is named, so the
+    GPU check skips what needs it."""
+    try:
+        from timm.optim import Lars
+    except ModuleNotFoundError as error:
+        if (error.name or "").partition(".")[0] != "timm":
+            raise
         raise ModuleNotFoundError("timm is not installed: it provides the Lars optimizer (requirements.txt)",
-                                  name="timm")  # named: the GPU check skips what needs a missing package
-    if _TIMM_OPTIM not in sys.modules:
-        package = types.ModuleType(_TIMM_OPTIM, "timm's optim folder, without timm's package __init__")
-        package.__path__ = [str(Path(next(iter(spec.submodule_search_locations))) / "optim")]
-        sys.modules[_TIMM_OPTIM] = package
-    return importlib.import_module(f"{_TIMM_OPTIM}.lars").Lars
+                                  name="timm") from error
+    return Lars
 
 
-Lars = _timm_lars()
+def __getattr__(name: str) -> object:
+    """``optim.Lars``: timm's class, imported when first asked for (``lars_class``)."""
+    if name == "Lars":
+        return lars_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def is_lars(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` is timm's Lars, as loaded here or by ``import timm`` (two classes then)."""
-    own = sys.modules.get("timm.optim.lars")
-    return isinstance(optimizer, (Lars, *([own.Lars] if own is not None else [])))
+    """Whether ``optimizer`` is timm's Lars; without timm imported, none can be."""
+    lars = sys.modules.get("timm.optim.lars")
+    return lars is not None and isinstance(optimizer, lars.Lars)
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -73,7 +66,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, global_batch: int) -> to
 
         return LARC(torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum),
                     trust_coefficient=cfg.trust_coeff, clip=False)
-    return Lars(groups, lr=lr, momentum=cfg.momentum, trust_coeff=cfg.trust_coeff)
+    return lars_class()(groups, lr=lr, momentum=cfg.momentum, trust_coeff=cfg.trust_coeff)
 
 
 def peak_lr(cfg: OptimConfig, global_batch: int) -> float:

@@ -13,6 +13,7 @@ or launch; 75 stopped by SIGUSR1 after a checkpoint (the Slurm templates requeue
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
     import torch
 
 register_configs()
+LOGGER = "gradientflow_repro.train"  # also when run as __main__ (python -m): under the package's handler
+log = logging.getLogger(LOGGER)
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
@@ -48,23 +51,27 @@ def main(cfg: DictConfig) -> None:
     from gradientflow_repro.tracking import Phases
 
     phases = Phases()  # start-up, phase by phase; MLPerf's clock starts in the Trainer
-    from gradientflow_repro import distributed
+    from gradientflow_repro import distributed, logs
     from gradientflow_repro.run_dir import RunDirError, claim
 
+    prefix = f"{cfg.experiment}/{cfg.logger.name or cfg.comm.strategy}"
+    logs.configure(prefix)  # before the rank is known: an error then reads the same on every rank
     try:
         world = distributed.discover_world()
+        logs.configure(prefix, world.rank)
         validate(cfg, world.world_size)
         # the run directory is this run's (configuration, lock), before any process group starts
         owned = claim(Path(cfg.run_dir), OmegaConf.to_container(cfg, resolve=True), resume=cfg.resume,
                       accepted=list(cfg.accept_config_change), rank=world.rank)
     except (ConfigError, distributed.WorldError, RunDirError) as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        log.error(error)
         sys.exit(2)
     from gradientflow_repro.faults import ignored_warning
 
-    for line in [*owned.said, *filter(None, [ignored_warning()] if world.is_main else [])]:
-        # rank 0's first lines: what was adopted, moved aside or taken over; faults left set
-        print(f"[{cfg.experiment}/{cfg.logger.name or cfg.comm.strategy}] {line}", flush=True)
+    for line in owned.said:  # rank 0's first lines: what was adopted, moved aside or taken over
+        log.info(line)
+    if (faults_ignored := ignored_warning()) and world.is_main:  # faults left set in the environment
+        log.warning(faults_ignored.removeprefix("warning: "))
     try:
         _train(cfg, world, phases)
     finally:
@@ -81,7 +88,6 @@ def _train(cfg: DictConfig, world: Any, phases: Any) -> None:
     from gradientflow_repro.engine import Trainer, TrainingError
 
     agreed_errors = (TrainingError, DatasetError, CheckpointError)  # every rank, same message
-    optimizers_without_dynamo()
     torch.set_num_threads(max(1, cfg.threads_per_rank))
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -93,10 +99,10 @@ def _train(cfg: DictConfig, world: Any, phases: Any) -> None:
         prepare_backend(cfg.comm, device, world.world_size)
         distributed.init_process_group(world, device, cfg.dist_timeout_s, cfg.watchdog_s)
     except distributed.WorldError as error:  # two ranks on one GPU, too few GPUs: every rank says it
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        log.error(error)
         sys.exit(2)
     configure_backends(device, cfg.deterministic)
-    print(distributed.describe_rank(world, device), flush=True)
+    _placement_log().info(distributed.describe_rank(world, device))
     phases.done("process group")
     trainer: Optional[Trainer] = None
     try:
@@ -104,8 +110,7 @@ def _train(cfg: DictConfig, world: Any, phases: Any) -> None:
         summary = trainer.fit()
     except agreed_errors as error:  # the same on every rank, and its message says it all: no traceback
         if world.is_main:  # the whole message: a dataset error lists every bad file after its first line
-            print(f"error: rank {world.rank}: {type(error).__name__}: {str(error).strip()}", file=sys.stderr,
-                  flush=True)
+            log.error(f"rank {world.rank}: {type(error).__name__}: {str(error).strip()}")
         distributed.destroy_process_group()
         # a stop's checkpoint that could not be written: still the stop's status, so that a
         # preemption warning is requeued (from the previous checkpoint) rather than read as a crash
@@ -115,7 +120,7 @@ def _train(cfg: DictConfig, world: Any, phases: Any) -> None:
         if distributed.watchdog_fired():  # its line named the lost ranks; it ends this process
             distributed.wait_for_watchdog()
         line, ranks_lost = distributed.diagnose_failure(world, error)
-        print(f"error: {line}", file=sys.stderr, flush=True)
+        log.error(line)
         if not ranks_lost:  # perhaps a bug here: the traceback shows where
             raise
         sys.exit(1)  # a collective broke because ranks are gone: the line says it all, every
@@ -128,23 +133,17 @@ def _train(cfg: DictConfig, world: Any, phases: Any) -> None:
         sys.exit(summary["exit_code"])
 
 
-def optimizers_without_dynamo() -> None:
-    """``torch.optim.Optimizer`` marks ``add_param_group``, ``zero_grad``, ``state_dict`` and
-    ``load_state_dict`` as not to be traced by ``torch.compile`` (``torch._disable_dynamo``). That
-    marker imports ``torch._dynamo`` on a method's first call only to build itself: seconds per
-    rank on a small CPU, at every launch (the optimizer's constructor calls ``add_param_group``). A training
-    process of this package compiles nothing, and outside a compiled region the marked method runs
-    just as the plain one, so here the marker torch caches on the plain function is that function.
-    Where torch's wrapper is not the one recognised here, nothing changes (dynamo is imported); torch's
-    own optimizers (SGD under ``optim.name=apex_larc``) still import it in their ``step``."""
-    import torch
-
-    for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
-        method = getattr(torch.optim.Optimizer, name)
-        plain = getattr(method, "__wrapped__", None)
-        if plain is not None and method.__code__.co_filename.endswith("_compile.py") and \
-                "__dynamo_disable" in method.__code__.co_names:
-            setattr(plain, "__dynamo_disable", plain)  # the cache slot torch._disable_dynamo reads first
+def _placement_log() -> logging.Logger:
+    """The logger of each rank's placement line (``describe_rank``: ``rank R/N local_rank ... node
+    ... node_id ...``). Unlike the run's progress, every rank writes it, unprefixed, to stdout: the
+    job log's one record of where each rank landed, read across ranks (a Slurm layout's check)."""
+    placement = logging.getLogger(f"{LOGGER}.placement")
+    if not placement.handlers:
+        handler = logging.StreamHandler(sys.stdout)  # the default format: the message alone
+        placement.addHandler(handler)
+        placement.setLevel(logging.INFO)
+        placement.propagate = False
+    return placement
 
 
 def configure_backends(device: torch.device, deterministic: bool) -> None:

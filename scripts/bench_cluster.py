@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Communication alone on an emulated cluster -> results/cluster_comm.md and results/cluster_comm.json
+"""Communication alone on an emulated cluster -> cluster_comm.json, rendered to cluster_comm.md
 
 Nodes of several ranks (a network namespace per node, its ranks on the node's loopback, one
 tbf-shaped uplink per node), every strategy replaying a model's real gradients in backward order
@@ -9,7 +9,8 @@ nodes x 2, 4 ranks as 2 x 2; then the largest dense strategy again at twice the 
 network-bound check, after the first round). Every layout is launched 3 times in rounds
 (--launches): the tables give the median over the launches and each launch's figure. Stopped, the
 same command continues from the finished launches (--fresh discards them). Needs root for the
-emulation (else loopback, and the report says so). The logic: gradientflow_repro/bench/cluster.py.
+emulation (else loopback, and the report says so). Written under results/runs/cluster_comm/, with
+--report to results/. The logic: gradientflow_repro/bench/cluster.py.
 
     python scripts/bench_cluster.py [--rate-mbit 50] [--steps 7] [--layouts 8x4 8x2 4x2] [--launches 3]
 """
@@ -17,12 +18,16 @@ emulation (else loopback, and the report says so). The logic: gradientflow_repro
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
+from gradientflow_repro import logs, render
 from gradientflow_repro.bench import cluster as bench
 from gradientflow_repro.cluster.netemu import run_script
 from gradientflow_repro.reproduction.progress import CannotContinue
+
+log = logging.getLogger("gradientflow_repro.scripts.bench_cluster")
 
 
 def layout(text: str) -> tuple[int, int]:
@@ -58,21 +63,21 @@ def main() -> None:
                         help="the ranks' logs and progress.json (an interrupted benchmark continues from it)")
     parser.add_argument("--fresh", action="store_true",
                         help="discard an unfinished benchmark of another plan in --runs-dir and start over")
-    parser.add_argument("--out", type=Path, default=bench.OUT_MD)
-    parser.add_argument("--json", type=Path, default=bench.OUT_JSON)
+    parser.add_argument("--report", action="store_true", help="write the committed results/cluster_comm.*")
     args = parser.parse_args()
+    logs.configure("bench_cluster")
+    out = render.output_dir("cluster_comm", args.report) / "cluster_comm.md"
     if len(set(args.layouts)) != len(args.layouts):
         parser.error(f"--layouts: each layout once ({' '.join(f'{w}x{n}' for w, n in args.layouts)})")
     try:
-        text = bench.bench_cluster(args.out, args.json, args.rate_mbit, args.layouts, args.strategies, args.steps,
+        bench.bench_cluster(out, out.with_suffix(".json"), args.rate_mbit, args.layouts, args.strategies, args.steps,
                                    args.warmup, emulate=not args.no_emulation, check=not args.no_check,
                                    experiment=args.experiment, runs_dir=args.runs_dir,
                                    command=" ".join(["python scripts/bench_cluster.py", *sys.argv[1:]]),
                                    launches=args.launches, fresh=args.fresh)
     except CannotContinue as error:
-        print(f"bench_cluster: error: {error}", file=sys.stderr)
+        log.error(f"bench_cluster: {error}")
         sys.exit(2)
-    print(text)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Loader and harness-overhead benchmark -> results/loader.md
+"""Loader and harness-overhead benchmark -> loader.json, rendered to loader.md
 
 1. Images/s of the DALI CPU pipeline against the torchvision ImageFolder-style loader, reading the
    same JPEG folder with the same number of threads (DALI threads = DataLoader workers), measured
@@ -10,12 +10,12 @@
 3. The training feeder alone: the DALI external source's work per batch (read files, parse headers,
    draw crop windows) without decoding, per reader worker and through DALI's worker pool, on
    synthetic ImageNet-sized JPEGs; how many workers a rank needs for the paper's 3,297 images/s.
-   --feeder-only runs just this one and rewrites only its section of the file.
+   --feeder-only runs just this one and replaces only its part of loader.json.
 4. ImageNet from shards against files: one DALI thread reading synthetic ImageNet-sized JPEGs from
    a folder and from webdataset shards, with and without decoding; files opened per second; CPU
-   cores per GPU at the paper's pace. --shards-only runs just this one: its measurements go to
-   results/loader_shards.json and its section is rendered from that file (--shards-render renders
-   it again without measuring).
+   cores per GPU at the paper's pace. --shards-only runs just this one (--shards-render renders
+   loader.md again from loader.json without measuring).
+Written under results/runs/bench_loader/, with --report to results/.
 The logic: gradientflow_repro/bench/loader.py and loader_shards.py.
 
     python scripts/bench_loader.py [--threads 2] [--batches 30] [--rounds 3] [--feeder-only | --shards-only]
@@ -24,13 +24,14 @@ The logic: gradientflow_repro/bench/loader.py and loader_shards.py.
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import sys
-from pathlib import Path
 
-from gradientflow_repro import REPO
-from gradientflow_repro.bench.loader import bench_feeder, bench_loader, write_feeder_section
-from gradientflow_repro.bench.loader_shards import SHARDS_JSON, bench_shards, write_shards_section
+from gradientflow_repro import logs, render
+from gradientflow_repro.bench.loader import bench_feeder, bench_loader, write_parts
+from gradientflow_repro.bench.loader_shards import bench_shards
+
+log = logging.getLogger("gradientflow_repro.scripts.bench_loader")
 
 
 def main() -> None:
@@ -40,27 +41,29 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60, help="overhead: steps per round, alternated")
     parser.add_argument("--feeder-only", action="store_true",
-                        help="measure only the training feeder; rewrite only its section of --out")
+                        help="measure only the training feeder; replace only its part of loader.json")
     parser.add_argument("--feeder-batches", type=int, default=40, help="feeder: batches per round")
     parser.add_argument("--shards-only", action="store_true", help="measure only shards against files")
-    parser.add_argument("--shards-render", action="store_true", help=f"render that section from {SHARDS_JSON}")
+    parser.add_argument("--shards-render", action="store_true", help="render loader.md again from loader.json")
     parser.add_argument("--shards-images", type=int, default=2048, help="shards: synthetic JPEGs to read")
-    parser.add_argument("--out", type=Path, default=REPO / "results" / "loader.md")
+    parser.add_argument("--report", action="store_true", help="write the committed results/loader.*")
     args = parser.parse_args()
     if min(args.threads, args.batches, args.rounds, args.steps, args.feeder_batches, args.shards_images) < 1:
         parser.error("--threads, --batches, --rounds, --steps, --feeder-batches, --shards-images must be positive")
+    logs.configure("bench_loader")
+    out = render.output_dir("bench_loader", args.report) / "loader.json"
     command = ("python scripts/bench_loader.py " + " ".join(sys.argv[1:])).strip()
-    if args.feeder_only:
-        print(write_feeder_section(args.out, bench_feeder(batches=args.feeder_batches, rounds=args.rounds),
-                                   command))
-    elif args.shards_render:
-        print(write_shards_section(args.out, json.loads((args.out.parent / SHARDS_JSON).read_text())))
+    if args.shards_render:
+        render.render_file(out)
+    elif args.feeder_only:
+        write_parts(out, {"feeder": bench_feeder(batches=args.feeder_batches, rounds=args.rounds, command=command)})
     elif args.shards_only:
-        data = bench_shards(args.out.parent / SHARDS_JSON, count=args.shards_images, rounds=args.rounds,
-                            command=command)
-        print(write_shards_section(args.out, data))
+        write_parts(out, {"shards": bench_shards(count=args.shards_images, rounds=args.rounds, command=command)})
     else:
-        print(bench_loader(args.out, args.threads, args.batches, args.rounds, args.steps, command=command))
+        write_parts(out, {"loaders": bench_loader(args.threads, args.batches, args.rounds, args.steps, command),
+                          "feeder": bench_feeder(rounds=args.rounds, command=command),
+                          "shards": bench_shards(rounds=args.rounds, command=command)})
+    log.info(f"wrote {out} and {out.with_suffix('.md')}")
 
 
 if __name__ == "__main__":

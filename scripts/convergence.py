@@ -2,7 +2,7 @@
 """Accuracy over the whole schedule, dense against sparse communication: every configuration trained
 once per seed without stopping at the target, on loopback, then results/convergence.md.
 
-    python scripts/convergence.py                                   # what `make convergence` runs
+    python scripts/convergence.py --report                          # what `make convergence` runs
     python scripts/convergence.py --configs ddp gradientflow 'cap0=comm=gradientflow comm.release_cap=0'
     python scripts/convergence.py --seeds 0 1 2 3 4 -- epochs=6     # Hydra overrides for every run after --
 
@@ -18,6 +18,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from gradientflow_repro import logs, render
 from gradientflow_repro.cluster.netemu import run_script
 from gradientflow_repro.reproduction import convergence
 
@@ -33,13 +34,18 @@ def main() -> None:
     parser.add_argument("--targets", type=float, nargs="*", default=[],
                         help="top-1 targets (%%) besides the experiment's own, e.g. --targets 85 88")
     parser.add_argument("--runs-dir", type=Path, default=convergence.RUNS_DIR)
-    parser.add_argument("--out", type=Path, default=convergence.OUT)
+    parser.add_argument("--report", action="store_true",
+                        help="write results/convergence.md (and .json, runs.csv, the figure) instead of "
+                             "results/runs/convergence/convergence.md")
+    parser.add_argument("--out", type=Path, default=None, help="the report's path (overrides --report)")
     parser.add_argument("--timeout-s", type=float, default=900, help="per training run")
     parser.add_argument("--fresh", action="store_true", help="train every run again (default: keep finished ones)")
     parser.add_argument("--report-only", action="store_true",
                         help="train nothing: rewrite the report from the kept runs (whatever code trained them)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
+    logs.configure()
+    out = args.out or render.output_dir("convergence", args.report) / "convergence.md"
     try:
         configs = convergence.parse_configs(args.configs)
         convergence.check_overrides(args.overrides, "overrides for every run")
@@ -48,7 +54,7 @@ def main() -> None:
         parser.error(str(error))
     try:
         convergence.study(configs=configs, experiment=args.experiment, world=args.world, seeds=args.seeds,
-                          targets=args.targets, runs_dir=args.runs_dir, out=args.out, overrides=args.overrides,
+                          targets=args.targets, runs_dir=args.runs_dir, out=out, overrides=args.overrides,
                           timeout_s=args.timeout_s, fresh=args.fresh, report_only=args.report_only,
                           command=shlex.join(["python", "scripts/convergence.py", *sys.argv[1:]]))
     except ValueError as error:

@@ -7,7 +7,7 @@ once as webdataset shards for DALI.
     python scripts/prepare_imagenet.py /data/imagenet --shards /data/imagenet-shards [--workers N]
     python scripts/prepare_imagenet.py --verify-shards /data/imagenet-shards
 
-Checking prints the number of classes and images per split, the smallest and largest classes,
+Checking lists the number of classes and images per split, the smallest and largest classes,
 classes present in one split only, empty class folders, every file that cannot be decoded or that
 the trainer's start-up check would refuse (by path), and notes for odd files that the loaders
 handle (PNG content behind a .JPEG name, CMYK or grayscale JPEGs); exit code 1 if any problem
@@ -30,6 +30,7 @@ import os
 import sys
 from pathlib import Path
 
+from gradientflow_repro import logs
 from gradientflow_repro.data.imagenet import arrange_val, check
 from gradientflow_repro.data.listing import DatasetError
 from gradientflow_repro.data.shards import SAMPLES_PER_SHARD, verify_shards, write_shards
@@ -47,10 +48,14 @@ def main() -> int:
     args = parser.parse_args()
     if args.root is None and not args.verify_shards:
         parser.error("the dataset root is required")
+    log = logs.configure()  # the command's own lines: no run to name
     try:
         if args.verify_shards:
             problems = verify_shards(args.verify_shards, args.workers)
-            print("\n".join(problems) if problems else f"{args.verify_shards}: every file matches its manifest")
+            for problem in problems:
+                log.warning(problem)
+            if not problems:
+                log.info(f"{args.verify_shards}: every file matches its manifest")
             return 1 if problems else 0
         if args.arrange_val:
             return arrange_val(args.root / "val", args.arrange_val)
@@ -59,7 +64,7 @@ def main() -> int:
                          workers=args.workers)
             return 0
     except DatasetError as error:
-        print(f"error: {error}", file=sys.stderr)
+        log.error(str(error))
         return 1
     return check(args.root, args.workers)
 

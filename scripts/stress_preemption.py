@@ -6,7 +6,7 @@ used to hang now and then (the preemption test with the torchvision loader's wor
 could deadlock when forked from the threaded trainer) ``--runs`` times, one after another. Each run
 is a pytest process in a session of its own; one that has not ended after ``--timeout`` seconds
 counts as a hang and is killed with everything it started (the test starts its job in a session of
-its own, so the whole tree of processes is stopped, then killed). Prints one line per run and the counts
+its own, so the whole tree of processes is stopped, then killed). Logs one line per run and the counts
 (passes, failures, hangs); exits 1 if any run failed or hung. Not part of CI: minutes per run.
 
     python scripts/stress_preemption.py --runs 50 [--timeout 300] [--test NODE_ID] [--log FILE]
@@ -15,15 +15,17 @@ its own, so the whole tree of processes is stopped, then killed). Prints one lin
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
-REPO = Path(__file__).resolve().parents[1]
+from gradientflow_repro import REPO, logs
+
+log = logging.getLogger("gradientflow_repro.stress_preemption")  # under the package: its handler
 FLAKY = ("tests/test_preemption.py::test_stop_signal_checkpoints_every_rank_and_resumes_exactly"
          "[every process group-10-2-torchvision]")
 
@@ -81,27 +83,20 @@ def _end_tree(pid: int) -> None:
             pass
 
 
-def stress(test: str, runs: int, timeout_s: float, log: Optional[Path]) -> dict[str, int]:
-    """Run ``test`` ``runs`` times; print (and append to ``log``) a line per run; the counts."""
+def stress(test: str, runs: int, timeout_s: float) -> dict[str, int]:
+    """Run ``test`` ``runs`` times; log a line per run; the counts."""
     counts = {"pass": 0, "fail": 0, "hang": 0}
-
-    def say(line: str) -> None:
-        print(line, flush=True)
-        if log is not None:
-            with log.open("a") as handle:
-                handle.write(line + "\n")
-
-    say(f"{test}: {runs} runs, {timeout_s:.0f} s each at most")
+    log.info(f"{test}: {runs} runs, {timeout_s:.0f} s each at most")
     began = time.monotonic()
     for run in range(1, runs + 1):
         outcome, seconds, tail = run_once(test, timeout_s)
         counts[outcome] += 1
-        say(f"run {run}/{runs}: {outcome} in {seconds:.1f} s (passes {counts['pass']}, "
-            f"failures {counts['fail']}, hangs {counts['hang']})")
+        log.info(f"run {run}/{runs}: {outcome} in {seconds:.1f} s (passes {counts['pass']}, "
+                 f"failures {counts['fail']}, hangs {counts['hang']})")
         if outcome != "pass":
-            say("  " + tail.replace("\n", "\n  "))
-    say(f"done: {runs} runs in {time.monotonic() - began:.0f} s: passes {counts['pass']}, "
-        f"failures {counts['fail']}, hangs {counts['hang']}")
+            log.info("  " + tail.replace("\n", "\n  "))
+    log.info(f"done: {runs} runs in {time.monotonic() - began:.0f} s: passes {counts['pass']}, "
+             f"failures {counts['fail']}, hangs {counts['hang']}")
     return counts
 
 
@@ -116,7 +111,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.runs < 1 or args.timeout <= 0:
         parser.error("--runs must be at least 1 and --timeout positive")
-    counts = stress(args.test, args.runs, args.timeout, args.log)
+    logs.configure()
+    if args.log is not None:  # every line in the file too, as on the terminal
+        appended = logging.FileHandler(args.log, mode="a")
+        appended.setFormatter(logs.PrefixFormatter())
+        logging.getLogger(logs.PACKAGE).addHandler(appended)
+    counts = stress(args.test, args.runs, args.timeout)
     sys.exit(1 if counts["fail"] or counts["hang"] else 0)
 
 

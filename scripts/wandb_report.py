@@ -11,7 +11,7 @@ The runs of `make reproduce` are offline wandb runs. Upload them first, then sav
 Both show validation top-1 against the MLPerf clock and against epochs with each configuration's
 seeds grouped (mean and range), a bar chart of time to target per configuration, seconds and bytes
 per step, and the runs table with results/REPORT.md's columns. Needs the `wandb-workspaces` package
-(`pip install -e .[dashboards]`) and a login or --entity; without them it prints the command to
+(`pip install -e .[dashboards]`) and a login or --entity; without them it says the command to
 run later and exits with 2. results/REPORT.md has the same comparison offline.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from gradientflow_repro import logs
 from gradientflow_repro.reproduction.wandb_report import PROJECT, save_dashboards
 
 
@@ -29,6 +30,7 @@ def main() -> int:
     parser.add_argument("--project", default=PROJECT)
     parser.add_argument("--entity", default=None, help="default: your wandb default entity")
     args = parser.parse_args()
+    logs.configure()
     return save_dashboards(args.group, args.project, args.entity)
 
 

@@ -146,9 +146,10 @@ def torchrun(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 2
 def train(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 240) -> str:
     """A training launch on loopback by ``cluster.launch.run_ranks``, as ``make reproduce`` launches
     its ranks: the environment torchrun gives (rank, local rank, world size, master), one thread per
-    rank, wandb offline, this CPU's precision override. The ranks are forked from this process
-    (``cluster.preloaded``) where that is safe, so they skip seconds of imports each; tests of what
-    torchrun itself does (the entry point, a lost rank, signals) use ``torchrun``. Returns rank 0's
+    rank, wandb offline, this CPU's precision override. The ranks are forked from a rank server that
+    imported torch once (``cluster.preloaded``) where that is safe, so they skip seconds of imports
+    each; tests of what torchrun itself does (the entry point, a lost rank, signals) use
+    ``torchrun``. Returns rank 0's
     output; a failed rank fails with every failed rank's last lines."""
     from gradientflow_repro.cluster.launch import run_ranks
 

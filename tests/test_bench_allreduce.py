@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -31,3 +32,23 @@ def test_small_sweep_writes_both_tables_and_says_the_goal_was_not_judged(tmp_pat
     assert "## World size 2" in table and "| 1 MiB |" in table
     assert "not judged, no size from 4 MiB up was timed" in table
     assert "Command: `python scripts/bench_allreduce.py --worlds 2 --max-mb 1" in table
+
+
+def test_the_goal_is_a_value_decided_on_the_medians_from_4_mib_up() -> None:
+    from gradientflow_repro import render
+    from gradientflow_repro.bench.allreduce import goal
+
+    def size(nbytes: int, ratios: list[float]) -> dict:
+        return {"bytes": nbytes, "vs_builtin": {"ring": ratios}}
+
+    small = [size(1 << 20, [0.1, 0.1, 0.1])]  # below 4 MiB: not judged
+    assert goal(small)["judged"] is False and goal(small)["met"] is None
+    judged = goal(small + [size(4 << 20, [0.95, 0.85, 0.92]), size(16 << 20, [0.91, 0.99, 0.93])])
+    assert judged["met"] is True and judged["worst_median"] == 0.92 and judged["lowest"] == 0.85
+    assert judged["lowest_bytes"] == 4 << 20
+    missed = goal([size(4 << 20, [0.95, 0.95, 0.95]), size(16 << 20, [0.89, 0.95, 0.80])])
+    assert missed["met"] is False and missed["worst_bytes"] == 16 << 20
+    # the committed table is rendered from its data, the verdict worded from the value
+    document = json.loads((REPO / "results" / "allreduce.json").read_text())
+    assert [world["goal"]["met"] for world in document["worlds"]] == [False, False]
+    assert render.render(document) == (REPO / "results" / "allreduce.md").read_text()

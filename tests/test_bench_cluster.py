@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gradientflow_repro.bench import cluster as bench_cluster
+from gradientflow_repro.bench import replay
 
 
 def test_the_replay_releases_each_gradient_in_the_given_order_with_its_value() -> None:
@@ -24,9 +25,9 @@ def test_the_replay_releases_each_gradient_in_the_given_order_with_its_value() -
     fired: list[int] = []
     for index, param in enumerate(params):
         param.register_post_accumulate_grad_hook(lambda p, i=index: fired.append(i))
-    replay = bench_cluster.make_replay(model, order, gradients)
-    assert list(replay.parameters()) == list(model.parameters())
-    replay().backward()
+    replayed = replay.make_replay(model, order, gradients)
+    assert list(replayed.parameters()) == list(model.parameters())
+    replayed().backward()
     assert fired == order
     assert all(torch.equal(p.grad, g) for p, g in zip(params, gradients))
 
@@ -181,7 +182,8 @@ def test_a_strategy_that_failed_in_a_launch_is_counted_over_the_others() -> None
 
 
 def test_a_failed_network_bound_check_names_a_rate_that_would_pass() -> None:
-    from gradientflow_repro.bench.cluster import SUGGESTED_SPEEDUP, _suggestion, rate_for_speedup
+    from gradientflow_repro.bench.cluster import SUGGESTED_SPEEDUP, rate_for_speedup
+    from gradientflow_repro.render.bench_cluster import suggestion as _suggestion
 
     fixed, wire_at_100 = 0.309, 1.176  # the split of results/cluster_comm.md's failed check on a slow machine
 

@@ -203,6 +203,8 @@ def test_model_check_reports_fitted_and_test_rows(tmp_path: Path) -> None:
     data = json.loads(out.with_suffix(".json").read_text())
     assert {r["subset"] for r in data["rows"]} == {"fitted", "test"}
     assert {r["name"] for r in data["rows"]} == {r.name for r in ROWS}
+    # the goal's verdict is a value of the data, the rows' own
+    assert data["goal_met"] == all(r["within_goal"] for r in data["rows"]) and data["kind"] == "scaling.model_check"
     band = data["paper_band"]["gradientflow"]
     assert band["low"] <= band["central"] <= band["high"] and band["reported"] == 410.2
     assert {"ddp", "ddp-fp16", "powersgd"} <= set(data["paper_band"])  # the peers at 512 GPUs

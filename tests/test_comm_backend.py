@@ -26,9 +26,11 @@ import torch.distributed as dist
 from gradientflow_repro.comm import STRATEGIES, build_communicator, knobs
 from gradientflow_repro.comm.base import CommStats
 from gradientflow_repro.comm.factory import prepare_backend
+from gradientflow_repro.comm.plan import resolve
 from gradientflow_repro.comm.recursive_doubling import SizedSum
 from gradientflow_repro.comm.ring import ring_sum
 from gradientflow_repro.distributed import WorldError
+from gradientflow_repro.reproduction import lineup
 
 from comm_workers import CPU, ThreeLayerNet, check_strategy, rank_batch, strategy_options
 from conftest import FAST, save_failures, spawn_checked, train
@@ -114,7 +116,7 @@ def test_what_sums_on_each_backend() -> None:
     assert knobs.summing("ring", 8, 4, "gloo", "backend") == knobs.Summing("backend", "gloo")
     assert knobs.summing("builtin", 8, 4, "gloo", "ours").how == "backend"  # builtin is the backend's
     with pytest.raises(ValueError, match="comm.implementation"):
-        knobs.resolve({"strategy": "ring", "implementation": "nccl"})
+        resolve({"strategy": "ring", "implementation": "nccl"})
 
 
 def test_no_configuration_sets_nccl_algo(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -156,7 +158,7 @@ def test_ddp_over_our_algorithms_on_nccl_is_refused_naming_the_keys(monkeypatch:
     with pytest.raises(ValueError, match="comm.implementation=backend"):
         build_communicator(options, CPU, backend="nccl")
     prepare_backend({"strategy": "ddp", "algorithm": "ring"}, torch.device("cuda", 0), 8)  # NCCL's: fine
-    knobs.check_overlap(knobs.resolve(options), "gloo")  # gloo: runs, synchronously, as measured
+    knobs.check_overlap(resolve(options), "gloo")  # gloo: runs, synchronously, as measured
 
 
 class _SlowAllreduce:
@@ -266,7 +268,7 @@ def _ddp_hooks_on_nccl(rank: int, world: int, out: str) -> None:
                      ours_wire if scaled else (comm.sum_fn is None and comm.wire == "fp16"))
             if not isinstance(comm, DDPCommunicator) or not built:
                 failures.append(f"{options}: built {type(comm).__name__} over {comm.sum_fn!r} ({comm.wire})")
-            priced = pm.Strategy.from_knobs("ddp", knobs.resolve(options)).shared_scale
+            priced = pm.Strategy.from_plan("ddp", resolve(options)).shared_scale
             if scaled is not None and priced != scaled:
                 failures.append(f"{options}: the model prices shared_scale={priced}, the factory builds {scaled}")
     save_failures(failures, out, rank)
@@ -287,7 +289,7 @@ def test_the_model_prices_nccls_allreduce_on_a_gpu_cluster_and_ours_as_before() 
     payload = 4e6
     # NCCL's ring: 2(N-1) = 14 steps, of which 2(M-1) = 2 cross the two nodes at the network's
     # latency, 12 stay inside at the intra-node latency; no recursive doubling
-    ring = pm.Strategy.from_knobs("ring", knobs.resolve({"strategy": "ring"}))
+    ring = pm.Strategy.from_plan("ring", resolve({"strategy": "ring"}))
     assert ring.implementation == "auto" and ring.summing(8, nccl) == knobs.Summing("backend", "nccl")
     nccl_ring = 12 * 1e-5 + 2 * 1e-3 + 14 / 8 * payload / 1e8
     assert pm.nccl_allreduce_s(payload, 8, nccl, "Ring") == pytest.approx(nccl_ring)  # a user's NCCL_ALGO=Ring
@@ -303,8 +305,8 @@ def test_the_model_prices_nccls_allreduce_on_a_gpu_cluster_and_ours_as_before() 
     assert pm.allreduce_s(payload, 8, nccl, "ring", implementation="ours") == pm.allreduce_s(payload, 8, nccl, "ring")
     assert pm.allreduce_s(payload, 8, nccl, "ring") == pytest.approx(14 * (1e-3 + payload / 8 / 1e8))
     # gloo: auto is ours, every rung of the ladder priced exactly as before
-    for label, options in knobs.LADDER.items():
-        configured = pm.Strategy.from_knobs(label, knobs.resolve(options))
+    for label, options in lineup.LADDER.items():
+        configured = pm.Strategy.from_plan(label, resolve(options))
         before = replace(configured, implementation="ours")
         profile = pm.uniform_profile([100_000, 1000, 300_000], 0.01, 0.02)
         assert pm.predict_step(profile, 8, gloo, configured) == pm.predict_step(profile, 8, gloo, before), label

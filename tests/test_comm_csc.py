@@ -109,13 +109,13 @@ def test_a_checkpoint_resumes_only_under_the_dense_warmup_it_was_saved_with() ->
 
 def test_a_csc_built_directly_is_refused_by_the_declared_checks() -> None:
     """Built without the factory, CSC refuses a bad ``comm.*`` value with the rule and words declared
-    on ``CommConfig``'s field (knobs.py), not a second copy of the rule."""
+    on ``CSCKeys``' fields (csc/__init__.py), not a second copy of the rule."""
     import dataclasses
     import re
 
-    from gradientflow_repro.comm.knobs import CommConfig
+    from gradientflow_repro.comm.csc import CSCKeys
 
-    declared = {spec.name: spec.metadata["check"].says for spec in dataclasses.fields(CommConfig)}
+    declared = {spec.name: spec.metadata["check"].says for spec in dataclasses.fields(CSCKeys)}
     for key, value in (("density", 1.5), ("density", 0.0), ("density_ramp_epochs", -1), ("release_cap", -1.0),
                        ("release_cap", math.inf), ("release_cap", math.nan), ("chunk_size", 0)):
         options = {"chunk_size": 100, "density": 0.1, key: value}

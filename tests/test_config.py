@@ -106,8 +106,8 @@ MORE_BAD = [
     ("optim.momentum=1.5", "optim.momentum", "must be in [0, 1)"),
     ("optim.weight_decay=-0.1", "optim.weight_decay", "must be zero or positive"),
     ("comm.csc_warmup_epochs=-1", "comm.csc_warmup_epochs", "must be zero or positive"),
-    ("comm.density=1.5", "comm.density", "must be in (0, 1]"),
-    ("comm.release_cap=inf", "comm.release_cap", "must be in [0, inf)"),
+    ("comm=csc comm.density=1.5", "comm.density", "must be in (0, 1]"),  # CSC's own keys (csc.CSCKeys)
+    ("comm=gradientflow comm.release_cap=inf", "comm.release_cap", "must be in [0, inf)"),
     ("model.dropout=1", "model.dropout", "must be in [0, 1)"),
     ("data.std=[1,0,1]", "data.std", "must be 3 numbers"),
     ("precision.init_scale=0", "precision.init_scale", "must be positive"),
@@ -118,7 +118,7 @@ MORE_BAD = [
 
 @pytest.mark.parametrize("override,key,allowed", MORE_BAD, ids=[b[1] for b in MORE_BAD])
 def test_every_field_checks_its_own_range(override: str, key: str, allowed: str, digits_root: Path) -> None:
-    cfg = make(["+experiment=digits_cpu", f"data.root={digits_root}", override])
+    cfg = make(["+experiment=digits_cpu", f"data.root={digits_root}", *override.split()])
     with pytest.raises(ConfigError) as error:
         validate(cfg, world_size=4)
     assert f"'{key}'" in str(error.value) and allowed in str(error.value), str(error.value)
@@ -143,7 +143,9 @@ def test_every_field_declares_what_it_allows() -> None:
 
 # ---------------------------------------------------------------- one definition of a strategy
 def test_presets_are_the_yaml_and_show_every_knob() -> None:
-    from gradientflow_repro.comm.knobs import KNOB_VALUES, LADDER, presets, resolve
+    from gradientflow_repro.comm.knobs import KNOB_VALUES, presets
+    from gradientflow_repro.comm.plan import resolve
+    from gradientflow_repro.reproduction.lineup import LADDER
 
     assert set(presets()) == set(GROUPS["comm"])
     for name, knobs in presets().items():
@@ -153,8 +155,9 @@ def test_presets_are_the_yaml_and_show_every_knob() -> None:
     full = resolve({"strategy": "gradientflow"})
     knobs = (full.algorithm, full.wire, full.fusion, full.overlap, full.sparsity)
     assert knobs == ("auto", "fp16", "lazy", True, "csc")  # auto: two-level on several multi-rank nodes
-    assert full.release_cap == resolve({"strategy": "csc"}).release_cap == 3  # the presets cap releases
-    assert resolve({"strategy": "gradientflow", "release_cap": 0}).release_cap == 0  # DGC's rule, one override away
+    assert full.keys.release_cap == resolve({"strategy": "csc"}).keys.release_cap == 3  # the presets cap releases
+    # DGC's rule, one override away
+    assert resolve({"strategy": "gradientflow", "release_cap": 0}).keys.release_cap == 0
     for label, options in LADDER.items():  # every rung composes through Hydra to the same knobs
         from gradientflow_repro.comm.knobs import hydra_overrides
 
@@ -163,6 +166,7 @@ def test_presets_are_the_yaml_and_show_every_knob() -> None:
 
 
 def test_the_strategy_definitions_and_the_config_check_need_no_torch() -> None:
-    code = ("import sys; import gradientflow_repro.config, gradientflow_repro.comm.knobs; "
+    code = ("import sys; import gradientflow_repro.config, gradientflow_repro.comm.plan; "
+            "from gradientflow_repro.comm.plan import resolve; resolve({'strategy': 'gradientflow'}); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

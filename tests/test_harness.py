@@ -10,10 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from gradientflow_repro.comm import knobs
 from gradientflow_repro.comm.csc import CSCCommunicator
 from gradientflow_repro.comm.lazy import LazyAllreduce
+from gradientflow_repro.comm.plan import resolve
 from gradientflow_repro.comm.pool import CSCPart, Part, csc_parts, pack_parts
+from gradientflow_repro.reproduction import lineup
 from gradientflow_repro.reproduction.reproduce import ladder_overrides
 from gradientflow_repro.reproduction.runs import dense_warmup_epochs
 from gradientflow_repro.scaling import perfmodel as pm
@@ -68,12 +69,12 @@ def test_the_models_ladder_is_derived_from_the_knobs_with_the_values_it_always_h
         pm.Strategy("ring+fp16+lazy", fusion="bucket", bucket_bytes=32 * 2**20, overlap=True, wire_bytes=2),
         pm.Strategy("gradientflow", fusion="bucket", bucket_bytes=32 * 2**20, overlap=True, wire_bytes=2,
                     density=0.1, algorithm="auto"))
-    assert [s.name for s in pm.LADDER] == list(knobs.LADDER)
-    assert pm.Strategy.from_knobs("h", knobs.resolve({"strategy": "hierarchical"})).algorithm == "hierarchical"
+    assert [s.name for s in pm.LADDER] == list(lineup.LADDER)
+    assert pm.Strategy.from_plan("h", resolve({"strategy": "hierarchical"})).algorithm == "hierarchical"
 
 
 def test_reproduce_runs_the_knobs_ladder_and_skips_csc_warmup_only() -> None:
-    assert {label: ladder_overrides(label) for label in knobs.LADDER} == {
+    assert {label: ladder_overrides(label) for label in lineup.LADDER} == {
         "allreduce": ["comm=allreduce"], "ddp": ["comm=ddp"], "ring": ["comm=ring"],
         "ring+fp16": ["comm=ring", "comm.wire=fp16"], "ring+fp16+lazy": ["comm=lazy", "comm.wire=fp16"],
         "gradientflow": ["comm=gradientflow"]}
@@ -82,13 +83,13 @@ def test_reproduce_runs_the_knobs_ladder_and_skips_csc_warmup_only() -> None:
     assert ladder_overrides("gradientflow-mc") == ["comm=gradientflow", "comm.momentum_correction=true",
                                                    "comm.momentum_masking=true"]
     # ... and the peers, what researchers would use instead and the paper's stack as published
-    assert set(knobs.COMPARED) - set(knobs.LADDER) == {"gradientflow@0.01", "gradientflow-mc",
+    assert set(lineup.COMPARED) - set(lineup.LADDER) == {"gradientflow@0.01", "gradientflow-mc",
                                                        "gradientflow-paper", "ddp-fp16", "powersgd"}
     assert ladder_overrides("powersgd") == ["comm=powersgd"]
     # CSC's dense warm-up: the learning rate's (the presets), or comm.csc_warmup_epochs where set
     config = {"optim": {"warmup_epochs": 2.5}}
     warmups = {label: dense_warmup_epochs({"summary": {}, "comm": options, "config": config})
-               for label, options in knobs.LADDER.items()}
+               for label, options in lineup.LADDER.items()}
     assert warmups == {"allreduce": 0.0, "ddp": 0.0, "ring": 0.0, "ring+fp16": 0.0, "ring+fp16+lazy": 0.0,
                        "gradientflow": 2.5}
     assert dense_warmup_epochs({"summary": {}, "config": config,

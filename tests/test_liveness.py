@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from gradientflow_repro import distributed
+from gradientflow_repro import distributed, logs
 from gradientflow_repro.distributed import DONE, STOPPED, Liveness, World
 
 
@@ -179,7 +179,9 @@ def test_a_lost_peer_is_named_by_the_watchdog_without_waiting_for_the_limit(tmp_
 
     code = """
 import time, torch.distributed as dist
+from gradientflow_repro import logs
 from gradientflow_repro.distributed import Liveness, World
+logs.configure(rank=1)  # as train.py does: the watchdog's line is a logged error
 store = dist.HashStore()
 live = Liveness(store, World(1, 3, 1, 3, "127.0.0.1", 0, "torchrun"), limit_s=30.0, beat_s=0.1,
                 lost_after_s=1.0)
@@ -219,6 +221,7 @@ def _rank(rank: int, roles: list[str], port: int, timeout_s: float, limit_s: flo
 
     sys.stdout = open(f"{out}/rank{rank}.out", "w", buffering=1)
     sys.stderr = open(f"{out}/rank{rank}.err", "w", buffering=1)  # where the watchdog writes its line
+    logs.configure(rank=rank)  # as train.py does: the watchdog's line is a logged error
     size, role = len(roles), roles[rank]
     store = dist.TCPStore("127.0.0.1", port, size, False, timeout=datetime.timedelta(seconds=30))
     store.add("up", 1)

@@ -50,15 +50,13 @@ run_rank(probe, int(os.environ['RANK']), int(os.environ['WORLD_SIZE']), 'env://'
 @pytest.mark.parametrize("started", ["interpreter", "forked"])
 def test_two_nodes_of_two_ranks_share_a_shaped_uplink_and_talk_inside_unshaped(
         started: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each rank a fresh interpreter (``-c``), or forked from this process into its node's
+    """Each rank a fresh interpreter (``-c``), or forked from the rank server into its node's
     namespace (``-m``, ``cluster.preloaded``), as training ranks are."""
     module: tuple[str, ...] = ("-c", PROBE)
     if started == "forked":
         (tmp_path / "netemu_probe.py").write_text(PROBE)
         monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path)])  # the ranks' sys.path is ours
         module = ("-m", "netemu_probe")
-        # this test process may run torch's compute threads (earlier tests); the probe's ranks use one
-        monkeypatch.setattr(preloaded, "_threads_after_preload", 10 ** 6)
     needs_netemu()
     before = set(netemu.namespaces())
     with network(4, 100, None, ranks_per_node=2) as net:

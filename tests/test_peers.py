@@ -23,10 +23,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from gradientflow_repro.comm import build_communicator, knobs
+from gradientflow_repro.comm import build_communicator
 from gradientflow_repro.comm.base import ring_bytes
 from gradientflow_repro.comm.ddp import STABLE_BUCKETS, PowerSGDCommunicator
 from gradientflow_repro.comm.hooks import PowerSGDHookState, powersgd_in_order
+from gradientflow_repro.comm.plan import resolve
 
 from comm_workers import CPU, ThreeLayerNet, rank_batch
 from conftest import save_failures, spawn_checked
@@ -230,15 +231,15 @@ def test_powersgd_resumes_bit_exactly_in_new_processes(world: int, tmp_path: Pat
 
 def test_powersgd_needs_ddp_fusion() -> None:
     with pytest.raises(ValueError, match="comm.fusion.*needs comm.fusion=ddp"):
-        knobs.resolve({"strategy": "powersgd", "fusion": "lazy"})
+        resolve({"strategy": "powersgd", "fusion": "lazy"})
     with pytest.raises(ValueError, match="comm.fusion"):
         build_communicator({"strategy": "powersgd", "fusion": "lazy"}, CPU)
 
 
 def test_powersgd_is_compressed_after_csc_warmup_and_one_rank_sends_nothing() -> None:
-    config = knobs.resolve({"strategy": "powersgd", "density": 1.0})  # PowerSGD has no density
-    assert knobs.sends_sparse(config) and knobs.dense_warmup_epochs(config, 2.5) == 2.5
-    assert not knobs.sends_sparse(knobs.resolve({"strategy": "ddp-fp16"}))
+    config = resolve({"strategy": "powersgd", "density": 1.0}, lr_warmup_epochs=2.5)  # PowerSGD has no density
+    assert config.sends_sparse and config.dense_warmup_epochs == 2.5
+    assert not resolve({"strategy": "ddp-fp16"}).sends_sparse
     comm = build_communicator({"strategy": "powersgd", "csc_warmup_epochs": 1}, CPU)
     assert isinstance(comm, PowerSGDCommunicator) and "PowerSGD rank 4" in comm.schedule
     model = nn.Linear(5, 3)

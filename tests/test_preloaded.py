@@ -1,4 +1,4 @@
-"""Ranks forked from a launcher that imported torch once (``cluster.preloaded``) are what ``python
+"""Ranks forked from a rank server that imported torch once (``cluster.preloaded``) are what ``python
 -m MODULE ARGS`` would have been: exit status, output, environment, session, signal handlers, working
 directory, the module as ``__main__``; a rank that cannot start is named. The same ranks in the
 emulated network are ``test_netemu``'s probe, forked."""
@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -147,12 +146,15 @@ def test_a_rank_that_cannot_enter_its_namespace_is_named_and_gone(probe_module: 
 
 
 def _children() -> set[str]:
-    return set(Path(f"/proc/self/task/{os.getpid()}/children").read_text().split())
+    """This process's children and the rank server's (whose children the ranks are)."""
+    found = set()
+    for pid in (os.getpid(), preloaded.server().process.pid):
+        found |= set(Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+    return found
 
 
-def test_forking_only_where_it_is_safe(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_forking_only_where_it_is_safe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(preloaded, "GPU_DEVICES", ())
-    monkeypatch.setattr(preloaded, "_threads_after_preload", 10 ** 6)  # this test process's own threads
     assert preloaded.fork_available(("-m", "gradientflow_repro.train")) is (sys.platform == "linux")
     assert not preloaded.fork_available(("-c", "print(1)"))  # a program, not a module: an interpreter
     monkeypatch.setenv("LAUNCH_RANKS", "exec")
@@ -161,13 +163,15 @@ def test_forking_only_where_it_is_safe(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(preloaded, "GPU_DEVICES", (str(Path(__file__)),))  # "a GPU device exists"
     assert not preloaded.fork_available(("-m", "gradientflow_repro.train"))
     monkeypatch.setattr(preloaded, "GPU_DEVICES", ())
-    stop = threading.Event()
-    other = threading.Thread(target=stop.wait)
-    other.start()
-    try:  # a fork would copy this thread's locks, not the thread
+    # a server whose imports leave a thread running: a fork would copy that thread's locks, not the thread
+    (tmp_path / "thread_probe.py").write_text(
+        "import threading\nthreading.Thread(target=threading.Event().wait, daemon=True).start()\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the server's own sys.path
+    monkeypatch.setattr(preloaded, "PRELOAD", ("thread_probe",))
+    monkeypatch.setattr(preloaded, "_server", None)
+    try:
         assert not preloaded.fork_available(("-m", "gradientflow_repro.train"))
+        with pytest.raises(RuntimeError, match="runs threads"):
+            preloaded.fork_rank("thread_probe", [], {}, subprocess.PIPE, tmp_path)
     finally:
-        stop.set()
-        other.join()
-    monkeypatch.setattr(preloaded, "_threads_after_preload", 0)  # native threads started since importing
-    assert not preloaded.fork_available(("-m", "gradientflow_repro.train"))
+        preloaded.server().close()

@@ -5,6 +5,9 @@
   names evidence (a measurement, a result), and evidence belongs in docs/notes/ or results/, where
   it can be dated and reproduced; in the code it goes stale at the next commit.
 - Every ``torch.load`` says ``weights_only=True``: a file that unpickles code never runs it.
+- The library logs through ``logging`` (``gradientflow_repro/logs.py``: one formatter for the rank
+  prefix, information from rank 0 only); it never calls ``print``, except in ``__main__.py`` files
+  and the command-line functions listed in ``PRINTS_ALLOWED``, each with its reason.
 - Every third-party package the code imports is declared in ``pyproject.toml`` (at run time, or as
   an optional extra where the code runs without it), and the LICENSE file is the license declared.
 """
@@ -110,6 +113,57 @@ def test_every_torch_load_refuses_pickled_code(tmp_path: Path) -> None:
     assert torch_loads_without_weights_only(sample) == [2]
 
 
+# The functions of the library that print, each with its reason: a command whose output on stdout
+# is its product (a report, a table), or a protocol between processes; nothing else prints.
+PRINTS_ALLOWED: dict[tuple[str, str], str] = {
+    ("gradientflow_repro/gpu_check/runner.py", "main"):
+        "the GPU check's result lines on stdout are its product (the report's own lines, compared by "
+        "its tests), and a bad option is refused in one 'gpu_check: error:' line on stderr",
+    ("gradientflow_repro/gpu_check/processes.py", "_emit_marked"):
+        "an item's child process hands its results to the parent as marked JSON lines on stdout: a "
+        "protocol read by a program, not a log read by people (and never filtered by a log level)",
+    ("gradientflow_repro/render/__init__.py", "main"):
+        "``python -m gradientflow_repro.render FILE.json``: the rendered Markdown on stdout is the product",
+}
+
+
+def prints_outside(path: Path, allowed: set[str]) -> list[int]:
+    """The lines of ``path`` that call ``print`` outside the functions named in ``allowed`` (qualified
+    names, ``Class.method``; what is nested in an allowed function may print too)."""
+    lines: list[int] = []
+
+    def visit(node: ast.AST, names: tuple[str, ...], inside_allowed: bool) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = (*names, node.name)
+            inside_allowed = inside_allowed or ".".join(names) in allowed
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print" \
+                and not inside_allowed:
+            lines.append(node.lineno)
+        for child in ast.iter_child_nodes(node):
+            visit(child, names, inside_allowed)
+
+    visit(ast.parse(path.read_text(), filename=str(path)), (), False)
+    return sorted(lines)
+
+
+def test_the_library_logs_rather_than_prints(tmp_path: Path) -> None:
+    modules = sorted(str(path.relative_to(REPO)) for path in (REPO / "gradientflow_repro").rglob("*.py")
+                     if path.name != "__main__.py")
+    assert {module for module, _ in PRINTS_ALLOWED} <= set(modules), "PRINTS_ALLOWED names a module that is gone"
+    found = {}
+    for module in modules:
+        allowed = {function for where, function in PRINTS_ALLOWED if where == module}
+        if lines := prints_outside(REPO / module, allowed):
+            found[module] = lines
+    assert found == {}, (f"print() in the library (log through logging.getLogger(__name__), see "
+                         f"gradientflow_repro/logs.py): {found}")
+    sample = tmp_path / "sample.py"
+    sample.write_text("def main():\n    def emit(line):\n        print(line)\n    print(1)\n\n\n"
+                      "class Tool:\n    def main(self):\n        print(2)\n\n\nprint(3)\n")
+    assert prints_outside(sample, {"main"}) == [9, 12]
+    assert prints_outside(sample, {"Tool.main"}) == [3, 4, 12]
+
+
 # import name -> distribution, where they differ; and the packages the code imports only where
 # present (each import guarded, the code runs without it)
 DISTRIBUTIONS = {"PIL": "pillow", "hydra": "hydra-core", "sklearn": "scikit-learn", "yaml": "pyyaml",
@@ -146,3 +200,28 @@ def test_every_imported_package_is_declared_and_the_license_is_there() -> None:
     assert not runtime & {"pytest", "pytest-timeout", "ruff"}, "development tools among the runtime dependencies"
     assert project["license"] == "Apache-2.0" and "Apache License" in (REPO / "LICENSE").read_text()
     assert "Version 2.0" in (REPO / "LICENSE").read_text()
+
+
+MODULE_LINES, SCRIPT_LINES = 600, 150  # past these a module or a command line does more than one thing
+
+
+def oversized(root: Path) -> list[str]:
+    """``path: lines`` for every library module over ``MODULE_LINES`` and script over ``SCRIPT_LINES``."""
+    found = []
+    for folder, limit in (("gradientflow_repro", MODULE_LINES), ("scripts", SCRIPT_LINES)):
+        for path in sorted((root / folder).rglob("*.py")):
+            lines = len(path.read_text().splitlines())
+            if lines > limit:
+                found.append(f"{path.relative_to(root)}: {lines} lines (at most {limit})")
+    return found
+
+
+def test_no_module_over_600_lines_and_no_script_over_150(tmp_path: Path) -> None:
+    assert oversized(REPO) == []
+    (tmp_path / "gradientflow_repro").mkdir()
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "gradientflow_repro" / "big.py").write_text("x = 1\n" * 601)
+    (tmp_path / "gradientflow_repro" / "fits.py").write_text("x = 1\n" * 600)
+    (tmp_path / "scripts" / "tool.py").write_text("x = 1\n" * 151)
+    assert oversized(tmp_path) == ["gradientflow_repro/big.py: 601 lines (at most 600)",
+                                   "scripts/tool.py: 151 lines (at most 150)"]

@@ -13,13 +13,14 @@ from typing import Optional
 import pytest
 
 from gradientflow_repro.comm import knobs
+from gradientflow_repro.reproduction import lineup
 
 GPUS_512 = [1.0] * 9  # projection fixtures: speedups at 1..256 GPUs, then 512
 
 
 def _run(label: str, seed: int, curve: list[float], step_s: float = 0.1, sparse_mb: float = 1.0,
          target: Optional[float] = 98.0, steps_per_epoch: int = 10, warmup: float = 1.0) -> dict:
-    """A finished run of configuration ``label`` (``knobs.COMPARED``) as ``runs.load_run`` returns it:
+    """A finished run of configuration ``label`` (``lineup.COMPARED``) as ``runs.load_run`` returns it:
     two logged intervals and one evaluation per epoch, 4 MB per step in the learning rate's warm-up
     (dense) and ``sparse_mb`` after it, stopped at ``target`` (None: the whole ``curve``)."""
     reached = next((i + 1 for i, top1 in enumerate(curve) if target is not None and top1 >= target), None)
@@ -44,7 +45,7 @@ def _run(label: str, seed: int, curve: list[float], step_s: float = 0.1, sparse_
                         "images_per_s": 100.0, "sync_wait_s_per_step": 0.01, "train_s": train,
                         "clocks": {"init_s": 3.0}},
             "records": records, "config": {"seed": seed, "eval_every_epochs": 1, "optim": {"warmup_epochs": warmup}},
-            "comm": dict(knobs.COMPARED[label])}
+            "comm": dict(lineup.COMPARED[label])}
 
 
 def _comparison(csc: list[float], powersgd: list[float], csc_step: float = 0.1, powersgd_step: float = 0.12) -> dict:
@@ -76,7 +77,8 @@ def _projection() -> dict[str, list[float]]:
 
 # ---------------------------------------------------------------- the paragraph: whoever wins, it says so
 def test_the_peers_paragraph_says_gradientflow_wins_where_it_does() -> None:
-    from gradientflow_repro.reproduction.report import peers_section
+    from report_words import peers_section
+
     from gradientflow_repro.scaling.projection import GPU_COUNTS
 
     runs = _comparison(csc=[90, 96, 98], powersgd=[90, 95, 96, 98])
@@ -111,7 +113,8 @@ def test_the_peers_paragraph_says_gradientflow_wins_where_it_does() -> None:
 
 
 def test_the_peers_paragraph_says_so_where_a_peer_wins() -> None:
-    from gradientflow_repro.reproduction.report import peers_section
+    from report_words import peers_section
+
     from gradientflow_repro.scaling.projection import GPU_COUNTS
 
     # PowerSGD reaches the target an epoch sooner and steps faster; CSC ends 0.8 points below it
@@ -133,7 +136,7 @@ def test_the_peers_paragraph_says_so_where_a_peer_wins() -> None:
 
 
 def test_without_convergence_rows_the_paragraph_says_where_to_look_and_claims_nothing() -> None:
-    from gradientflow_repro.reproduction.report import peers_section
+    from report_words import peers_section
 
     runs = _comparison(csc=[90, 96, 98], powersgd=[90, 95, 96, 97])  # powersgd never reaches 98%
     text = "\n".join(peers_section(runs, {"profile": {}}, []))
@@ -158,7 +161,7 @@ def test_without_convergence_rows_the_paragraph_says_where_to_look_and_claims_no
 
 # ---------------------------------------------------------------- the peers in every table
 def test_the_peers_are_rows_of_every_table_of_the_report() -> None:
-    from gradientflow_repro.reproduction.report import (
+    from report_words import (
         clock_table,
         comparison_table,
         convergence_table,
@@ -195,7 +198,7 @@ def test_the_convergence_study_shows_the_peers_and_what_our_additions_buy(tmp_pa
             "gradientflow": [_run("gradientflow", s, [90, 96, 98.5, 99.0], target=never) for s in range(2)],
             "gradientflow-paper": [_run("gradientflow-paper", s, [90, 96, 89, 98.6], target=never) for s in range(2)],
             "powersgd": [_run("powersgd", s, [90, 95, 96, 97], target=never) for s in range(2)]}
-    configs = {label: knobs.hydra_overrides(knobs.COMPARED[label]) for label in runs}
+    configs = {label: knobs.hydra_overrides(lineup.COMPARED[label]) for label in runs}
     machine = {"gpu": None, "cpu": "test CPU", "cpu_count": 2, "torch": "x", "git_commit": "c0ffee"}
     out = tmp_path / "convergence.md"
     write_study(out, runs, configs=configs, targets=[98.0, 98.5], world=4, experiment="digits_cpu", command="c",
@@ -306,7 +309,8 @@ def test_runs_of_the_whole_schedule_are_timed_to_the_target_at_their_first_evalu
     """MLPerf's criterion from runs that went on past the target: every table reads the first
     evaluation at or above it, as from runs that stopped there; without a target to measure them
     against, nothing is reached."""
-    from gradientflow_repro.reproduction.report import clock_table, comparison_table, decomposition
+    from report_words import clock_table, comparison_table, decomposition
+
     from gradientflow_repro.reproduction.runs import epochs_to_target, run_row
 
     curves = {"ddp": [90, 95, 98, 99, 97], "gradientflow": [90, 96, 97, 98.5, 99]}
@@ -333,7 +337,7 @@ def test_the_paper_criterion_reads_each_runs_end_against_the_same_seeds_ddp() ->
     """The fixed schedule, per strategy: MLPerf's clock at the last evaluation, top-1 there, less
     the same seed's ddp run's (paired by seed, not by position), the largest fall after the warm-up
     (1 epoch); runs that stopped at the target say where the schedule is instead."""
-    from gradientflow_repro.reproduction.report import _schedule_section, schedule_table
+    from report_words import _schedule_section, schedule_table
 
     runs = {"ddp": [_whole("ddp", s, [90, 95, 98, 97 + s], 0.2) for s in range(3)],  # ends 97, 98, 99
             "gradientflow": [_whole("gradientflow", 1, [90, 96, 98, 96], 0.05),  # seed 1 first
@@ -370,7 +374,7 @@ def test_a_report_of_some_configurations_says_which_were_not_trained_and_what_it
                  network=network, world=4, repeats=2, command="c", elapsed_s=60, experiment="patterns_cpu",
                  group="g", overrides=[], machine=machine, short_at_world=[], unshaped={}, allreduce_beside={})
     text = report.read_text()
-    untrained = [label for label in knobs.COMPARED if label not in rungs]
+    untrained = [label for label in lineup.COMPARED if label not in rungs]
     assert "allreduce" in untrained
     assert ("- Not trained here: " + ", ".join(f"`{label}`" for label in untrained)) in text
     assert "`make convergence` trains every configuration on loopback over the whole schedule" in text
@@ -427,7 +431,7 @@ def test_what_sparsification_did_is_a_table_of_the_sparse_runs_only() -> None:
     """Medians over the seeds of each layer's interval between sends, the slowest layer, the momentum
     erased by masking and the bytes after the warm-up; dense runs and runs without the records are not
     rows, and without any the section is absent."""
-    from gradientflow_repro.reproduction import report
+    import report_words as report
 
     curve = [50.0, 60.0, 70.0, 80.0]
     runs = {"ddp": [_run("ddp", seed, curve, target=None) for seed in (0, 1)],
@@ -448,7 +452,7 @@ def test_the_final_top1_goal_allows_the_dense_seeds_spread_and_whole_runs_are_th
     """The paper's criterion as a goal: every seed of gradientflow within 0.3 points of the same seed's
     ddp, or within ddp's own spread over the seeds when larger; and the peers section reads top-1 at the
     end from whole-schedule runs themselves, not from `make convergence`."""
-    from gradientflow_repro.reproduction.report import _final_gap_goal, peers_section
+    from report_words import _final_gap_goal, peers_section
 
     ddp = [_whole("ddp", s, [90, 95, 98, 97 + 0.2 * s]) for s in range(3)]  # ends 97.0, 97.2, 97.4: spread 0.4
     close = [_whole("gradientflow", s, [90, 95, 98, 97 + 0.2 * s - 0.35]) for s in range(3)]

@@ -19,6 +19,8 @@ import torch
 from gradientflow_repro.cluster import netemu
 from gradientflow_repro.cluster.launch import run_ranks
 from gradientflow_repro.comm import knobs
+from gradientflow_repro.comm.plan import resolve
+from gradientflow_repro.reproduction import lineup
 from gradientflow_repro.scaling import perfmodel as pm
 from gradientflow_repro.scaling.profile import measure_wire_cast_s_per_element
 
@@ -142,12 +144,12 @@ def test_csc_under_momentum_correction_pays_the_optimizers_plain_step() -> None:
 
     plain = replace(PROFILE, plain_optimizer_s=0.001)
     net = pm.Network(1e9, 1e-5)
-    gradientflow = pm.Strategy.from_knobs("gradientflow", knobs.resolve({"strategy": "gradientflow-paper"}))
+    gradientflow = pm.Strategy.from_plan("gradientflow", resolve({"strategy": "gradientflow-paper"}))
     assert gradientflow.takes_optimizer and gradientflow.density < 1
     whole_step, plain_step = (pm.predict_step(profile, 4, net, gradientflow).step_s for profile in (PROFILE, plain))
     assert whole_step - plain_step == pytest.approx(0.004)
     assert plain.scaled(2.0).plain_optimizer_s == pytest.approx(0.002)
-    for strategy in (pm.Strategy.from_knobs("no-mc", knobs.resolve({"strategy": "gradientflow",
+    for strategy in (pm.Strategy.from_plan("no-mc", resolve({"strategy": "gradientflow",
                                                                      "momentum_correction": False})),
                      replace(gradientflow, density=1.0), *(s for s in pm.LADDER if not s.takes_optimizer)):
         assert pm.predict_step(plain, 4, net, strategy) == pm.predict_step(PROFILE, 4, net, strategy), strategy.name
@@ -183,11 +185,12 @@ def test_csc_pool_parts_and_norms_as_the_communicator_sends_them() -> None:
     # norm and 64 buckets (csc.TrustNoise); the benchmark's SGD sends none
     (sketched,) = pm.messages(PROFILE, replace(csc, noise_sketch=True))
     assert sketched.small_bytes == (4000 + 2 * 65) * 4
-    full_stack = knobs.resolve({"strategy": "gradientflow-paper"})  # (the sketches: under momentum correction)
-    assert pm.Strategy.from_knobs("gf", replace(full_stack, trust_noise_correction=True)).noise_sketch
-    assert not pm.Strategy.from_knobs("gf", knobs.resolve({"strategy": "gradientflow"})).noise_sketch
-    assert not pm.Strategy.from_knobs("gf", replace(full_stack, trust_noise_correction=True), lars=False).noise_sketch
-    assert not pm.Strategy.from_knobs("gf", full_stack).noise_sketch  # the paper's: no noise correction
+    full_stack = resolve({"strategy": "gradientflow-paper"})  # (the sketches: under momentum correction)
+    noise_corrected = replace(full_stack, keys=replace(full_stack.keys, trust_noise_correction=True))
+    assert pm.Strategy.from_plan("gf", noise_corrected).noise_sketch
+    assert not pm.Strategy.from_plan("gf", resolve({"strategy": "gradientflow"})).noise_sketch
+    assert not pm.Strategy.from_plan("gf", noise_corrected, lars=False).noise_sketch
+    assert not pm.Strategy.from_plan("gf", full_stack).noise_sketch  # the paper's: no noise correction
     # the report's model check asks the runs: Lars without weight decay adapts nothing, sends none
     from gradientflow_repro.reproduction.runs import sends_trust_sketches
     assert sends_trust_sketches({"config": {"optim": {"name": "lars", "weight_decay": 5e-4}}})
@@ -363,7 +366,7 @@ def test_short_comparison_interrupted_continues_and_writes_a_complete_report(tmp
     command = [sys.executable, "scripts/reproduce.py", "--world", "2", "--check-world", "--repeats", "1",
                "--rungs", "allreduce", "ring+fp16+lazy", "--netbench-launches", "2",
                "--runs-dir", str(tmp_path / "runs"),
-               "--report", str(report), "--timeout-s", "240", "--",
+               "--out", str(report), "--timeout-s", "240", "--",
                f"data.root={digits_root}", "model.width=0.125", "epochs=2", "eval_every_epochs=1",
                "optim.warmup_epochs=0.5", "target_top1=20"]
     env = {**os.environ, "WANDB_MODE": "offline"}
@@ -506,18 +509,17 @@ def test_a_measured_network_sets_the_switch_over_to_the_ring_of_our_own_algorith
     equal at 8 a B = 287 KB), so CSC's payload of about 460 KB goes by the ring; at two ranks both
     send the same bytes and recursive doubling has fewer steps, so the model never prefers the ring:
     the default (measured on loopback) caps it, and a `ring` rung still sends large messages by the ring."""
-    from gradientflow_repro.comm import knobs
     from gradientflow_repro.scaling.netbench import small_message_kb
 
     measured = {"bandwidth_Bps": 29.1e6, "latency_s": 1231e-6}
     assert small_message_kb(4, measured) == 256 and small_message_kb(2, measured) == 1024  # the default caps it
     assert small_message_kb(4, {"bandwidth_Bps": 1e12, "latency_s": 0.0}) == 1  # the ring from the smallest
-    assert knobs.on_network(knobs.COMPARED["gradientflow"], 256) == {"strategy": "gradientflow",
+    assert knobs.on_network(lineup.COMPARED["gradientflow"], 256) == {"strategy": "gradientflow",
                                                                      "small_message_kb": 256}
-    assert knobs.on_network(knobs.COMPARED["ring+fp16"], 256)["small_message_kb"] == 256
+    assert knobs.on_network(lineup.COMPARED["ring+fp16"], 256)["small_message_kb"] == 256
     for builtin in ("allreduce", "ddp"):
-        assert knobs.on_network(knobs.COMPARED[builtin], 256) == knobs.COMPARED[builtin]
-    assert knobs.on_network(knobs.COMPARED["gradientflow"], None) == knobs.COMPARED["gradientflow"]
+        assert knobs.on_network(lineup.COMPARED[builtin], 256) == lineup.COMPARED[builtin]
+    assert knobs.on_network(lineup.COMPARED["gradientflow"], None) == lineup.COMPARED["gradientflow"]
 
 
 def test_check_world_sizes_default_to_2_unless_it_is_the_ladders_and_never_repeat() -> None:
@@ -691,8 +693,8 @@ def test_the_runs_train_the_whole_schedule_and_patterns_default_configurations_p
     assert told["target_top1"] == 70.0
     for _, argv in launched:
         assert argv.index("target_top1=70") < argv.index("target_top1=null")  # the later one wins
-    assert rp.default_rungs("digits_cpu") == list(knobs.COMPARED)
-    assert set(rp.DEFAULT_RUNGS["patterns_cpu"]) <= set(knobs.COMPARED)
+    assert rp.default_rungs("digits_cpu") == list(lineup.COMPARED)
+    assert set(rp.DEFAULT_RUNGS["patterns_cpu"]) <= set(lineup.COMPARED)
 
 
 # ---------------------------------------------------------------- the report's arithmetic
@@ -720,7 +722,7 @@ def test_the_report_splits_gradientflows_gap_into_the_links_rate_and_the_rest() 
     """gradientflow's step over the compute-only step, and with the links unshaped the part the link's
     rate accounts for; the note on ranks sharing cores only where they do. The network table says
     where recursive doubling hands over to the ring (the default for a network measured before)."""
-    from gradientflow_repro.reproduction.report import _hidden_communication, _network_table
+    from report_words import _hidden_communication, _network_table
 
     checks = {4: {"allreduce": {"step_s": 0.5, "sync_wait_s": 0.3, "behind_slowest_s": 0.04},
                   "gradientflow": {"step_s": 0.3, "behind_slowest_s": 0.05}}}
@@ -758,7 +760,7 @@ def test_the_model_runs_on_the_slowest_ranks_clock_of_the_allreduce_runs_beside_
     """The model's compute at a world size is allreduce's step less its wait plus how much longer its
     slowest rank's forward and backward took (every collective after backward waits for it); for a
     rung with short runs at the ladder's world size, that of allreduce's short runs beside them."""
-    from gradientflow_repro.reproduction.report import model_check
+    from report_words import model_check
 
     calibration = {"profile": {"forward_s": 0.01, "backward_s": 0.02, "optimizer_s": 0.0,
                                "tensors": [[40000, 0.02, False], [100, 0.02, True]]}}
@@ -821,7 +823,7 @@ def test_a_steady_step_is_the_median_interval_after_the_warmup_and_says_what_was
 
 
 def test_the_speedup_decomposes_into_step_time_epochs_and_overhead() -> None:
-    from gradientflow_repro.reproduction.report import decomposition
+    from report_words import decomposition
 
     runs = {"ddp": [_fake_run("ddp", s, [90, 95, 98], step_s=0.2) for s in range(3)],
             "gradientflow": [_fake_run("gradientflow", s, [90, 94, 96, 98], step_s=0.05) for s in range(3)]}
@@ -836,7 +838,7 @@ def test_the_speedup_decomposes_into_step_time_epochs_and_overhead() -> None:
 
 
 def test_the_decomposition_states_the_floor_of_the_step_ratio() -> None:
-    from gradientflow_repro.reproduction.report import _decomposition_section
+    from report_words import _decomposition_section
 
     runs = {"ddp": [_fake_run("ddp", s, [90, 95, 98], step_s=0.2) for s in range(3)],
             "gradientflow": [_fake_run("gradientflow", s, [90, 94, 96, 98], step_s=0.05) for s in range(3)]}
@@ -849,7 +851,7 @@ def test_the_decomposition_states_the_floor_of_the_step_ratio() -> None:
 
 
 def test_the_report_names_falls_after_warmup_and_dense_disagreement() -> None:
-    from gradientflow_repro.reproduction.report import convergence_table, dense_agreement, falls_after_warmup
+    from report_words import convergence_table, dense_agreement, falls_after_warmup
 
     runs = {"allreduce": [_fake_run("allreduce", 0, [50, 96, 98]), _fake_run("allreduce", 1, [40, 80, 98])],
             "ddp": [_fake_run("ddp", 0, [50, 90, 84, 98]), _fake_run("ddp", 1, [20, 85, 97])],
@@ -876,7 +878,7 @@ def test_the_report_says_how_many_epochs_to_target_were_sparse() -> None:
     """The epochs goal is stated with how many of the sparse strategy's epochs sent sparsely (after
     its dense warm-up, the learning rate's: 1 epoch in these runs); a target reached within one sparse
     epoch is called out, since it then says little about what sparse communication costs."""
-    from gradientflow_repro.reproduction.report import _convergence_section
+    from report_words import _convergence_section
 
     ddp = [_fake_run("ddp", s, [80, 95, 98]) for s in range(3)]
     slow = {"ddp": ddp, "gradientflow": [_fake_run("gradientflow", s, [80, 90, 95, 98]) for s in range(3)]}
@@ -898,8 +900,10 @@ def test_the_report_says_how_many_epochs_to_target_were_sparse() -> None:
 
 
 def test_the_timeline_counts_jobs_and_estimates_the_time_left(capsys: pytest.CaptureFixture, monkeypatch) -> None:
+    from gradientflow_repro import logs
     from gradientflow_repro.reproduction import progress
 
+    logs.configure()  # the library logs its progress lines; a program shows them (on stdout)
     now = [1000.0]
     monkeypatch.setattr(progress.time, "time", lambda: now[0])
     timeline = progress.Timeline([("train", "a"), ("train", "b"), ("train", "a"), ("check", "a w2")])
@@ -1016,10 +1020,11 @@ def test_the_convergence_study_runs_whole_schedules_and_continues_where_it_stopp
 
 
 def test_a_cpu_that_emulates_bf16_trains_the_comparison_in_fp32(monkeypatch, capsys) -> None:
-    from gradientflow_repro import precision
+    from gradientflow_repro import logs, precision
     from gradientflow_repro.config import PrecisionConfig
     from gradientflow_repro.reproduction.reproduce import machine_overrides
 
+    logs.configure()  # the line is logged; a program shows it (on stdout)
     monkeypatch.setattr(precision, "native_bf16", lambda device: False)
     assert machine_overrides(["+experiment=digits_cpu"]) == ["precision=fp32"]  # digits_cpu: bf16 autocast on the CPU
     assert capsys.readouterr().out == ""  # said only by a program that adapts its runs

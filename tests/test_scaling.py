@@ -11,7 +11,8 @@ from types import ModuleType
 
 import pytest
 
-from gradientflow_repro.comm import knobs, registry
+from gradientflow_repro import variants
+from gradientflow_repro.comm.plan import resolve
 from gradientflow_repro.scaling import perfmodel as pm
 from gradientflow_repro.scaling.profile import (
     SHIPPED,
@@ -122,10 +123,10 @@ def test_every_option_reaches_the_model() -> None:
     assert Setup(overlap_slowdown=0.2).network().overlap_slowdown == 0.2
     assert Setup(step_overhead_s=0.003).profile().step_overhead_s == 0.003
     assert paper.network().nccl and not Setup(nccl=False).network().nccl
-    assert Setup(bucket_mb=8).strategy(registry.LAZY_FP16).bucket_bytes == 8 * 2**20
+    assert Setup(bucket_mb=8).strategy(variants.LAZY_FP16).bucket_bytes == 8 * 2**20
     assert Setup(bucket_mb=8).strategy("ddp").bucket_bytes == 8 * 2**20  # DDP's own bucket
     assert Setup(density=0.02).strategy(gradientflow).density == 0.02
-    assert Setup(density=0.02).strategy(registry.LAZY_FP16).density == 1.0  # a dense strategy stays dense
+    assert Setup(density=0.02).strategy(variants.LAZY_FP16).density == 1.0  # a dense strategy stays dense
     profile = paper.profile()
     at512 = curves(paper, (512,), profile)[gradientflow][0]
     for changed in (Setup(link_gbps=10), Setup(link_efficiency=0.2), Setup(step_overhead_s=0.005),
@@ -137,7 +138,7 @@ def test_every_option_reaches_the_model() -> None:
 
 def test_strategies_by_label_comma_separated_and_the_dense_two_level_one() -> None:
     assert parse_strategies("allreduce,ddp, gradientflow") == ("allreduce", "ddp", "gradientflow")
-    assert parse_strategies("gradientflow, flat ring") == (registry.FLAT,)  # an old label with a comma, whole
+    assert parse_strategies("gradientflow, flat ring") == (variants.FLAT,)  # an old label with a comma, whole
     assert parse_strategies("lazy two-level") == ("lazy two-level",)
     with pytest.raises(ValueError, match="unknown strategy 'nope'"):
         parse_strategies("allreduce,nope")
@@ -185,7 +186,9 @@ def test_the_paper_setup_carries_the_calibrated_band(script: ModuleType, tmp_pat
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from gradientflow_repro.scaling import calibration
 
-    monkeypatch.setattr(calibration, "band_section", lambda: ["## The paper's projection, calibrated", "", "| band |"])
+    band = {"command": "python scripts/model_check.py", "commit": "abc", "fit_rms_points": 1.0,
+            "test_rms_points": 2.0, "paper_band": {}}  # the band's data (rendered by render/scaling.py)
+    monkeypatch.setattr(calibration, "band_section", lambda: band)
     script.main(["--gpus", "8,512", "--name", "paper"])
     assert "## The paper's projection, calibrated" in (tmp_path / "runs" / "paper.md").read_text()
     script.main(["--gpus", "8,512", "--link-gbps", "100", "--name", "other"])  # not the paper's: no band
@@ -241,8 +244,8 @@ def test_pytorchs_fp16_hook_sends_two_bytes_and_agrees_on_no_scale() -> None:
     hook = pm.strategy_of("ddp-fp16")
     # comm=ddp comm.wire=fp16 is the same configuration (the factory builds PyTorch's hook for both);
     # our fp16 wire under DDP is the one over our ring (sum_hook), which agrees on a scale
-    same = pm.Strategy.from_knobs("ddp + fp16", knobs.resolve({"strategy": "ddp", "wire": "fp16"}))
-    ours = pm.Strategy.from_knobs("ddp, our fp16 wire", knobs.resolve({"strategy": "ddp", "wire": "fp16",
+    same = pm.Strategy.from_plan("ddp + fp16", resolve({"strategy": "ddp", "wire": "fp16"}))
+    ours = pm.Strategy.from_plan("ddp, our fp16 wire", resolve({"strategy": "ddp", "wire": "fp16",
                                                                        "algorithm": "ring"}))
     assert (hook.wire_bytes, hook.shared_scale, hook.low_rank) == (2, False, 0) and ours.shared_scale
     assert not same.shared_scale
@@ -254,7 +257,8 @@ def test_pytorchs_fp16_hook_sends_two_bytes_and_agrees_on_no_scale() -> None:
 def test_an_unknown_pricing_rule_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     import dataclasses
 
-    monkeypatch.setitem(registry.SPARSIFIERS, "powersgd",
-                        dataclasses.replace(registry.SPARSIFIERS["powersgd"], pricing="magic"))
+    from gradientflow_repro.comm import powersgd
+
+    monkeypatch.setattr(powersgd, "SPARSIFIER", dataclasses.replace(powersgd.SPARSIFIER, pricing="magic"))
     with pytest.raises(ValueError, match="pricing rule 'magic'"):
         pm.strategy_of("powersgd")

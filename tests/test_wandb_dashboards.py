@@ -15,7 +15,7 @@ import wandb_workspaces.reports.v2 as wr
 import wandb_workspaces.workspaces as ws
 
 from gradientflow_repro.comm import knobs
-from gradientflow_repro.reproduction import wandb_report
+from gradientflow_repro.reproduction import lineup, wandb_report
 from gradientflow_repro.tracking import WANDB_LABEL_KEY
 
 from conftest import FAST, REPO, train, wandb_records
@@ -71,7 +71,7 @@ def one_label_per_preset() -> dict[str, list[str]]:
     """A label of every communication preset ``make reproduce`` compares, with its overrides: labels
     of one preset (``gradientflow`` and ``gradientflow@0.01``) log the same metrics."""
     labels: dict[str, list[str]] = {}
-    for label, options in knobs.COMPARED.items():
+    for label, options in lineup.COMPARED.items():
         overrides = knobs.hydra_overrides(options)
         if not any(chosen[0] == overrides[0] for chosen in labels.values()):
             labels[label] = overrides

@@ -1,5 +1,5 @@
 """Bus bandwidth of the builtin allreduce, our ring and hierarchical allreduce, side by side ->
-results/allreduce.md and .csv.
+results/allreduce.json and .csv, rendered to results/allreduce.md.
 
 For each world size, one set of processes (``cluster.world.spawn``) measures every message size
 with the three algorithms side by side (in rounds; in each round every algorithm runs a warm-up call
@@ -12,6 +12,7 @@ bandwidth-optimal allreduce). Hierarchical treats blocks of ``ranks_per_node`` r
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import statistics
 import time
@@ -21,13 +22,17 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from gradientflow_repro import logs, render
+from gradientflow_repro.bench import provenance
 from gradientflow_repro.cluster.world import spawn
 from gradientflow_repro.comm.base import CommStats
 from gradientflow_repro.comm.hierarchical import HierarchicalSum
 from gradientflow_repro.comm.ring import DEFAULT_SEGMENT_BYTES, ring_allreduce_
-from gradientflow_repro.provenance import environment_facts
 
+log = logging.getLogger(__name__)
 BLOCK_CALLS = 3  # timed calls per algorithm and round
+GOAL_RATIO, GOAL_FROM_BYTES = 0.9, 4 << 20  # the ring at least 0.9x builtin from 4 MiB up
+KIND = "bench.allreduce"
 
 
 def sizes(max_mb: int) -> list[int]:
@@ -83,6 +88,7 @@ def _segmented(kb: int) -> Callable:
 def _measure(rank: int, world: int, backend: str, max_mb: int, per_node: int, out: str, budget_s: float,
              repeats: int, segment_kbs: list[int]) -> None:
     """One rank's sweeps; rank 0 saves the rows to ``out/world<N>.pt``."""
+    logs.configure("bench_allreduce", rank)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     hierarchical = HierarchicalSum(per_node if world % per_node == 0 else 1)
     algorithms = {"builtin": lambda t: dist.all_reduce(t), "ring": ring_allreduce_,
@@ -101,9 +107,8 @@ def _measure(rank: int, world: int, backend: str, max_mb: int, per_node: int, ou
                 rows.append({"world": world, "repeat": repeat, "bytes": size, "algorithm": name,
                              "seconds": seconds, "calls": len(times), "busbw_GBps": busbw,
                              "vs_builtin": vs_builtin})
-                if rank == 0:
-                    print(f"world {world} repeat {repeat} {size / 2**20:9.3f} MiB {name:12s} "
-                          f"{seconds * 1e3:9.2f} ms busbw {busbw:7.3f} GB/s", flush=True)
+                log.info(f"world {world} repeat {repeat} {size / 2**20:9.3f} MiB {name:12s} "
+                         f"{seconds * 1e3:9.2f} ms busbw {busbw:7.3f} GB/s")
             del tensor
     if rank == 0:
         torch.save(rows, Path(out) / f"world{world}.pt")
@@ -118,42 +123,41 @@ def _figures(rows: list[dict], world: int, size: int, algorithm: str, key: str) 
     return [r[key] for r in rows if (r["world"], r["bytes"], r["algorithm"]) == (world, size, algorithm)]
 
 
-def _label(size: int) -> str:
-    return f"{size // 1024} KiB" if size < 2**20 else f"{size // 2**20} MiB"
+def goal(sizes_of_world: list[dict], ratio: float = GOAL_RATIO, from_bytes: int = GOAL_FROM_BYTES) -> dict:
+    """The goal's verdict for one world size (``summary``'s sizes): the ring at least ``ratio`` x
+    builtin, by the median over the sweeps, at every size from ``from_bytes`` up; with the worst
+    median and the lowest single sweep. Not judged (``met`` None) where no such size was timed."""
+    judged = [(statistics.median(s["vs_builtin"]["ring"]), min(s["vs_builtin"]["ring"]), s["bytes"])
+              for s in sizes_of_world if s["bytes"] >= from_bytes]
+    verdict = {"ratio": ratio, "from_bytes": from_bytes, "judged": bool(judged), "met": None}
+    if judged:
+        worst, lowest = min(judged), min(judged, key=lambda v: v[1])
+        verdict.update(met=worst[0] >= ratio, worst_median=worst[0], worst_bytes=worst[2], lowest=lowest[1],
+                       lowest_bytes=lowest[2])
+    return verdict
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
-
-
-def _segments_table(rows: list[dict], world: int, max_mb: int, segment_kbs: list[int]) -> list[str]:
-    """ring / builtin with the default segments and with each ``--ring-segment-kb``, side by side."""
-    names = ["ring"] + [_segments_name(kb) for kb in segment_kbs]
-    lines = [f"Ring segment sizes at world size {world}, each as ring / builtin (paired within rounds):", "",
-             f"| size | ring ({DEFAULT_SEGMENT_BYTES // 1024} KiB segments) | "
-             + " | ".join(names[1:]) + " |", "|---|" + "---|" * len(names)]
-    for size in sizes(max_mb):
-        cells = [_spread(_figures(rows, world, size, name, "vs_builtin"), ".2f") + "x" for name in names]
-        lines.append(f"| {_label(size)} | {' | '.join(cells)} |")
-    return lines + [""]
-
-
-def _goal_verdict(verdicts: list[tuple[float, float, str]]) -> str:
-    """The goal's line from (median ratio, lowest ratio, size label) of each size from 4 MiB up."""
-    if not verdicts:
-        return "Goal (ring at least 0.9x builtin from 4 MiB up): not judged, no size from 4 MiB up was timed."
-    worst = min(verdicts)
-    lowest = min(verdicts, key=lambda v: v[1])
-    return (f"Goal (ring at least 0.9x builtin from 4 MiB up, median over sweeps): worst {worst[0]:.2f}x "
-            f"at {worst[2]}: {'met' if worst[0] >= 0.9 else 'NOT met'}. Lowest single sweep: "
-            f"{lowest[1]:.2f}x at {lowest[2]}.")
+def summary(rows: list[dict], worlds: Sequence[int], max_mb: int, segment_kbs: Sequence[int]) -> list[dict]:
+    """Per world size and message size, every sweep's bus bandwidth by algorithm and ratio to
+    builtin by ring variant (from the CSV's rows), and the goal's verdict."""
+    out = []
+    for world in worlds:
+        entries = [{"bytes": size,
+                    "busbw_GBps": {name: _figures(rows, world, size, name, "busbw_GBps")
+                                   for name in ("builtin", "ring", "hierarchical")},
+                    "vs_builtin": {name: _figures(rows, world, size, name, "vs_builtin")
+                                   for name in ["ring", *(_segments_name(kb) for kb in segment_kbs)]}}
+                   for size in sizes(max_mb)]
+        out.append({"world": world, "sizes": entries, "goal": goal(entries)})
+    return out
 
 
 def bench_allreduce(out: Path, worlds: Sequence[int] = (2, 4), max_mb: int = 256, backend: Optional[str] = None,
                     ranks_per_node: int = 2, budget_s: float = 3.0, repeats: int = 5,
                     segment_kbs: Sequence[int] = (), command: str = "python scripts/bench_allreduce.py") -> str:
-    """Sweep every world size of ``worlds`` and write ``out``.csv (every row) and ``out``.md (the
-    tables); returns the Markdown. ``backend``: default NCCL with CUDA, else gloo."""
+    """Sweep every world size of ``worlds`` and write ``out``.csv (every row), ``out``.json (every
+    sweep's figures and the goal's verdicts, kind ``bench.allreduce``) and ``out``.md rendered from
+    it; returns the Markdown. ``backend``: default NCCL with CUDA, else gloo."""
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     segment_kbs = list(segment_kbs)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -167,38 +171,9 @@ def bench_allreduce(out: Path, worlds: Sequence[int] = (2, 4), max_mb: int = 256
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    facts = environment_facts()
-    machine = facts["gpu"] or f"{facts['cpu']}, {facts['cpu_count']} cores"
-    lines = ["# Allreduce bus bandwidth: builtin vs ring vs hierarchical", "",
-             f"Machine: {machine}; backend {backend}, all ranks on this one machine "
-             f"(hierarchical: blocks of {ranks_per_node} ranks as nodes). torch {facts['torch']}, "
-             f"commit {facts['git_commit']}.", f"Command: `{command}`. Each cell: the median over "
-             f"{repeats} repeated sweeps of the median time per call, as bus bandwidth, with the "
-             "range over the sweeps in brackets. Within a sweep the algorithms are timed side by side, "
-             "in rounds (at least 6 per size): in each round every algorithm runs one untimed warm-up "
-             f"call and then {BLOCK_CALLS} timed calls back to back (as nccl-tests times an operation, "
-             "and as training calls one algorithm again and again), in an order that rotates every "
-             "round; a round's figure is the median of its block. ring / builtin: the median over the "
-             "rounds of builtin's time over ring's in the same round (paired, so drift between rounds "
-             "cancels), then median and range over the sweeps. busbw = bytes/time * 2(N-1)/N "
-             "(nccl-tests).", ""]
-    for world in worlds:
-        lines += [f"## World size {world}", "",
-                  "| size | builtin GB/s | ring GB/s | hierarchical GB/s | ring / builtin |",
-                  "|---|---|---|---|---|"]
-        verdicts = []
-        for size in sizes(max_mb):
-            busbw = {name: _figures(rows, world, size, name, "busbw_GBps")
-                     for name in ("builtin", "ring", "hierarchical")}
-            ratios = _figures(rows, world, size, "ring", "vs_builtin")
-            label = _label(size)
-            cells = [_spread(busbw[name], ".3f") for name in ("builtin", "ring", "hierarchical")]
-            lines.append(f"| {label} | {' | '.join(cells)} | {_spread(ratios, '.2f')}x |")
-            if size >= 4 * 2**20:
-                verdicts.append((statistics.median(ratios), min(ratios), label))
-        lines += ["", _goal_verdict(verdicts), ""]
-        if segment_kbs:
-            lines += _segments_table(rows, world, max_mb, segment_kbs)
-    text = "\n".join(lines)
-    out.with_suffix(".md").write_text(text)
-    return text
+    document = {"provenance": provenance(command, list(worlds)), "backend": backend,
+                "ranks_per_node": ranks_per_node, "repeats": repeats, "block_calls": BLOCK_CALLS,
+                "default_segment_kb": DEFAULT_SEGMENT_BYTES // 1024, "segment_kbs": segment_kbs,
+                "worlds": summary(rows, worlds, max_mb, segment_kbs)}
+    data = render.write_data(out.with_suffix(".json"), KIND, document)
+    return render.render_file(data, out.with_suffix(".md")).read_text()

@@ -27,9 +27,11 @@ from typing import Sequence
 
 import torch
 
-from gradientflow_repro import checkpoint
+from gradientflow_repro import checkpoint, render
+from gradientflow_repro.bench import provenance
 from gradientflow_repro.cluster.world import spawn
 
+KIND = "bench.checkpoint"
 WARNING_S = 180.0  # the Slurm templates' --signal=USR1@180: the time a preempted job has to save
 RANKS, RANKS_PER_NODE = 512, 8
 AGGREGATE_GBPS, PER_NODE_GBPS = 100.0, 10.0  # a mid-size Lustre/GPFS; one client node's link
@@ -105,9 +107,9 @@ def project(params: int, hash_gbps: float) -> dict[str, float]:
 def bench_checkpoint(out: Path, worlds: Sequence[int] = (1, 2, 4, 8), rank_mb: float = 64.0,
                      shared_mb: float = 32.0, repeats: int = 3,
                      command: str = "python scripts/bench_checkpoint.py") -> str:
-    """Measure every world size of ``worlds``, project 512 ranks, write Markdown to ``out``; returns it."""
-    from gradientflow_repro.provenance import environment_facts
-
+    """Measure every world size of ``worlds`` and project 512 ranks; write the figures and the
+    verdicts against the preemption warning beside ``out`` (.json, kind ``bench.checkpoint``) and the
+    Markdown rendered from them to ``out``; returns the Markdown."""
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     measured = {}
@@ -116,52 +118,22 @@ def bench_checkpoint(out: Path, worlds: Sequence[int] = (1, 2, 4, 8), rank_mb: f
             spawn(_measure, world, where, rank_mb, shared_mb, repeats, timeout_s=600)
             measured[world] = torch.load(Path(where) / f"world{world}.pt", weights_only=True)
     hash_gbps = _hash_rate_gbps()
-    facts = environment_facts()
-    machine = facts["gpu"] or f"{facts['cpu']}, {facts['cpu_count']} cores"
-    lines = ["# Checkpoints: save and resume time against world size", "",
-             f"Machine: {machine}; gloo ranks on this one machine, one local disk (files read back from its "
-             f"page cache). torch {facts['torch']}, commit {facts['git_commit']}. The run took "
-             f"{time.perf_counter() - started:.0f} s.", f"Command: `{command}`.", "",
-             f"Per rank: a CSC-like state of {rank_mb:g} MB (residual + velocity, fp32; AlexNet-BN's is "
-             f"about 490 MB); rank 0 also a shared state of {shared_mb:g} MB. Each figure: the slowest rank's "
-             f"seconds, median of {repeats}. *rank 0 hashes all*: what the previous design added at every "
-             "save and every resume (rank 0 alone hashing every rank's file, the others waiting).", "",
-             "| world size | bytes per rank | total bytes | save s | resume s (verify + load) | "
-             "rank 0 hashes all s |", "|---|---|---|---|---|---|"]
+    document = {"provenance": provenance(command, list(worlds)), "elapsed_s": time.perf_counter() - started,
+                "rank_mb": rank_mb, "shared_mb": shared_mb, "repeats": repeats, "measured": [],
+                "ranks": RANKS, "ranks_per_node": RANKS_PER_NODE, "warning_s": WARNING_S, "hash_gbps": hash_gbps,
+                "file_system": {"aggregate_gbps": AGGREGATE_GBPS, "per_node_gbps": PER_NODE_GBPS,
+                                "stream_gbps": STREAM_GBPS}, "projection": []}
     for world, every in measured.items():
         seconds = [[max(rank["rows"][i][k] for rank in every) for i in range(repeats)] for k in range(3)]
-        per_rank = every[0]["bytes"]
-        total = sum(rank["bytes"] for rank in every) + shared_mb * 1e6
         save, resume, old = (statistics.median(s) for s in seconds)
-        lines.append(f"| {world} | {per_rank / 1e6:.1f} MB | {total / 1e6:.0f} MB | {save:.2f} | {resume:.2f} | "
-                     f"{old:.2f} |")
-    cores = facts["cpu_count"] or 1
-    lines += ["", f"With {cores} cores, ranks beyond {cores} take turns on them and share one disk: here the "
-              "save and resume times grow with the total bytes, as they would on one file-system client; "
-              "what the table shows is that no rank does more than its own share (save and resume stay "
-              "one rank's file of work per rank), while *rank 0 hashes all* grows with the world size.", "",
-              "## Projection: 512 ranks (64 nodes of 8), `comm=gradientflow`", "",
-              f"File system: {AGGREGATE_GBPS:g} GB/s aggregate, {PER_NODE_GBPS:g} GB/s per client node "
-              f"(a mid-size Lustre or GPFS, one 100 Gb/s link per node), {STREAM_GBPS:g} GB/s for one process "
-              f"reading or writing one file; SHA-256 at {hash_gbps:.2f} GB/s per stream (measured here). "
-              "Per rank: residual + velocity in fp32 (8 bytes per parameter; "
-              "the residual covers the weights CSC sparsifies, taken here as every parameter); shared: "
-              "weights + momentum in fp32, once. Save: max(total / aggregate, one node's bytes / per-node, "
-              "rank 0's two files / one stream); "
-              "resume: every rank reads shared + its own file (same bounds) and hashes them in parallel. "
-              f"Previous design: plus rank 0 reading and hashing every file, one after another. Against the "
-              f"{WARNING_S:.0f} s preemption warning (`--signal=USR1@180`).", "",
-              "| model | parameters | per rank | per checkpoint | save s | resume s | previous save s | "
-              "previous resume s | save within 180 s |", "|---|---|---|---|---|---|---|---|---|"]
+        document["measured"].append({"world": world, "bytes_per_rank": every[0]["bytes"],
+                                     "total_bytes": sum(rank["bytes"] for rank in every) + shared_mb * 1e6,
+                                     "save_s": save, "resume_s": resume, "old_s": old})
     for label, name in (("AlexNet-BN", "alexnet_bn"), ("ResNet-50", "resnet50")):
         params = _parameters(name)
         p = project(params, hash_gbps)
-        lines.append(f"| {label} | {params / 1e6:.1f} M | {p['per_rank_gb']:.2f} GB | {p['total_gb']:.0f} GB | "
-                     f"{p['save_s']:.0f} | {p['resume_s']:.0f} | {p['old_save_s']:.0f} | {p['old_resume_s']:.0f} | "
-                     f"{'yes' if p['save_s'] < WARNING_S else 'no'} (previous: "
-                     f"{'yes' if p['old_save_s'] < WARNING_S else 'no'}) |")
-    lines += ["", "Keep=3 holds three such checkpoints. The save is bound by the aggregate bandwidth (total "
-              "bytes / aggregate), no longer by one rank's hashing.", ""]
-    text = "\n".join(lines)
-    out.write_text(text)
-    return text
+        document["projection"].append({"label": label, "params": params, **p,
+                                       "within_warning": p["save_s"] < WARNING_S,
+                                       "old_within_warning": p["old_save_s"] < WARNING_S})
+    data = render.write_data(out.with_suffix(".json"), KIND, document)
+    return render.render_file(data, out).read_text()

@@ -1,4 +1,4 @@
-"""Communication strategies on real gradient shapes -> results/comm.md
+"""Communication strategies on real gradient shapes -> results/comm.json, rendered to results/comm.md
 
 For torchvision's AlexNet and ResNet-50 (their gradient shapes do not depend on the input size:
 both end in an adaptive pool, so a small random input gives the real 61M / 25.6M-parameter
@@ -10,6 +10,7 @@ issued. CSC is measured in its sparse phase (after warm-up).
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from pathlib import Path
@@ -18,21 +19,28 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from gradientflow_repro import logs, render, variants
+from gradientflow_repro.bench import lineup, provenance
 from gradientflow_repro.cluster.world import spawn
-from gradientflow_repro.comm import build_communicator, registry
+from gradientflow_repro.comm import build_communicator
 from gradientflow_repro.models import build_model
-from gradientflow_repro.provenance import environment_facts
+
+log = logging.getLogger(__name__)
+KIND = "bench.comm"
+LAZY_WAIT_LIMIT = 0.5  # lazy with overlap waits at most half as long as per-tensor allreduce (ResNet-50)
+CSC_BYTES_LIMIT = 0.12  # CSC at density 0.1 sends at most 12% of the dense bytes
 
 
 def configs() -> list[tuple[str, dict]]:
-    """(label, ``comm.*`` options) of every strategy measured: the registry's ``COMM_BENCH`` list
+    """(label, ``comm.*`` options) of every strategy measured: ``lineup.comm_bench``
     (per-tensor allreduce, the pool's part size with and without overlap, DDP, CSC's density, and
     PyTorch's own fp16 and PowerSGD hooks beside them)."""
-    return list(registry.options_of(registry.COMM_BENCH).items())
+    return list(variants.options_of(lineup.comm_bench()).items())
 
 
 def _measure(rank: int, world: int, models: list[str], steps: int, image: int, out: str) -> None:
     """One rank's steps of every model and strategy; rank 0 saves the rows to ``out/comm_rows.pt``."""
+    logs.configure("bench_comm", rank)
     rows = []
     for model_name in models:
         for label, options in configs():
@@ -67,10 +75,9 @@ def _measure(rank: int, world: int, models: list[str], steps: int, image: int, o
             rows.append({"model": model_name, "params": params, "config": label, "options": options,
                          "wait_s": statistics.median(waits), "step_s": statistics.median(totals),
                          "bytes": statistics.median(sent), "collectives": statistics.median(collectives)})
-            if rank == 0:
-                print(f"{model_name:9s} {label:28s} wait {rows[-1]['wait_s']:.3f}s step "
-                      f"{rows[-1]['step_s']:.3f}s {rows[-1]['bytes'] / 2**20:8.1f} MiB "
-                      f"{rows[-1]['collectives']:.0f} collectives", flush=True)
+            log.info(f"{model_name:9s} {label:28s} wait {rows[-1]['wait_s']:.3f}s step "
+                     f"{rows[-1]['step_s']:.3f}s {rows[-1]['bytes'] / 2**20:8.1f} MiB "
+                     f"{rows[-1]['collectives']:.0f} collectives")
             del model, train_model, comm
     if rank == 0:
         torch.save(rows, Path(out) / "comm_rows.pt")
@@ -78,49 +85,31 @@ def _measure(rank: int, world: int, models: list[str], steps: int, image: int, o
 
 def bench_comm(out: Path, world: int = 4, steps: int = 3, image: int = 64,
                models: Sequence[str] = ("alexnet", "resnet50"), command: str = "python scripts/bench_comm.py") -> str:
-    """Measure every strategy of ``configs()`` on every model and write ``out``; returns the Markdown."""
+    """Measure every strategy of ``configs()`` on every model; write the rows and the goals'
+    verdicts beside ``out`` (.json, kind ``bench.comm``) and the Markdown rendered from them to
+    ``out``; returns the Markdown."""
     models = list(models)
     out.parent.mkdir(parents=True, exist_ok=True)
     spawn(_measure, world, models, steps, image, str(out.parent), timeout_s=900)
     rows = torch.load(out.parent / "comm_rows.pt", weights_only=True)
     (out.parent / "comm_rows.pt").unlink()
-    facts = environment_facts()
-    lines = ["# Communication strategies on AlexNet and ResNet-50 gradients", "",
-             f"Machine: {facts['cpu']}, {facts['cpu_count']} cores, no GPU; {world} gloo ranks on "
-             f"this machine (loopback, no network emulation). torch {facts['torch']}, commit "
-             f"{facts['git_commit']}.",
-             f"Command: `{command}`. Batch 2 of {image}x{image} random images per rank (the "
-             f"gradient shapes are the real ones); medians of {steps} steps after one warm-up step "
-             "(PowerSGD: after the steps it sends whole, `Communicator.steps_sent_whole`). "
-             "Bytes: what this rank sent (ring-equivalent 2(N-1)/N of the payload for builtin collectives). "
-             "DDP and its hooks (`ddp`, `ddp-fp16`, `powersgd`) reduce inside backward, so they wait "
-             "nothing in `synchronize()`: compare steps.",
-             ""]
-    goals = []
+    document = {"provenance": provenance(command, world), "world": world, "steps": steps, "image": image,
+                "models": [], "goals": []}
     for model in models:
         subset = [r for r in rows if r["model"] == model]
         dense = next(r for r in subset if r["options"] == {"strategy": "allreduce"})  # per-tensor allreduce
-        lines += [f"## {model} ({subset[0]['params'] / 1e6:.1f}M parameters, "
-                  f"{subset[0]['params'] * 4 / 2**20:.0f} MiB of fp32 gradients)", "",
-                  "| strategy | wait in synchronize (s/step) | step (s) | MiB sent/step | of dense "
-                  "| collectives/step |",
-                  "|---|---|---|---|---|---|"]
-        for r in subset:
-            lines.append(f"| {r['config']} | {r['wait_s']:.3f} | {r['step_s']:.3f} | {r['bytes'] / 2**20:.1f} "
-                         f"| {100 * r['bytes'] / dense['bytes']:.1f}% | {r['collectives']:.0f} |")
-        lines.append("")
+        document["models"].append({"model": model, "params": subset[0]["params"], "rows": [
+            {**r, "of_dense": r["bytes"] / dense["bytes"]} for r in subset]})
         if model == "resnet50":
             best = min((r for r in subset if r["options"]["strategy"] == "lazy" and r["options"].get("overlap")),
                        key=lambda r: r["wait_s"])
-            goals.append(f"lazy with overlap waits at most half as long as per-tensor allreduce on ResNet-50: "
-                         f"{best['config']} waits {best['wait_s']:.3f}s vs {dense['wait_s']:.3f}s "
-                         f"({best['wait_s'] / dense['wait_s']:.2f}x): "
-                         f"{'met' if best['wait_s'] <= dense['wait_s'] / 2 else 'NOT met'}")
+            document["goals"].append({"goal": "lazy_wait", "model": model, "config": best["config"],
+                                      "wait_s": best["wait_s"], "dense_wait_s": dense["wait_s"],
+                                      "ratio": best["wait_s"] / dense["wait_s"], "limit": LAZY_WAIT_LIMIT,
+                                      "met": best["wait_s"] <= LAZY_WAIT_LIMIT * dense["wait_s"]})
         csc = next(r for r in subset if r["options"]["strategy"] == "csc" and r["options"].get("density") == 0.1)
-        goals.append(f"csc at density 0.1 puts at most 12% of the dense bytes on the wire ({model}): "
-                     f"{100 * csc['bytes'] / dense['bytes']:.1f}%: "
-                     f"{'met' if csc['bytes'] <= 0.12 * dense['bytes'] else 'NOT met'}")
-    lines += ["## Goals", ""] + [f"- {g}" for g in goals] + [""]
-    text = "\n".join(lines)
-    out.write_text(text)
-    return text
+        document["goals"].append({"goal": "csc_bytes", "model": model, "density": 0.1,
+                                  "share": csc["bytes"] / dense["bytes"], "limit": CSC_BYTES_LIMIT,
+                                  "met": csc["bytes"] <= CSC_BYTES_LIMIT * dense["bytes"]})
+    data = render.write_data(out.with_suffix(".json"), KIND, document)
+    return render.render_file(data, out).read_text()

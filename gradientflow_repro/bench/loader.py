@@ -1,4 +1,8 @@
-"""Loader and harness-overhead benchmark -> results/loader.md
+"""Loader and harness-overhead benchmark -> results/loader.json, rendered to results/loader.md
+
+Each item below measures into its part of one document (kind ``bench.loader``: ``loaders`` for
+items 1 and 2, ``feeder``, ``shards``), each part with the provenance of the run that measured it,
+so that one part can be measured again alone (``write_parts``) and the Markdown rendered from all.
 
 1. Images/s of the DALI CPU pipeline against the torchvision ImageFolder-style loader, reading the
    same JPEG folder with the same number of threads (DALI threads = DataLoader workers), measured
@@ -7,7 +11,7 @@
 2. The harness's per-step overhead: Trainer.train_step (schedule, autocast, communicator, agreed
    finiteness check, logging) against a plain PyTorch loop over the same model, optimizer and batch.
 3. The training feeder alone (``bench_feeder``, also run by itself with ``--feeder-only``, which
-   rewrites only its section): the DALI external source's work per batch (read each file, parse its
+   replaces only its part): the DALI external source's work per batch (read each file, parse its
    header, draw the crop window and flip: ``dali.EpochBatches``), without decoding, on synthetic
    JPEGs of ImageNet's typical size, in one process (one reader worker's rate) and through DALI's
    pool of reader workers; hence how many workers one rank needs for the paper's per-GPU rate.
@@ -16,22 +20,29 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import math
-import re
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from gradientflow_repro import REPO
+from gradientflow_repro import REPO, render
+from gradientflow_repro.bench import provenance
 from gradientflow_repro.config import compose
 from gradientflow_repro.data.dali import DaliSource, EpochBatches
 from gradientflow_repro.data.digits import build_digits
 from gradientflow_repro.data.folder import TorchvisionSource
 from gradientflow_repro.data.listing import ImageOptions, Listing, list_image_folder
-from gradientflow_repro.provenance import environment_facts
+
+log = logging.getLogger(__name__)
+KIND = "bench.loader"
+DALI_GOAL_RATIO = 1.3  # DALI at least 1.3x the torchvision loader's images/s
+OVERHEAD_LIMIT_PERCENT = 5.0  # the harness's step at most 5% slower than a plain loop
 
 
 def imagenet_sized_copy(digits: Path, dest: Path, per_class: int = 60) -> Path:
@@ -105,9 +116,10 @@ def step_overhead(steps: int, rounds: int) -> tuple[float, float]:
     return statistics.median(harness_times), statistics.median(plain_times)
 
 
-def bench_loader(out: Path, threads: int = 2, batches: int = 30, rounds: int = 3, steps: int = 60,
-                 command: str = "python scripts/bench_loader.py") -> str:
-    """The three measurements, written to ``out``; returns the Markdown."""
+def bench_loader(threads: int = 2, batches: int = 30, rounds: int = 3, steps: int = 60,
+                 command: str = "python scripts/bench_loader.py") -> dict[str, Any]:
+    """Items 1 and 2 of the module: the loaders side by side and the harness's overhead, with the
+    goals' verdicts; the document's ``loaders`` part (``write_parts``)."""
     torch.set_num_threads(1)
     digits = build_digits(REPO / "data" / "digits")
     large = imagenet_sized_copy(digits, REPO / "data" / "digits_320")
@@ -115,63 +127,37 @@ def bench_loader(out: Path, threads: int = 2, batches: int = 30, rounds: int = 3
                ("digits re-encoded 320x256 JPEG, crop 224", large, 224, 32)]
     rows = []
     for label, root, size, batch in folders:
-        rates = {"dali": [], "torchvision": []}
+        rates: dict[str, list[float]] = {"dali": [], "torchvision": []}
         for round_ in range(rounds):
             for name, kind in (("dali", DaliSource), ("torchvision", TorchvisionSource)):
                 rates[name].append(loader_rate(kind, root, threads, batch, batches, size))
-                print(f"{label} round {round_ + 1}/{rounds} {name}: {rates[name][-1]:.0f} images/s", flush=True)
-        dali, tv = statistics.median(rates["dali"]), statistics.median(rates["torchvision"])
-        rows.append((label, batch, dali, min(rates["dali"]), max(rates["dali"]), tv,
-                     min(rates["torchvision"]), max(rates["torchvision"]), dali / tv))
+                log.info(f"{label} round {round_ + 1}/{rounds} {name}: {rates[name][-1]:.0f} images/s")
+        ratio = statistics.median(rates["dali"]) / statistics.median(rates["torchvision"])
+        rows.append({"label": label, "batch": batch, **{name: _spread(rates[name]) for name in rates},
+                     "ratio": ratio, "met": ratio >= DALI_GOAL_RATIO})
     harness, plain = step_overhead(steps, rounds)
-    facts = environment_facts()
-    lines = [
-        "# Data loader and harness overhead",
-        "",
-        f"Machine: {facts['cpu']}, {facts['cpu_count']} cores, no GPU. torch {facts['torch']}, DALI "
-        f"{facts['dali']}, commit {facts['git_commit']}. One process (world size 1).",
-        f"Command: `{command}` (loaders: medians of {rounds} alternating rounds, {batches} batches each "
-        f"after a warm-up batch; {threads} DALI threads vs {threads} DataLoader workers; torch uses 1 thread).",
-        "",
-        "## DALI CPU pipeline vs torchvision loader (training augmentation: random-resized crop, flip, normalize)",
-        "",
-        "| folder | batch | DALI images/s (min-max) | torchvision images/s (min-max) | DALI / torchvision |",
-        "|---|---|---|---|---|",
-    ]
-    for label, batch, dali, dmin, dmax, tv, tmin, tmax, ratio in rows:
-        lines.append(f"| {label} | {batch} | {dali:.0f} ({dmin:.0f}-{dmax:.0f}) | {tv:.0f} ({tmin:.0f}-{tmax:.0f}) "
-                     f"| {ratio:.2f}x |")
     overhead = 100 * (harness / plain - 1)
-    lines += [
-        "",
-        "Goal: DALI at least 1.3x: "
-        + ", ".join(f"{'met' if r[-1] >= 1.3 else 'NOT met'} on {r[0]}" for r in rows) + ".",
-        "",
-        "## Harness per-step overhead",
-        "",
-        "AlexNet-BN (width 0.25, 32-px input), batch 64, bf16 autocast, LARS, synthetic batch, world size 1, "
-        "2 torch threads; "
-        f"{rounds * steps} steps of each loop, alternated step by step; median step time.",
-        "",
-        "| loop | seconds per step (median) |",
-        "|---|---|",
-        f"| plain PyTorch (autocast, backward, optimizer.step) | {plain:.4f} |",
-        f"| harness Trainer.train_step (schedule, communicator, agreed finiteness, logging) | {harness:.4f} |",
-        "",
-        f"Overhead: {overhead:+.1f}% (goal: under 5%: {'met' if overhead < 5 else 'NOT met'}).",
-        "",
-    ]
-    text = "\n".join(lines)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    write_feeder_section(out, bench_feeder(rounds=rounds), command)
-    from gradientflow_repro.bench.loader_shards import SHARDS_JSON, bench_shards, write_shards_section
+    return {"provenance": provenance(command, 1), "threads": threads, "batches": batches, "rounds": rounds,
+            "rows": rows, "goal_ratio": DALI_GOAL_RATIO,
+            "overhead": {"steps": rounds * steps, "plain_s": plain, "harness_s": harness, "percent": overhead,
+                         "limit_percent": OVERHEAD_LIMIT_PERCENT, "met": overhead < OVERHEAD_LIMIT_PERCENT}}
 
-    return write_shards_section(out, bench_shards(out.parent / SHARDS_JSON, rounds=rounds, command=command))
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def write_parts(out_json: Path, parts: dict[str, Any]) -> str:
+    """Put ``parts`` (``loaders``, ``feeder``, ``shards``) into the document ``out_json`` (kind
+    ``bench.loader``), keeping the parts it already holds and the runs that measured them, and
+    render it beside (.md); returns the Markdown."""
+    document = json.loads(out_json.read_text()) if out_json.exists() else {}
+    document = {key: value for key, value in document.items() if key != "kind"}
+    document.update(parts)
+    return render.render_file(render.write_data(out_json, KIND, document)).read_text()
 
 
 PAPER_IMAGES_PER_GPU = 3297  # AlexNet-BN images/s per GPU in the paper (fp16)
-FEEDER_SECTION = "## Training feeder alone"
 IMAGENET_SHAPES = ((500, 375), (375, 500), (500, 333), (500, 400))  # the commonest ILSVRC-2012 shapes
 
 
@@ -275,8 +261,9 @@ def pool_rate(source: EpochBatches, workers: int, depth: int, batches: int,
     return batches / elapsed, cpu / batches
 
 
-def bench_feeder(batch: int = 128, batches: int = 40, rounds: int = 3, files: int = 320) -> list[str]:
-    """The feeder section's Markdown (without its provenance line): see the module's item 3."""
+def bench_feeder(batch: int = 128, batches: int = 40, rounds: int = 3, files: int = 320,
+                 command: str = "python scripts/bench_loader.py") -> dict[str, Any]:
+    """Item 3 of the module, the training feeder alone: the document's ``feeder`` part."""
     from gradientflow_repro.data.cpus import loader_cpus, source_queue_depth
 
     slurm = loader_cpus(None, None, on_gpu=True, environ={"SLURM_CPUS_PER_TASK": "12"}, affinity=set(range(12)))
@@ -296,87 +283,26 @@ def bench_feeder(batch: int = 128, batches: int = 40, rounds: int = 3, files: in
         for round_ in range(rounds):  # alternate the variants: both see the same machine state
             for label, _ in variants:
                 rates[label].append(feeder_rate(sources[label], batches))
-                print(f"feeder round {round_ + 1}/{rounds} {label.split(':')[0]}: "
-                      f"{rates[label][-1] * batch:.0f} images/s", flush=True)
+                log.info(f"feeder round {round_ + 1}/{rounds} {label.split(':')[0]}: "
+                         f"{rates[label][-1] * batch:.0f} images/s")
         for label, _ in variants:
-            rows.append((label, statistics.median(rates[label]), min(rates[label]), max(rates[label])))
+            rows.append({"label": label, "batches_per_s": _spread(rates[label])})
         for workers in (1, 2):
             for depth in sorted({1, source_queue_depth(2, workers)}):
                 measured = sorted(pool_rate(sources[variants[0][0]], workers, depth, batches)
                                   for _ in range(rounds))
                 rate, main_cpu = measured[len(measured) // 2]  # the round of median rate
-                print(f"pool {workers} worker(s), depth {depth}: {rate * batch:.0f} images/s", flush=True)
-                pool_rows.append((workers, depth, rate, main_cpu, measured[0][0], measured[-1][0]))
-    per_worker = rows[0][1] * batch
-    needed = math.ceil(PAPER_IMAGES_PER_GPU / per_worker)
-    lines = [
-        f"{files} synthetic JPEGs of ImageNet's typical size ({', '.join(f'{w}x{h}' for w, h in IMAGENET_SHAPES)}, "
-        f"quality 90, {statistics.mean(sizes) / 1e3:.0f} KB on average, one in eight with an EXIF "
-        f"rotation), read from the page cache; batch {batch} (AlexNet-BN's per-GPU batch at 64K on 512 "
-        f"GPUs); no decoding. One reader worker's rate: `EpochBatches` called in one process, "
-        f"{batches} batches after a warm-up one, median of {rounds} alternating rounds.",
-        "",
-        "| feeder work per batch | batches/s per worker (min-max) | images/s per worker |",
-        "|---|---|---|",
-    ]
-    for label, median, low, high in rows:
-        lines.append(f"| {label} | {median:.1f} ({low:.1f}-{high:.1f}) | {median * batch:.0f} |")
-    share = 100 * (1 - rows[0][1] / rows[1][1])
-    lines += [
-        "",
-        "Through DALI's pool of reader workers (parallel external source, a pipeline that only passes "
-        "the feeder's outputs on; `depth`: the source's `prefetch_queue_depth`, batches scheduled ahead, "
-        "one worker each; the loader sets it to at least the number of workers):",
-        "",
-        "| reader workers | depth | batches/s | images/s (min-max over rounds) | training process CPU ms per batch |",
-        "|---|---|---|---|---|",
-    ]
-    for workers, depth, rate, main_cpu, low, high in pool_rows:
-        lines.append(f"| {workers} | {depth} | {rate:.1f} | {rate * batch:.0f} ({low * batch:.0f}-{high * batch:.0f}) "
-                     f"| {1000 * main_cpu:.1f} |")
-    pooled = max(row[2] for row in pool_rows if row[0] == 1) * batch
-    through_pool = math.ceil(PAPER_IMAGES_PER_GPU / pooled)
-    lines += [
-        "",
-        f"The header parse is {share:.0f}% of one worker's work (caching the sizes would save that, "
-        "not needed at the paper's rate). One worker does the feeder's work for "
-        f"{per_worker:.0f} images/s: **{needed} reader worker{'s' if needed > 1 else ''}** per rank "
-        f"for the paper's {PAPER_IMAGES_PER_GPU} images/s per GPU. Through DALI's pool, on "
-        f"{environment_facts()['cpu_count']} cores shared by the worker, the training process and its "
-        f"DALI thread, one worker delivered {pooled:.0f} images/s ({100 * (pooled / PAPER_IMAGES_PER_GPU - 1):+.0f}% "
-        f"against the paper's rate): **{through_pool}** by that count. "
-        "Both with files in the page cache and cores as fast as these. The default (`data/cpus.py`: a "
-        f"quarter of the spare cores, at least one on a GPU: {slurm.workers} of a {slurm.cpus}-CPU task, "
-        f"{slurm.threads} DALI threads) covers "
-        "the larger count, with room for file systems whose reads wait on the network. Decoding is not "
-        "in these numbers: on a GPU it runs in nvJPEG and DALI's threads.",
-        "",
-    ]
-    return lines
-
-
-def _provenance(command: str, facts: dict) -> str:
-    return (f"Made by `{command}` at commit {facts['git_commit']} on {facts['cpu']}, "
-            f"{facts['cpu_count']} cores, no GPU; torch {facts['torch']}, DALI {facts['dali']}.")
-
-
-def write_feeder_section(out: Path, lines: list[str], command: str) -> str:
-    """Put the feeder section (with its own provenance) into ``out``, replacing an earlier one and
-    leaving the other sections, and the command and commit that made them, as they are."""
-    return write_section(out, FEEDER_SECTION, [_provenance(command, environment_facts()), "", *lines])
-
-
-def write_section(out: Path, title: str, lines: list[str]) -> str:
-    """Put section ``title`` (``lines`` under it) into ``out``, replacing an earlier one and leaving
-    the other sections as they are."""
-    section = "\n".join([title, "", *lines])
-    text = out.read_text() if out.exists() else "# Data loader and harness overhead\n"
-    pattern = re.compile(rf"^{re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section.rstrip("\n") + "\n\n", text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    text = text.rstrip("\n") + "\n"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    return text
+                log.info(f"pool {workers} worker(s), depth {depth}: {rate * batch:.0f} images/s")
+                pool_rows.append({"workers": workers, "depth": depth, "batches_per_s": rate, "main_cpu_s": main_cpu,
+                                  "min": measured[0][0], "max": measured[-1][0]})
+    per_worker = rows[0]["batches_per_s"]["median"] * batch
+    pooled = max(row["batches_per_s"] for row in pool_rows if row["workers"] == 1) * batch
+    return {"provenance": provenance(command, 1), "files": files, "batch": batch, "batches": batches,
+            "rounds": rounds, "shapes": [f"{w}x{h}" for w, h in IMAGENET_SHAPES],
+            "mean_bytes": statistics.mean(sizes), "rows": rows, "pool": pool_rows,
+            "paper_images_per_gpu": PAPER_IMAGES_PER_GPU, "images_per_worker": per_worker,
+            "needed_workers": math.ceil(PAPER_IMAGES_PER_GPU / per_worker), "pooled_images_per_s": pooled,
+            "needed_workers_through_pool": math.ceil(PAPER_IMAGES_PER_GPU / pooled),
+            "header_share_percent": 100 * (1 - rows[0]["batches_per_s"]["median"]
+                                           / rows[1]["batches_per_s"]["median"]),
+            "default_workers": {"workers": slurm.workers, "cpus": slurm.cpus, "threads": slurm.threads}}

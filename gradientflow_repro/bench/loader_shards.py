@@ -1,5 +1,5 @@
-"""ImageNet from shards against files -> the section "ImageNet from shards against files" of
-results/loader.md, rendered from results/loader_shards.json.
+"""ImageNet from shards against files -> the ``shards`` part of results/loader.json, rendered as the
+section "ImageNet from shards against files" of results/loader.md.
 
 The same synthetic ImageNet-sized JPEGs (``loader.synthetic_imagenet``) read by one DALI thread
 from the folder (``data.kind=folder``: one file per image, the external source of
@@ -7,13 +7,13 @@ from the folder (``data.kind=folder``: one file per image, the external source o
 ``data/shard_reader.py``), first reading only (what a rank's CPU does on a GPU node, where nvJPEG
 decodes), then with decoding to 224-pixel crops; images/s, images per CPU-second of the process and
 files opened per second (counted by inotify, without tracing the loader); hence the CPU cores per
-GPU the paper's pace needs. ``bench_shards`` writes the measurements as JSON;
-``render_shards_section`` makes the Markdown from that file alone.
+GPU the paper's pace needs. ``bench_shards`` returns the measurements with their ``summary`` (the
+ratios and the goals' verdicts); ``render/bench_loader.py`` words them.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import statistics
 import struct
@@ -24,13 +24,14 @@ from typing import Any, Callable
 
 import torch
 
-from gradientflow_repro.bench.loader import _feeder, synthetic_imagenet, write_section
+from gradientflow_repro.bench import provenance
+from gradientflow_repro.bench.loader import _feeder, synthetic_imagenet
 from gradientflow_repro.data.dali import DaliSource, EpochBatches
 from gradientflow_repro.data.listing import ImageOptions, list_image_folder
 from gradientflow_repro.provenance import environment_facts
 
-SHARDS_SECTION = "## ImageNet from shards against files"
-SHARDS_JSON = "loader_shards.json"  # beside the Markdown
+log = logging.getLogger(__name__)
+SHARDS_GOAL_RATIO = 2.0  # shards at least 2x the images/s of files per reader thread
 PAPER_IMAGES_PER_S, PAPER_GPUS = 1.35e6, 512  # the paper's AlexNet pace, over all its GPUs
 IN_OPEN, IN_ISDIR, IN_Q_OVERFLOW = 0x20, 0x40000000, 0x4000
 
@@ -147,15 +148,17 @@ def _cpu_with_children() -> float:
                for part in resource.getrusage(who)[:2])
 
 
-def bench_shards(out_json: Path, count: int = 2048, batch: int = 128, read_batches: int = 48,
+def bench_shards(count: int = 2048, batch: int = 128, read_batches: int = 48,
                  decode_batches: int = 6, rounds: int = 3, command: str = "python scripts/bench_loader.py") -> dict:
-    """Measure section 4 on ``count`` synthetic ImageNet-sized JPEGs in a temporary folder; write
-    the measurements to ``out_json`` and return them."""
+    """Measure section 4 on ``count`` synthetic ImageNet-sized JPEGs in a temporary folder: the
+    document's ``shards`` part (``loader.write_parts``), every round's figures and their ``summary``."""
     from gradientflow_repro.data.shards import SAMPLES_PER_SHARD, write_shards
 
     load = [os.getloadavg()[0]]
     torch.set_num_threads(1)
-    data: dict[str, Any] = {"command": command, "facts": environment_facts(), "world_size": 1, "count": count,
+    facts = environment_facts()
+    data: dict[str, Any] = {"provenance": provenance(command, 1, facts), "command": command, "facts": facts,
+                            "world_size": 1, "count": count,
                             "batch": batch, "rounds": rounds, "samples_per_shard": SAMPLES_PER_SHARD,
                             "read_batches": read_batches, "decode_batches": decode_batches, "results": {}}
     with tempfile.TemporaryDirectory(prefix="shards-bench-") as tmp:
@@ -175,81 +178,29 @@ def bench_shards(out_json: Path, count: int = 2048, batch: int = 128, read_batch
                     finally:
                         counter.close()
                     data["results"].setdefault(f"{stage}/{kind}", []).append(measured)
-                    print(f"{stage} {kind} round {round_ + 1}/{rounds}: {measured['images_per_s']:.0f} images/s, "
-                          f"{measured['opens_per_s']:.0f} opens/s", flush=True)
+                    log.info(f"{stage} {kind} round {round_ + 1}/{rounds}: {measured['images_per_s']:.0f} "
+                             f"images/s, {measured['opens_per_s']:.0f} opens/s")
     load.append(os.getloadavg()[0])
     data["load_average"] = load
-    out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(data, indent=1) + "\n")
+    data["summary"] = summarize(data)
     return data
 
 
-def render_shards_section(data: dict) -> list[str]:
-    """The section's Markdown from ``bench_shards``' measurements."""
-    facts, per_gpu = data["facts"], PAPER_IMAGES_PER_S / PAPER_GPUS
+def summarize(data: dict) -> dict[str, Any]:
+    """The figures and verdicts the section states, from ``bench_shards``' rounds (medians): the
+    shards' images/s and images per CPU-second over the files' (goal: at least 2x per reader
+    thread), files opened per second (goal: down by at least the shard size), and CPU cores per GPU
+    at the paper's pace."""
+    per_gpu = PAPER_IMAGES_PER_S / PAPER_GPUS
 
     def median(key: str, field: str) -> float:
         return statistics.median(r[field] for r in data["results"][key])
 
-    def spread(key: str, field: str) -> str:
-        values = [r[field] for r in data["results"][key]]
-        return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
-
-    shared = (f"shared with other work (load average {data['load_average'][0]:.1f} at the start, "
-              f"{data['load_average'][1]:.1f} at the end, on {facts['cpu_count']} cores)")
-    lines = [f"Made by `{data['command']}` at commit {facts['git_commit']} on {facts['cpu']}, {facts['cpu_count']} "
-             f"cores, {shared}, no GPU; torch {facts['torch']}, DALI {facts['dali']}. One process (world size "
-             f"{data['world_size']}); measurements in `results/{SHARDS_JSON}`, this section rendered from it.",
-             "",
-             f"{data['count']} synthetic JPEGs of ImageNet's typical size ({data['mean_bytes'] / 1e3:.0f} KB on "
-             f"average), 16 classes, read from the page cache: as a folder (`data.kind=folder`, one file per image) "
-             f"and as webdataset shards of {data['samples_per_shard']} (`data.kind=shards`, written by "
-             f"`scripts/prepare_imagenet.py --shards` at {data['write_images_per_cpu_s']:.0f} images per CPU-second, "
-             "index and verification included). "
-             f"Batch {data['batch']}, one DALI thread; each figure the median of {data['rounds']} alternating "
-             f"rounds ({data['read_batches']} batches reading, {data['decode_batches']} decoding, after a warm-up "
-             f"batch). Images per CPU-second: the process's CPU time, all its threads, so a per-core figure "
-             "that other work on the machine does not lower.",
-             "",
-             "| reader | work | images/s (min-max) | images per CPU-second | files opened/s | files opened to start |",
-             "|---|---|---|---|---|---|"]
-    work = {"read": "read only (nvJPEG decodes on a GPU)", "decode": "read, decode the crop, resize to 224"}
-    for stage in ("read", "decode"):
-        for kind in ("files", "shards"):
-            key = f"{stage}/{kind}"
-            lines.append(f"| {kind} | {work[stage]} | {spread(key, 'images_per_s')} | "
-                         f"{median(key, 'images_per_cpu_s'):.0f} | {median(key, 'opens_per_s'):.0f} | "
-                         f"{median(key, 'opens_at_start'):.0f} |")
     ratio = {stage: median(f"{stage}/shards", "images_per_s") / median(f"{stage}/files", "images_per_s")
              for stage in ("read", "decode")}
     per_cpu = median("read/shards", "images_per_cpu_s") / median("read/files", "images_per_cpu_s")
-    opens_files, opens_shards = median("read/files", "opens_per_s"), median("read/shards", "opens_per_s")
-    fewer = opens_shards <= opens_files / data["samples_per_shard"]
-    cores = {key: per_gpu / median(key, "images_per_cpu_s") for key in data["results"]}
-    lines += [
-        "",
-        "**Goal: shards at least 2x the images/s of files per reader thread: "
-        f"{'met' if min(ratio['read'], per_cpu) >= 2 else 'NOT met'}** "
-        f"({ratio['read']:.1f}x the images/s reading, {per_cpu:.1f}x the images per CPU-second; "
-        f"{ratio['decode']:.2f}x the images/s with decoding on the CPU, where the decoder's work is the same "
-        "for both). **Files opened per second down by at least the shard size "
-        f"({data['samples_per_shard']}): {'met' if fewer else 'NOT met'}** ({opens_files:.0f}/s from the folder, "
-        f"one per image; {opens_shards:.0f}/s from shards: DALI maps each shard and its index once, when the "
-        "pipeline is built (the last column: for files, those of the first batches it read ahead), and "
-        "reads the mapped files from then on; at ImageNet's 1,252 training shards that is 2,504 opens "
-        "per rank per run, against one per image from files).",
-        "",
-        f"CPU cores per GPU for the paper's pace (1.35M images/s over 512 GPUs: {per_gpu:.0f} images/s per GPU), "
-        "at these images per CPU-second: reading only, as on a GPU node where nvJPEG decodes, "
-        f"**{cores['read/files']:.2f} from files, {cores['read/shards']:.2f} from shards**; decoding on the CPU "
-        f"too, {cores['decode/files']:.1f} from files and {cores['decode/shards']:.1f} from shards. Page cache "
-        "and cores like these; a shared file system adds its latency to every file open, and a node that "
-        "reads shards from its local disk needs none.",
-        "",
-    ]
-    return lines
-
-
-def write_shards_section(out: Path, data: dict) -> str:
-    """Put the section rendered from ``data`` into ``out``, leaving the other sections as they are."""
-    return write_section(out, SHARDS_SECTION, render_shards_section(data))
+    opens = {kind: median(f"read/{kind}", "opens_per_s") for kind in ("files", "shards")}
+    return {"images_per_s_ratio": ratio, "images_per_cpu_s_ratio": per_cpu, "goal_ratio": SHARDS_GOAL_RATIO,
+            "faster_met": min(ratio["read"], per_cpu) >= SHARDS_GOAL_RATIO, "opens_per_s": opens,
+            "fewer_opens_met": opens["shards"] <= opens["files"] / data["samples_per_shard"], "per_gpu": per_gpu,
+            "cores_per_gpu": {key: per_gpu / median(key, "images_per_cpu_s") for key in data["results"]}}

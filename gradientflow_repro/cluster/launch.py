@@ -7,12 +7,14 @@ it raises with the failed ranks' last lines): nothing waits forever. ``network``
 network (``cluster.netemu``) when it can be had, else nothing (loopback); with ``ranks_per_node``
 G > 1 it emulates nodes of G ranks sharing one shaped uplink, and each rank is told its place in
 its node as torchrun would (LOCAL_RANK = rank % G, LOCAL_WORLD_SIZE = G). Ranks of a module are
-forked from this process, which imports torch and the rest once (``cluster.preloaded``), where that
-is safe; elsewhere, and for other programs, each is a fresh interpreter.
+forked from a rank server that imports torch and the rest once (``cluster.preloaded``), where that
+is safe; elsewhere, and for other programs, each is a fresh interpreter. What the ranks say is
+logged (``log``): rank 0's progress lines as they come, a rank that would not end.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -28,6 +30,7 @@ from gradientflow_repro.cluster import netemu, preloaded
 TRAIN = ("-m", "gradientflow_repro.train")
 # After every rank has exited, how long rank 0's last lines may take to be read and logged
 RELAY_GRACE_S = 5.0
+log = logging.getLogger(__name__)
 
 
 def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
@@ -52,7 +55,7 @@ def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
                     try:
                         netemu.kill_group(process, grace_s=2.0)
                     except Exception as error:  # noqa: BLE001 (one that will not die must not spare the rest)
-                        print(f"  {label:>15} | could not end pid {process.pid}: {error}", flush=True)
+                        log.warning(f"{label:>15} | could not end pid {process.pid}: {error}")
                 return
 
     def relay(stream: IO[str]) -> None:  # rank 0's progress, as it comes
@@ -60,7 +63,7 @@ def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
             for line in stream:
                 logs[0].write(line)
                 if show and (line.startswith("[") and not line.startswith("[W") or "error" in line.lower()):
-                    print(f"  {label:>15} | {line.rstrip()}", flush=True)
+                    log.info(f"{label:>15} | {line.rstrip()}")
         except ValueError:  # its log was closed: the launch is over
             pass
 
@@ -76,9 +79,9 @@ def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
                    "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": master, "MASTER_PORT": str(port),
                    "OMP_NUM_THREADS": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"),
                    "PYTHONUNBUFFERED": "1"}
-            log = open(run_dir / f"rank{rank}.log", "w")
-            logs.append(log)
-            processes.append(start_rank(rank, module, overrides, env, subprocess.PIPE if rank == 0 else log, net,
+            rank_log = open(run_dir / f"rank{rank}.log", "w")
+            logs.append(rank_log)
+            processes.append(start_rank(rank, module, overrides, env, subprocess.PIPE if rank == 0 else rank_log, net,
                                         forked))
         guard = threading.Thread(target=watchdog, daemon=True)
         guard.start()
@@ -90,8 +93,8 @@ def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
         stop.set()
         relaying.join(timeout=RELAY_GRACE_S)  # what rank 0 wrote last is read before its log closes
         if any(code != 0 for code in codes):
-            for log in logs:
-                log.flush()
+            for rank_log in logs:
+                rank_log.flush()
             tails = "\n".join(f"--- rank {r} (exit {c}) ---\n" + tail(run_dir / f"rank{r}.log")
                               for r, c in enumerate(codes) if c != 0)
             raise RuntimeError(f"{label}: ranks failed or timed out after {timeout_s:.0f}s "
@@ -100,18 +103,18 @@ def run_ranks(world: int, overrides: Sequence[str], run_dir: Path, label: str,
         stop.set()
         for process in processes:
             netemu.kill_group(process)
-        for log in logs:
-            log.close()
+        for rank_log in logs:
+            rank_log.close()
         if guard is not None:
-            guard.join(timeout=60)  # gone before the next launch forks (preloaded.fork_available)
+            guard.join(timeout=60)  # every rank accounted for before the next launch
 
 
 def start_rank(rank: int, module: Sequence[str], overrides: Sequence[str], env: dict[str, str],
                stdout: IO[str] | int, net: Optional[netemu.EmulatedNetwork],
                forked: bool) -> "subprocess.Popen | preloaded.ForkedRank":
     """Start one rank of ``python *module *overrides`` with ``env``, in ``rank``'s network namespace
-    if ``net``, in a session of its own, output and errors to ``stdout``: ``forked`` from this
-    process (``cluster.preloaded``), else as a fresh interpreter."""
+    if ``net``, in a session of its own, output and errors to ``stdout``: ``forked`` from the rank
+    server (``cluster.preloaded``), else as a fresh interpreter."""
     if forked:
         rank_env = net.rank_env(env) if net else env
         process = preloaded.fork_rank(module[1], overrides, rank_env, stdout, REPO,

@@ -1,42 +1,51 @@
-"""Ranks forked from the launching process, which has imported torch once, instead of started as
-fresh interpreters.
+"""Ranks forked from a rank server, a fresh interpreter that has imported torch once, instead of
+started as fresh interpreters.
 
-A rank's first seconds go to importing torch, Hydra, DALI, wandb and this package: CPU time that
-every rank pays again at every launch (ranks sharing few cores one after another) before its first
-step, and a reproduction launches its ranks dozens of times. Here the launching process imports those modules
-once (``preload``) and each rank is a ``fork`` of it that then becomes what ``python -m MODULE
+A rank's first seconds go to importing torch, Hydra, DALI, wandb, timm and this package: CPU time
+that every rank pays again at every launch (ranks sharing few cores one after another) before its
+first step, and a reproduction launches its ranks dozens of times. Here one process per launcher,
+the rank server (``python -m gradientflow_repro.cluster.preloaded``, started on first use), imports
+those modules once (``PRELOAD``) and forks each rank, which then becomes what ``python -m MODULE
 ARGS`` would have been: a session (process group) of its own, its node's network namespace
-(``setns``, as ``ip netns exec`` does), its output on the file given, exactly the environment
-given, signal and exit handlers as a fresh interpreter has them, the module run as ``__main__``
-(``runpy``, as ``-m`` does), that command line in ``ps`` (``setproctitle``) and the
-interpreter's exit status. ``ForkedRank`` offers what
-``launch.run_ranks`` and ``netemu.kill_group`` use of a ``subprocess.Popen``.
+(``setns``, as ``ip netns exec`` does), its output on the file given, exactly the environment and
+``sys.path`` given, signal handlers as a fresh interpreter has them, the module run as ``__main__``
+(``runpy``, as ``-m`` does), that command line in ``ps`` (``setproctitle``). It ends as an
+interpreter ends, because it is one: an exception or ``sys.exit`` leaves the server's loop and the
+interpreter exits with it (exit handlers, threads joined, an uncaught Ctrl-C ending it by SIGINT).
 
-Forked only where that is safe (``fork_available``): on Linux, where no GPU device exists (a CUDA
-or ROCm context does not survive a fork, and a launcher that asked torch about GPUs may hold one),
-while the launcher runs no other thread than importing started (a fork copies only the caller's
-thread, and with it any lock another one held), for ranks started as ``-m MODULE``; and not where ``LAUNCH_RANKS=exec``
-asks for fresh interpreters. Elsewhere ``launch.run_ranks`` starts them as before. What the
-launcher had already written to its own output is flushed before the fork, so it is not repeated.
+Why a server of its own rather than multiprocessing's: the server is a fresh interpreter that has
+done nothing but import, so a rank inherits no state of a launcher (exit handlers, logging
+handlers, multiprocessing's children, resource tracker or fork server) and nothing needs undoing; it
+runs one thread, so forking it is safe (a fork copies only the caller's thread, and with it any
+lock another one held: a launcher's watchdog threads make forking the launcher unsafe). A
+multiprocessing child, by contrast, ends through ``os._exit`` without exit handlers and shares its
+parent's resource tracker through inherited descriptors. The ranks are the server's children: it
+reports each one's exit status to the launcher (``ForkedRank``, which offers what
+``launch.run_ranks`` and ``netemu.kill_group`` use of a ``subprocess.Popen``).
+
+Forked only where that is safe (``fork_available``): on Linux, where no GPU device exists (a CUDA or
+ROCm context does not survive a fork), while the server runs no other Python thread than its own
+after importing, for ranks started as ``-m MODULE``; and not where ``LAUNCH_RANKS=exec`` asks for
+fresh interpreters. Elsewhere ``launch.run_ranks`` starts them as before. The server's environment
+is the launcher's when it started (what the imports read then); each rank's is the one given.
 """
 
 from __future__ import annotations
 
-import atexit
 import ctypes
-import faulthandler
 import gc
 import importlib
-import io
+import json
 import os
 import runpy
 import select
+import selectors
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import IO, Optional, Sequence
 
@@ -44,54 +53,127 @@ from gradientflow_repro.cluster.netemu import STOP_SIGNALS
 
 # What a training rank, the network measurement and the cluster benchmark import (the rest they
 # import is small). Importing them starts no Python thread and touches no GPU. torch._dynamo is
-# there for `ddp`: DDP imports it when it wraps the model (a large import, in every rank of every
-# `ddp` launch), which the launcher pays once.
+# there for `ddp` and the optimizers: DDP imports it when it wraps the model, and torch's optimizers
+# on their first use of methods marked not to be compiled; timm.optim for the Lars optimizer.
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "hydra", "omegaconf", "nvidia.dali", "wandb",
-           "gradientflow_repro.engine", "gradientflow_repro.checkpoint", "gradientflow_repro.distributed",
-           "gradientflow_repro.comm.factory")
+           "timm.optim", "gradientflow_repro.engine", "gradientflow_repro.checkpoint",
+           "gradientflow_repro.distributed", "gradientflow_repro.comm.factory")
 GPU_DEVICES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")  # NVIDIA's and AMD's
-HANDSHAKE_S = 30.0  # from fork to the rank in its session and namespace: milliseconds
+HANDSHAKE_S = 30.0  # from the request to the rank in its session and namespace: milliseconds
+SERVER_START_S = 300.0  # the server's imports: seconds, more on a loaded machine
 CLONE_NEWNET = 0x40000000
+MESSAGE_BYTES = 1 << 20  # a request: the environment and sys.path, a few KB
 
 
 def fork_available(module: Sequence[str]) -> bool:
     """Whether ranks of ``module`` (``("-m", NAME)`` or other interpreter arguments) may be forked
-    from this process (the module's docstring says when); if so, ``PRELOAD`` is imported now."""
+    from the rank server (the module's docstring says when); if so, the server is started now."""
     if not (sys.platform == "linux" and len(module) == 2 and module[0] == "-m"
             and os.environ.get("LAUNCH_RANKS", "fork") != "exec"
             and not any(os.path.exists(device) for device in GPU_DEVICES)):
         return False
-    preload()
-    # one Python thread, and no native thread beyond what importing started (torch's compute
-    # threads, once started by an operation here, would be copied mid-work)
-    return threading.active_count() == 1 and _threads() <= _threads_after_preload
+    return server().safe
 
 
-_threads_after_preload: Optional[int] = None  # set by preload()
+class RankServer:
+    """The launcher's side of the rank server: requests go out on one socket (SOCK_SEQPACKET: one
+    message each, descriptors attached), and a reader thread takes the answers: the pid of each
+    rank started, and the exit status of each rank that ended."""
 
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(theirs.fileno()), json.dumps(PRELOAD)],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True)
+        self.socket = ours
+        self.safe = False
+        self.codes: dict[int, int] = {}  # pid -> exit status (negative: the signal that ended it)
+        self.ended = threading.Condition()
+        self._started: list[dict] = []
+        self._request = threading.Lock()  # one request at a time: its answer is the next "started"
+        ready = self._receive(SERVER_START_S)
+        if ready is None:
+            self.close()
+            raise RuntimeError(f"the rank server did not start within {SERVER_START_S:.0f} s")
+        self.safe = bool(ready.get("safe"))
+        threading.Thread(target=self._read, name="gradientflow-rank-server", daemon=True).start()
 
-def preload() -> None:
-    """Import ``PRELOAD`` here, once; a module that cannot be imported is left to the rank."""
-    global _threads_after_preload
-    if _threads_after_preload is not None:
-        return
-    for name in PRELOAD:
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def _receive(self, timeout_s: Optional[float]) -> Optional[dict]:
+        """The server's next message; None after ``timeout_s`` or once the server is gone."""
         try:
-            importlib.import_module(name)
-        except ImportError:
+            if not select.select([self.socket], [], [], timeout_s)[0]:
+                return None
+            message = self.socket.recv(MESSAGE_BYTES)
+        except OSError:  # closed
+            return None
+        return json.loads(message) if message else None
+
+    def _read(self) -> None:
+        while (message := self._receive(None)) is not None:
+            with self.ended:
+                if "exited" in message:
+                    self.codes[message["exited"]] = message["code"]
+                else:
+                    self._started.append(message)
+                self.ended.notify_all()
+        with self.ended:  # the server is gone: nothing more will come
+            self._started.append({"error": "the rank server ended"})
+            self.ended.notify_all()
+
+    def start(self, request: dict, fds: list[int]) -> int:
+        """Send ``request`` with ``fds`` (the rank's output, the handshake's writing end); the pid."""
+        with self._request:
+            socket.send_fds(self.socket, [json.dumps(request).encode()], fds)
+            with self.ended:
+                if not self.ended.wait_for(lambda: self._started, HANDSHAKE_S):
+                    raise RuntimeError(f"the rank server did not start a rank within {HANDSHAKE_S:.0f} s")
+                answer = self._started.pop(0)
+        if "error" in answer:
+            raise RuntimeError(answer["error"])
+        return answer["pid"]
+
+    def code(self, pid: int) -> Optional[int]:
+        """The rank's exit status, None while it runs. Once the server is gone, a rank still
+        running is not reported: one that no longer exists counts as failed (255)."""
+        with self.ended:
+            if pid in self.codes:
+                return self.codes[pid]
+        if not self.alive:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return self.codes.setdefault(pid, 255)
+        return None
+
+    def close(self) -> None:
+        """End the server (its ranks, in sessions of their own, are the launcher's to end)."""
+        try:
+            self.socket.shutdown(socket.SHUT_RDWR)  # the server ends when its socket does
+        except OSError:  # it has ended already
             pass
-    # what the imports made lives as long as the launcher: out of the collector's sight, so the
-    # collection before each fork looks only at what came after (otherwise it walks all of it again
-    # for every rank, one rank after another, while the ranks started first wait for the last at the
-    # rendezvous)
-    gc.collect()
-    gc.freeze()
-    _threads_after_preload = _threads()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
-def _threads() -> int:
-    """Threads of this process, native ones included."""
-    return len(os.listdir("/proc/self/task"))
+_server: Optional[RankServer] = None
+_server_lock = threading.Lock()
+
+
+def server() -> RankServer:
+    """This launcher's rank server, started on first use (and again if it has ended)."""
+    global _server
+    with _server_lock:
+        if _server is None or not _server.alive:
+            _server = RankServer()
+        return _server
 
 
 class ForkedRank:
@@ -99,28 +181,22 @@ class ForkedRank:
     ``stdout`` (a pipe's reading end, or None), ``poll()``, ``wait(timeout)`` and ``returncode``
     (negative: the signal that ended it). Safe to poll from two threads."""
 
-    def __init__(self, pid: int, stdout: Optional[IO[str]], args: list[str]) -> None:
-        self.pid, self.stdout, self.args = pid, stdout, args
+    def __init__(self, pid: int, stdout: Optional[IO[str]], args: list[str], via: RankServer) -> None:
+        self.pid, self.stdout, self.args, self._server = pid, stdout, args, via
         self.returncode: Optional[int] = None
-        self._lock = threading.Lock()
 
     def poll(self) -> Optional[int]:
-        with self._lock:
-            if self.returncode is None:
-                try:
-                    pid, status = os.waitpid(self.pid, os.WNOHANG)
-                except ChildProcessError:  # reaped by someone else: its status is lost
-                    pid, status = self.pid, 255 << 8
-                if pid:
-                    self.returncode = os.waitstatus_to_exitcode(status)
-            return self.returncode
+        if self.returncode is None:
+            self.returncode = self._server.code(self.pid)
+        return self.returncode
 
     def wait(self, timeout: Optional[float] = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
             if deadline is not None and time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.02)
+            with self._server.ended:
+                self._server.ended.wait(0.1)
         return self.returncode
 
 
@@ -131,9 +207,7 @@ def fork_rank(module: str, args: Sequence[str], env: dict[str, str], stdout: IO[
     and errors to ``stdout`` (an open file, or ``subprocess.PIPE``: then ``ForkedRank.stdout``
     reads it). Returns once the rank runs in its own session and namespace; raises if it could not
     get there (the rank is then gone). Its ``sys.path`` is this process's, the working directory first."""
-    preload()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()  # else the rank would write the launcher's buffered lines again
+    via = server()
     read_end = write_end = None
     if stdout == subprocess.PIPE:
         read_end, write_end = os.pipe()
@@ -141,32 +215,32 @@ def fork_rank(module: str, args: Sequence[str], env: dict[str, str], stdout: IO[
     else:
         out_fd = stdout.fileno()
     ready_read, ready_write = os.pipe()
-    gc.collect()  # what is garbage now is the launcher's to finalize, not the rank's (it freezes the rest)
+    request = {"module": module, "args": list(args), "env": env, "cwd": str(cwd), "sys_path": sys.path,
+               "namespace": None if namespace is None else str(namespace)}
     # a stop signal (the launcher's: netemu.STOP_SIGNALS) waits until the rank is accounted for:
     # else its unwinding could lose the rank
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     pid = None
     try:
-        pid = os.fork()
-        if pid == 0:  # the rank: never returns
-            os.close(ready_read)
-            _become(module, list(args), env, out_fd, cwd, namespace, ready_write)
-        os.close(ready_write)
-        ready_write = None
-        if write_end is not None:
-            os.close(write_end)
-            write_end = None
+        pid = via.start(request, [out_fd, ready_write])
+        for fd in (ready_write, write_end):  # the rank has its own copies
+            if fd is not None:
+                os.close(fd)
+        ready_write = write_end = None
         with os.fdopen(ready_read, "rb") as ready:
             ready_read = None
             if not select.select([ready], [], [], HANDSHAKE_S)[0]:
                 raise RuntimeError(f"a rank of {module} did not start within {HANDSHAKE_S:.0f} s")
             said = ready.read()  # empty: the rank closed the pipe without a word (it died)
         rank = ForkedRank(pid, None if read_end is None else os.fdopen(read_end, "r", errors="replace"),
-                          [sys.executable, "-m", module, *args])
+                          [sys.executable, "-m", module, *args], via)
     except BaseException:
         if pid:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            ForkedRank(pid, None, [], via).wait(timeout=10)
         for fd in (ready_read, ready_write, read_end, write_end):
             if fd is not None:
                 os.close(fd)
@@ -182,67 +256,112 @@ def fork_rank(module: str, args: Sequence[str], env: dict[str, str], stdout: IO[
     return rank
 
 
-def _become(module: str, args: list[str], env: dict[str, str], out_fd: int, cwd: Path,
-            namespace: Optional[Path], ready: int) -> None:
-    """In the forked child: become ``python -m module *args`` and exit with its status."""
+# ------------------------------------------------------------------ the server (its own process)
+
+def serve(channel: socket.socket, preload: Sequence[str]) -> None:
+    """The rank server: import ``preload``, say whether forking is safe, then fork a rank for each
+    request until the launcher's socket closes, and report every rank's exit. Returns in the server
+    when the launcher is gone; in a rank it never returns (the rank's own exit unwinds from here)."""
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # left to the rank, which reports it as it would anyway
+            pass
+    # what the imports made lives as long as the server: out of the collector's sight, in the
+    # server and in every rank, so that no rank's collection walks it (nor copies its pages)
+    gc.collect()
+    gc.freeze()
+    safe = threading.active_count() == 1
+    channel.send(json.dumps({"safe": safe}).encode())
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)  # a rank that ends wakes the loop below
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    selector = selectors.DefaultSelector()
+    selector.register(channel, selectors.EVENT_READ)
+    selector.register(wake_read, selectors.EVENT_READ)
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj is wake_read:
+                os.read(wake_read, 4096)
+                _report_exits(channel)
+                continue
+            message, fds, _, _ = socket.recv_fds(channel, MESSAGE_BYTES, 2)
+            if not message:
+                return  # the launcher is gone
+            request = json.loads(message)
+            if not safe:
+                _close(fds)
+                channel.send(json.dumps({"error": "the rank server runs threads: forking it is unsafe"}).encode())
+                continue
+            pid = os.fork()
+            if pid == 0:  # the rank: runs the module, and its exit unwinds through here
+                selector.close()
+                channel.close()
+                for fd in (wake_read, wake_write):
+                    os.close(fd)
+                _become(request, *fds)
+                return
+            _close(fds)
+            channel.send(json.dumps({"pid": pid}).encode())
+        _report_exits(channel)  # a rank that ended while the loop was busy
+
+
+def _report_exits(channel: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if not pid:
+            return
+        channel.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+
+
+def _close(fds: Sequence[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _become(request: dict, out_fd: int, ready: int) -> None:
+    """In the forked rank: become ``python -m MODULE ARGS`` as ``request`` says and run it; its
+    exception or ``SystemExit`` propagates, ending this interpreter as it would end that one."""
+    module, args = request["module"], request["args"]
     try:
         os.setsid()  # its own process group, so that ending it ends what it starts
-        if namespace is not None:
-            with open(namespace, "rb") as handle:  # as `ip netns exec` does
+        if request["namespace"] is not None:
+            with open(request["namespace"], "rb") as handle:  # as `ip netns exec` does
                 if ctypes.CDLL(None, use_errno=True).setns(handle.fileno(), CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), f"setns({namespace})")
-        os.chdir(cwd)
+                    raise OSError(ctypes.get_errno(), f"setns({request['namespace']})")
+        os.chdir(request["cwd"])
         os.dup2(out_fd, 1)
         os.dup2(out_fd, 2)
         _fresh_signals()
         os.write(ready, b"ok")
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # as subprocess's close_fds: nothing of the launcher's
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # as subprocess's close_fds: nothing of the server's
     except BaseException as error:  # noqa: BLE001 - the launcher reports it
         try:
             os.write(ready, f"{type(error).__name__}: {error}".encode())
         finally:
             os._exit(127)
-    code = 1
-    try:
-        sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True,
-                                                       write_through=True)
-        sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), errors="backslashreplace",
-                                                       line_buffering=True, write_through=True)
-        _show_command([sys.executable, "-m", module, *args])  # first: it finds its room next to the environment
-        os.environ.clear()
-        os.environ.update(env)
-        sys.argv = [module, *args]
-        sys.path[0] = str(cwd)  # as `python -m` puts the working directory first
-        _fresh_interpreter_state(env)
-        _forget_hydra()
-        sys.modules.pop(module, None)  # run anew as __main__, as -m does
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as stop:
-        code = _exit_status(stop.code)
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        code = -signal.SIGINT  # the interpreter ends itself by SIGINT then (below)
-    except BaseException:  # noqa: BLE001 - printed as the interpreter prints an uncaught error
-        traceback.print_exc()
-        code = 1
-    finally:
-        try:
-            threading._shutdown()  # as the interpreter's exit: wait for the rank's own threads
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            if code < 0:
-                signal.signal(-code, signal.SIG_DFL)
-                os.kill(os.getpid(), -code)
-        finally:
-            os._exit(code & 0xFF)
+    sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
+    _show_command([sys.executable, "-m", module, *args])  # first: it finds its room next to the environment
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = [module, *args]
+    sys.path[:] = [request["cwd"], *request["sys_path"][1:]]  # as `python -m` puts the working directory first
+    torch = sys.modules.get("torch")
+    if torch is not None and request["env"].get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(max(1, int(request["env"]["OMP_NUM_THREADS"])))  # what torch's import would read
+    sys.modules.pop(module, None)  # run anew as __main__, as -m does
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def _fresh_signals() -> None:
     """Every signal's handler as a fresh interpreter has it: Python's own for SIGINT, SIGPIPE and
-    SIGXFSZ ignored, the system's default for the rest (the launcher's unwinding handlers are not
-    the rank's); no signal blocked."""
+    SIGXFSZ ignored, the system's default for the rest; no signal blocked, no wake-up descriptor."""
+    signal.set_wakeup_fd(-1)
     for signum in signal.valid_signals():
         if signum in (signal.SIGKILL, signal.SIGSTOP):
             continue
@@ -258,74 +377,14 @@ def _fresh_signals() -> None:
 
 def _show_command(argv: list[str]) -> None:
     """Show ``argv`` as this process's command line (``ps``, ``/proc/PID/cmdline``), as a fresh
-    interpreter's would read, instead of the launcher's; cut to the room the launcher's had."""
+    interpreter's would read, instead of the server's; cut to the room the server's had."""
     try:
         from setproctitle import setproctitle
-    except ImportError:  # a requirement; without it, ps shows the launcher's command line
+    except ImportError:  # a requirement; without it, ps shows the server's command line
         return
     setproctitle(" ".join(argv))
 
 
-def _fresh_interpreter_state(env: dict[str, str]) -> None:
-    """What the launcher's process holds that a fresh interpreter would not, undone in the rank:
-    objects inherited are frozen (never collected here, so no finalizer of the launcher's closes a
-    descriptor the rank reuses); its exit handlers, ``weakref.finalize`` callbacks, logging
-    handlers and multiprocessing children are the launcher's, so the rank forgets them (as
-    multiprocessing's own forked children do) and registers the standard ones anew; torch's thread
-    count is what ``OMP_NUM_THREADS`` in ``env`` would have given at import."""
-    import logging
-    import weakref
-
-    gc.freeze()
-    atexit._clear()
-    weakref.finalize._registry.clear()
-    weakref.finalize._registered_with_atexit = False  # the rank's own register it again
-    logging._handlerList[:] = []  # Hydra's logging set-up would close the launcher's files
-    logging.root.handlers.clear()
-    atexit.register(logging.shutdown)
-    if "multiprocessing.process" in sys.modules:
-        from multiprocessing import process, util
-
-        process._children = set()
-        util._finalizer_registry.clear()
-        util._run_after_forkers()
-        atexit.register(util._exit_function)
-    if "multiprocessing.resource_tracker" in sys.modules:
-        # the launcher's tracker (started by an earlier spawn there) talks through a descriptor the
-        # rank has closed: the rank's first semaphore (a DALI or DataLoader worker's) would fail with
-        # EBADF. Forgotten, the rank starts its own tracker when it first needs one.
-        from multiprocessing import resource_tracker
-
-        tracker = resource_tracker._resource_tracker
-        tracker._fd, tracker._pid = None, None
-    if "multiprocessing.forkserver" in sys.modules:
-        # likewise the launcher's fork server: not the rank's child, so the rank's first worker start
-        # (the torchvision loader's) would fail waiting for it (ChildProcessError). Forgotten, the
-        # rank starts its own, with the stop signals blocked as its loader asks.
-        from multiprocessing import forkserver
-
-        forkserver._forkserver.__init__()
-    faulthandler.disable()
-    try:
-        signal.set_wakeup_fd(-1)
-    except ValueError:  # forked from a thread other than the launcher's main one
-        pass
-    if "torch" in sys.modules and env.get("OMP_NUM_THREADS", "").isdigit():
-        sys.modules["torch"].set_num_threads(max(1, int(env["OMP_NUM_THREADS"])))
-
-
-def _forget_hydra() -> None:
-    """A launcher that composed a config holds Hydra's global state; ``@hydra.main`` starts anew."""
-    hydra_core = sys.modules.get("hydra.core.global_hydra")
-    if hydra_core is not None:
-        hydra_core.GlobalHydra.instance().clear()
-
-
-def _exit_status(code: object) -> int:
-    """What the interpreter exits with for ``sys.exit(code)``."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
+if __name__ == "__main__":
+    with socket.socket(fileno=int(sys.argv[1])) as launcher:
+        serve(launcher, json.loads(sys.argv[2]))

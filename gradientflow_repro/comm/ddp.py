@@ -100,7 +100,7 @@ class PowerSGDCommunicator(DDPCommunicator):
 
     Tuning (torch's advice): a higher ``rank`` approximates better and sends more, (n + m) r per
     matrix; the warm-up should be no shorter than the learning rate's (PowerSGD's start follows
-    CSC's dense warm-up here, ``knobs.csc_warmup``).
+    CSC's dense warm-up here, ``plan.Plan.warmup_epochs``).
 
     Checkpoints: ``state_dict`` holds torch's hook state as tensors, ints and lists (the iteration,
     the start, the numpy random generator's state, each bucket's error and factors, and which

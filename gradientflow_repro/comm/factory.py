@@ -1,12 +1,11 @@
-"""Communicators from a resolved configuration: which summing function, which fusion.
+"""Communicators from a ``Plan``: the sum, the wire, the fusion or the sparsifier's own communicator.
 
-The strategies live in the registry (``registry.py``, torch-free), their knobs and how a
-configuration resolves to one in ``knobs.py`` (read from the presets in ``configs/comm/``), and so
-does what sums a message (``knobs.summing``: on NCCL NCCL's own allreduce by default, ours on gloo);
-this module turns a resolved ``CommConfig`` into the objects that do the work: the sum from
-``algorithm`` and ``wire``, the communicator from the registered sparsifier's builder (CSC's:
-``csc_communicator``) or else from ``fusion``. It also sets NCCL_ALGO before the process group
-starts (``prepare_backend``).
+``plan.resolve`` has decided everything (which sum, which wire, fusion, sparsifier and its keys,
+the warm-up); ``build`` turns the plan into the objects that do the work in one pass: the summing
+function (``build_sum``: the backend's allreduce or our ring / two-level ring, each with the fp16
+wire around it where asked), then the communicator: the sparsifier's own builder where it has one
+(CSC's, PowerSGD's: ``registry.Sparsifier.builder``), else the fusion's (per-tensor allreduce, the
+lazy pool, DDP). ``build_communicator`` is both steps from options, as the trainer calls it.
 """
 
 from __future__ import annotations
@@ -20,22 +19,18 @@ from gradientflow_repro.comm import registry
 from gradientflow_repro.comm.allreduce import PerTensorAllreduce
 from gradientflow_repro.comm.base import BuiltinSum, Communicator, SumFn, builtin_sum
 from gradientflow_repro.comm.compression import Fp16Wire
-from gradientflow_repro.comm.csc import CSCCommunicator
-from gradientflow_repro.comm.ddp import DDPCommunicator, PowerSGDCommunicator
+from gradientflow_repro.comm.ddp import DDPCommunicator
 from gradientflow_repro.comm.hierarchical import HierarchicalSum
 from gradientflow_repro.comm.knobs import (
     SMALL_MESSAGE_BYTES,
     CommConfig,
     check_backend,
     check_overlap,
-    csc_warmup,
     describe_nccl_algo,
-    resolve,
-    sends_sparse,
-    small_message_bytes,
     summing,
 )
 from gradientflow_repro.comm.lazy import LazyAllreduce
+from gradientflow_repro.comm.plan import Plan, describe_schedule, describe_sum, resolve
 from gradientflow_repro.comm.recursive_doubling import SizedSum, small_sum
 from gradientflow_repro.comm.ring import DEFAULT_SEGMENT_BYTES, ring_sum
 
@@ -94,116 +89,54 @@ def prepare_backend(options: Union[Mapping[str, Any], CommConfig, Any], device: 
         raise WorldError(str(error)) from None
 
 
-def build_communicator(options: Union[Mapping[str, Any], CommConfig], device: torch.device,
+def build_communicator(options: Union[Mapping[str, Any], CommConfig, Plan, Any], device: torch.device,
                        ranks_per_node: int | None = None, local_rank: int | None = None,
                        lr_warmup_epochs: float = 0.0, backend: Optional[str] = None,
                        at_world_1: bool = False) -> Communicator:
-    """The communicator of ``options`` (``comm.*``, resolved against its preset). ``ranks_per_node``
-    and ``local_rank`` come from the launcher (``distributed.World``); ``comm.ranks_per_node``
-    overrides the former, to emulate nodes on one machine (then the launcher's local rank says
-    nothing about that layout). ``lr_warmup_epochs``: the optimizer's learning-rate warm-up, which
-    CSC's dense warm-up follows unless ``comm.csc_warmup_epochs`` is set (``knobs.csc_warmup``;
-    0, as without a training run: sparse from the first step). ``backend``: the process group's
-    (None: as ``dist.get_backend()`` says), for the payloads; the small messages (CSC's norms, the
-    fp16 wire's scale: ``recursive_doubling.small_sum``) follow the group's own backend.
-    ``at_world_1``: in a process group of one rank, send every message anyway through the backend's
-    allreduce (the pool's parts, the fp16 wire's scale, CSC's norms), which the sum of one rank
-    leaves as it is: how the GPU check runs NCCL from the pool's thread and stream on one GPU. By
-    default one rank sends nothing."""
-    knobs = resolve(options)
-    backend = backend_name(backend)
-    check_overlap(knobs, backend)
-    if knobs.ranks_per_node:
-        ranks_per_node, local_rank = knobs.ranks_per_node, None
-    sum_fn = build_sum(knobs.algorithm, knobs.wire, ranks_per_node, knobs.segment_kb, local_rank,
-                       small_message_bytes(knobs), knobs.implementation, backend, at_world_1)
-    communicator = _communicator(knobs, device, sum_fn, lr_warmup_epochs)
+    """The communicator of ``options`` (``comm.*``, resolved against its preset into a ``Plan`` for
+    this process group). ``ranks_per_node`` and ``local_rank`` come from the launcher
+    (``distributed.World``); ``comm.ranks_per_node`` overrides the former, to emulate nodes on one
+    machine. ``lr_warmup_epochs``: the optimizer's learning-rate warm-up, which a sparsifier's dense
+    warm-up follows unless ``comm.csc_warmup_epochs`` is set (0, as without a training run: sparse
+    from the first step). ``backend``: the process group's (None: as ``dist.get_backend()`` says).
+    ``at_world_1``: see ``build``."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    plan = resolve(options, world=world, backend=backend_name(backend), ranks_per_node=ranks_per_node,
+                   local_rank=local_rank, lr_warmup_epochs=lr_warmup_epochs)
+    return build(plan, device, at_world_1)
+
+
+def build(plan: Plan, device: torch.device, at_world_1: bool = False) -> Communicator:
+    """The communicator ``plan`` describes, in one pass: its sum, then the sparsifier's communicator
+    (``registry.Sparsifier.builder``) or the fusion's. ``at_world_1``: in a process group of one rank,
+    send every message anyway through the backend's allreduce (the pool's parts, the fp16 wire's
+    scale, CSC's norms), which the sum of one rank leaves as it is: how the GPU check runs NCCL from
+    the pool's thread and stream on one GPU. By default one rank sends nothing."""
+    check_overlap(plan, plan.backend)
+    sum_fn = build_sum(plan.algorithm, plan.wire, plan.layout_ranks_per_node, plan.segment_kb, plan.local_rank,
+                       plan.small_message_bytes, plan.implementation, plan.backend, at_world_1)
+    builder = plan.sparsifier.builder
+    communicator = registry.load(builder)(plan, device, sum_fn) if builder is not None else \
+        _fused(plan, device, sum_fn)
     if at_world_1 and hasattr(communicator, "norm_sum"):  # CSC's chunk norms: a small sum of their own
         communicator.norm_sum = small_sum(at_world_1=True)
-    communicator.summing = describe_sum(knobs.algorithm, knobs.wire, ranks_per_node, small_message_bytes(knobs),
-                                        knobs.implementation, backend)
-    communicator.schedule = describe_schedule(knobs, lr_warmup_epochs)
+    communicator.summing = describe_sum(plan, describe_nccl_algo())
+    communicator.schedule = describe_schedule(plan)
     return communicator
 
 
-def describe_schedule(knobs: CommConfig, lr_warmup_epochs: float) -> str:
-    """A sparsifier's schedule in words (CSC's, PowerSGD's), its dense warm-up resolved
-    (``comm.csc_warmup_epochs`` null shows as null in the run's saved config); empty for dense strategies."""
-    if not sends_sparse(knobs):
-        return ""
-    warmup = csc_warmup(knobs, lr_warmup_epochs)
-    why = "the learning rate's warm-up" if knobs.csc_warmup_epochs is None else "comm.csc_warmup_epochs"
-    ramp = (f", falling to it over {knobs.density_ramp_epochs} epoch(s)" if knobs.density_ramp_epochs else "")
-    if registry.sparsifier(knobs.sparsity).pricing == "low_rank":  # PowerSGD: never before torch's iteration 2
-        start = f"dense for the first {warmup:g} epoch(s) ({why}), then" if warmup else "dense for 2 steps, then"
-        return f"{start} PowerSGD rank {knobs.powersgd_rank}"
-    start = f"dense for the first {warmup:g} epoch(s) ({why}), then" if warmup else "sparse from the first step:"
-    return f"{start} density {knobs.density:g}{ramp}"
-
-
-def describe_sum(algorithm: str, wire: str, ranks_per_node: int | None,
-                 small_bytes: int = SMALL_MESSAGE_BYTES, implementation: str = "auto",
-                 backend: Optional[str] = None) -> str:
-    """``build_sum``'s choice in words, for the run's first lines: NCCL's allreduce with the
-    NCCL_ALGO in force, or ours (with the size up to which they send by recursive doubling)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world == 1:
-        return "one rank: nothing to sum"
-    backend = backend_name(backend)
-    chosen = summing(algorithm, world, ranks_per_node, backend, implementation)
-    if chosen.how == "backend" and backend == "nccl":
-        how = f"NCCL's allreduce ({describe_nccl_algo()}) over {world} ranks"
-    elif chosen.how == "backend":
-        how = f"the backend's allreduce ({backend}) over {world} ranks"
-    else:
-        how = {"two-level": f"two-level ring ({-(-world // (ranks_per_node or 1))} nodes x {ranks_per_node} ranks)",
-               "ring": f"flat ring over {world} ranks"}[chosen.how]
-        if backend == "nccl":  # ours, asked for by name: point-to-point, its small messages included
-            how = f"our {how} (comm.implementation=ours: point-to-point groups issued from Python)"
-        how += f", small messages (up to {small_bytes // 1024} KiB) by recursive doubling"
-    return how + (", fp16 wire" if wire == "fp16" else "")
-
-
-def _communicator(knobs: CommConfig, device: torch.device, sum_fn: SumFn, lr_warmup_epochs: float) -> Communicator:
-    """The registered sparsifier's own communicator where it has one (``registry.Sparsifier.builder``:
-    CSC's), else the fusion's: DDP, the lazy pool, or one allreduce per tensor."""
-    builder = registry.sparsifier(knobs.sparsity).builder
-    if builder is not None:
-        return registry.load(builder)(knobs, device, sum_fn, lr_warmup_epochs)
-    if knobs.fusion == "ddp":  # PyTorch's own hooks where DDP sums by the backend, ``sum_hook`` over ours
+def _fused(plan: Plan, device: torch.device, sum_fn: SumFn) -> Communicator:
+    """A dense strategy's communicator, by ``comm.fusion``: DDP, the lazy pool, or one allreduce per tensor."""
+    if plan.fusion == "ddp":  # PyTorch's own hooks where DDP sums by the backend, ``sum_hook`` over ours
         # fp32 over the backend's allreduce: DDP's own; fp16 with comm.algorithm=builtin: PyTorch's
         # fp16_compress_hook, no scale (comm=ddp-fp16, or comm=ddp comm.wire=fp16: the peer as researchers
         # run it). Our algorithms' fp16 wire carried by the backend (NCCL's allreduce by default there)
         # keeps its shared scale: ``sum_hook`` over ``Fp16Wire.start``, overlapped
-        builtin_fp16 = (knobs.algorithm == "builtin" and isinstance(sum_fn, Fp16Wire)
+        builtin_fp16 = (plan.algorithm == "builtin" and isinstance(sum_fn, Fp16Wire)
                         and isinstance(sum_fn.inner, BuiltinSum))
         if isinstance(sum_fn, BuiltinSum) or builtin_fp16:
-            return DDPCommunicator(device, knobs.ddp_bucket_mb, None, wire=knobs.wire)
-        return DDPCommunicator(device, knobs.ddp_bucket_mb, sum_fn)
-    if knobs.fusion == "lazy":
-        return LazyAllreduce(device, sum_fn, int(knobs.bucket_mb * 2**20), knobs.overlap)
+            return DDPCommunicator(device, plan.ddp_bucket_mb, None, wire=plan.wire)
+        return DDPCommunicator(device, plan.ddp_bucket_mb, sum_fn)
+    if plan.fusion == "lazy":
+        return LazyAllreduce(device, sum_fn, plan.bucket_bytes, plan.overlap)
     return PerTensorAllreduce(device, sum_fn)
-
-
-def powersgd_communicator(knobs: CommConfig, device: torch.device, sum_fn: SumFn,
-                          lr_warmup_epochs: float) -> Communicator:
-    """DDP with PyTorch's own PowerSGD hook (``comm.sparsity=powersgd``; the registry's builder for
-    it): rank ``comm.powersgd_rank`` factors, error feedback and warm start, dense for CSC's warm-up
-    (``knobs.csc_warmup``: the learning rate's unless ``comm.csc_warmup_epochs`` is set). Torch's hook
-    does its own allreduces (the backend's): ``sum_fn`` is not used; ``knobs.resolve`` has checked
-    that ``comm.fusion`` is ddp."""
-    return PowerSGDCommunicator(device, knobs.ddp_bucket_mb, rank=knobs.powersgd_rank,
-                                warmup_epochs=csc_warmup(knobs, lr_warmup_epochs))
-
-
-def csc_communicator(knobs: CommConfig, device: torch.device, sum_fn: SumFn, lr_warmup_epochs: float) -> Communicator:
-    """CSC over the lazy pool (``comm.sparsity=csc``; the registry's builder for it), its dense
-    warm-up following the learning rate's unless ``comm.csc_warmup_epochs`` is set (``knobs.csc_warmup``)."""
-    return CSCCommunicator(device, sum_fn, int(knobs.bucket_mb * 2**20), knobs.overlap, chunk_size=knobs.chunk_size,
-                           density=knobs.density, warmup_epochs=csc_warmup(knobs, lr_warmup_epochs),
-                           momentum_correction=knobs.momentum_correction,
-                           momentum_masking=knobs.momentum_masking,
-                           density_ramp_epochs=knobs.density_ramp_epochs, release_cap=knobs.release_cap,
-                           trust_noise_correction=knobs.trust_noise_correction,
-                           masking_min_wait=knobs.masking_min_wait, rank_by=knobs.rank_by,
-                           weight_decay_in=knobs.weight_decay_in)

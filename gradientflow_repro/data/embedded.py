@@ -5,9 +5,14 @@ behind, and each has a command line that builds it and says what it wrote."""
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 from pathlib import Path
 from typing import Callable
+
+from gradientflow_repro import logs
+
+log = logging.getLogger(__name__)
 
 
 def write_atomically(root: str | Path, force: bool, write: Callable[[Path], None]) -> Path:
@@ -27,11 +32,12 @@ def write_atomically(root: str | Path, force: bool, write: Callable[[Path], None
 
 
 def command_line(description: str, name: str, build: Callable[[str, bool], Path], classes: int) -> None:
-    """``python -m gradientflow_repro.data.<name> [root] [--force]``: build the dataset, print its counts."""
+    """``python -m gradientflow_repro.data.<name> [root] [--force]``: build the dataset, say its counts."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("root", nargs="?", default=f"data/{name}")
     parser.add_argument("--force", action="store_true", help="rebuild even if present")
     args = parser.parse_args()
+    logs.configure()  # a command's own lines: no run to name
     root = build(args.root, args.force)
     counts = {split: sum(1 for _ in (root / split).rglob("*.JPEG")) for split in ("train", "val")}
-    print(f"{name} dataset at {root}: {counts['train']} train, {counts['val']} val images, {classes} classes")
+    log.info(f"{name} dataset at {root}: {counts['train']} train, {counts['val']} val images, {classes} classes")

@@ -1,6 +1,6 @@
 """Checking an ImageNet-layout folder, and arranging a flat validation set into class folders.
 
-``check`` prints the number of classes and images per split, the smallest and largest classes,
+``check`` logs the number of classes and images per split, the smallest and largest classes,
 classes present in one split only, empty class folders, every file that cannot be decoded or that
 the trainer's start-up check would refuse (by path), and notes for odd files that the loaders
 handle (PNG content behind a .JPEG name, CMYK or grayscale JPEGs); it returns 1 if any problem was
@@ -12,13 +12,15 @@ first) or lines of ``<file name> <wnid>`` and moves the images (same filesystem)
 from __future__ import annotations
 
 import csv
+import logging
 import os
-import sys
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 SUFFIXES = {".jpeg", ".jpg", ".png"}
+
+log = logging.getLogger(__name__)
 
 
 def inspect(path: str) -> tuple[str | None, str | None]:
@@ -63,7 +65,7 @@ def check_split(split_dir: Path, workers: int) -> tuple[Counter, list[tuple[str,
             if note:
                 notes.append((path, note))
             if done % 20000 == 0 or done == len(files):
-                print(f"  {split_dir.name}: checked {done}/{len(files)} files", file=sys.stderr, flush=True)
+                log.info(f"  {split_dir.name}: checked {done}/{len(files)} files")
     return counts, problems, notes
 
 
@@ -109,40 +111,45 @@ def arrange_val(val_dir: Path, label_file: Path) -> int:
     for stem, wnid in labels.items():
         (val_dir / wnid).mkdir(exist_ok=True)
         os.replace(flat[stem], val_dir / wnid / flat[stem].name)
-    print(f"moved {len(labels)} images into {len(set(labels.values()))} class folders under {val_dir}")
+    log.info(f"moved {len(labels)} images into {len(set(labels.values()))} class folders under {val_dir}")
     if unlabelled:
-        print(f"warning: {len(unlabelled)} images have no label and stay in place, e.g. {unlabelled[:3]}")
+        log.warning(f"{len(unlabelled)} images have no label and stay in place, e.g. {unlabelled[:3]}")
     return 0
 
 
 def check(root: Path, workers: int = os.cpu_count() or 1) -> int:
-    """Check ``root``/train and ``root``/val and print what was found; returns 1 on any problem."""
+    """Check ``root``/train and ``root``/val and log what was found (each problem a warning); returns
+    1 on any problem."""
     failed = False
     classes = {}
     for split in ("train", "val"):
         split_dir = root / split
         if not split_dir.is_dir():
-            print(f"{split_dir}: missing")
+            log.warning(f"{split_dir}: missing")
             failed = True
             continue
         counts, problems, notes = check_split(split_dir, workers)
         classes[split] = set(counts)
         empty = sorted(c for c, n in counts.items() if n == 0)
-        print(f"{split}: {len(counts)} classes, {sum(counts.values())} images")
+        log.info(f"{split}: {len(counts)} classes, {sum(counts.values())} images")
         if counts:
             (small, n_small) = min(counts.items(), key=lambda kv: kv[1])
             (large, n_large) = max(counts.items(), key=lambda kv: kv[1])
-            print(f"  smallest class {small} ({n_small}), largest {large} ({n_large})")
+            log.info(f"  smallest class {small} ({n_small}), largest {large} ({n_large})")
         for name in empty:
-            print(f"  empty class folder: {split_dir / name}")
+            log.warning(f"empty class folder: {split_dir / name}")
         for path, problem in problems:
-            print(f"  unreadable: {path}: {problem}")
+            log.warning(f"unreadable: {path}: {problem}")
         for path, note in notes:
-            print(f"  note: {path}: {note}")
+            log.info(f"  note: {path}: {note}")
         failed |= bool(empty or problems or not counts)
     if len(classes) == 2 and classes["train"] != classes["val"]:
-        print(f"classes differ between train and val: only in train {sorted(classes['train'] - classes['val'])[:5]}, "
-              f"only in val {sorted(classes['val'] - classes['train'])[:5]}")
+        log.warning(f"classes differ between train and val: only in train "
+                    f"{sorted(classes['train'] - classes['val'])[:5]}, "
+                    f"only in val {sorted(classes['val'] - classes['train'])[:5]}")
         failed = True
-    print("problems found" if failed else "ok")
+    if failed:
+        log.error("problems found")
+    else:
+        log.info("ok")
     return 1 if failed else 0

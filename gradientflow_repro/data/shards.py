@@ -36,11 +36,11 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import mmap
 import multiprocessing
 import os
 import struct
-import sys
 import tarfile
 import time
 from collections import Counter
@@ -52,6 +52,8 @@ from typing import Optional
 import numpy as np
 
 from gradientflow_repro.data.listing import DatasetError, list_image_folder
+
+log = logging.getLogger(__name__)
 
 FORMAT = "webdataset"
 FORMAT_VERSION = 1
@@ -260,14 +262,14 @@ def write_shards(root: Path, out: Path, *, samples_per_shard: int = SAMPLES_PER_
         (out / split).mkdir(parents=True, exist_ok=True)
         removed = _remove_leftovers(out / split, split, jobs)
         records, written = _run_jobs(jobs, workers, split)
-        print(f"{split}: {len(jobs)} shards ({written} written, {len(jobs) - written} kept; {removed} "
-              f"leftover files removed)", file=sys.stderr, flush=True)
+        log.info(f"{split}: {len(jobs)} shards ({written} written, {len(jobs) - written} kept; {removed} "
+                 f"leftover files removed)")
         manifest["splits"][split] = {"samples": sum(counts.values()),
                                      "bytes": sum(r["bytes"] + r["index_bytes"] for r in records),
                                      "counts_per_class": dict(counts), "shards": records}
     manifest["classes"] = classes
     write_json_atomically(out / MANIFEST, manifest)
-    print(f"wrote {out / MANIFEST} in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+    log.info(f"wrote {out / MANIFEST} in {time.monotonic() - started:.1f} s")
     return manifest
 
 
@@ -279,7 +281,7 @@ def _run_jobs(jobs: list[ShardJob], workers: int, split: str) -> tuple[list[dict
         nonlocal written
         written += result[1]
         if done % 50 == 0 or done == len(jobs):
-            print(f"  {split}: {done}/{len(jobs)} shards", file=sys.stderr, flush=True)
+            log.info(f"  {split}: {done}/{len(jobs)} shards")
 
     if workers <= 1:
         for number, job in enumerate(jobs):

@@ -8,7 +8,7 @@ training reads it with ``data.root=DST``. Idempotent: a file already in ``DST`` 
 is kept (with ``--verify``, only if its sha256 matches too), so a rerun after an interruption copies
 what is missing and a rerun on a staged node copies nothing. Atomic: each file is written under a
 temporary name and renamed into place. With ``--verify`` every copied file is hashed as it is copied
-and compared with the manifest. Prints progress, then the bytes copied, the time and the bandwidth;
+and compared with the manifest. Logs progress, then the bytes copied, the time and the bandwidth;
 exits 1 with a message naming the file on any error (a source missing or of the wrong size, a
 checksum that differs, a full disk). Why node-local: the shards are read at the training's pace by
 every rank of the node, from page cache or a local disk rather than a shared file system.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
 import os
 import shutil
 import sys
@@ -27,7 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
 
+from gradientflow_repro import logs
 from gradientflow_repro.data.shards import CHUNK, MANIFEST, PARTIAL, read_manifest, sha256_of, shard_files
+
+log = logging.getLogger(__name__)
 
 
 class StageError(Exception):
@@ -98,8 +102,8 @@ def stage(manifest_path: Path, to: Path, workers: int = 8, verify: bool = False,
             if now - last[0] >= progress_s or done == len(files):
                 last[0] = now
                 rate = copied / max(now - started, 1e-9)
-                print(f"stage: {done}/{len(files)} files, {copied / 1e9:.2f} GB copied of {total / 1e9:.2f} GB, "
-                      f"{rate / 1e9:.2f} GB/s", flush=True)
+                log.info(f"{done}/{len(files)} files, {copied / 1e9:.2f} GB copied of {total / 1e9:.2f} GB, "
+                         f"{rate / 1e9:.2f} GB/s")
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:  # threads: copying waits on I/O
         for _ in pool.map(one, files):
@@ -121,16 +125,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be positive")
+    logs.configure("stage")
     try:
         if args.to.resolve() == args.manifest.parent.resolve():
             raise StageError(f"{args.to}: the source folder itself")
         done = stage(args.manifest, args.to, args.workers, args.verify)
     except (StageError, OSError) as error:
-        print(f"stage: error: {error}", file=sys.stderr)
+        log.error(f"staging failed: {error}")
         return 1
-    print(f"stage: {done['files']} files ({done['bytes'] / 1e9:.2f} GB) in {args.to}: copied "
-          f"{done['copied_bytes'] / 1e9:.2f} GB, kept {done['kept_bytes'] / 1e9:.2f} GB already there, in "
-          f"{done['seconds']:.1f} s ({done['bytes_per_s'] / 1e9:.2f} GB/s)", flush=True)
+    log.info(f"{done['files']} files ({done['bytes'] / 1e9:.2f} GB) in {args.to}: copied "
+             f"{done['copied_bytes'] / 1e9:.2f} GB, kept {done['kept_bytes'] / 1e9:.2f} GB already there, in "
+             f"{done['seconds']:.1f} s ({done['bytes_per_s'] / 1e9:.2f} GB/s)")
     return 0
 
 

@@ -174,7 +174,7 @@ def pool_against_all_reduce(options: dict[str, Any], device: torch.device) -> tu
     import torch.distributed as dist
 
     from gradientflow_repro.comm.factory import build_communicator
-    from gradientflow_repro.comm.knobs import resolve
+    from gradientflow_repro.comm.plan import resolve
 
     world = dist.get_world_size()
     fp16 = resolve(options).wire == "fp16"
@@ -291,9 +291,8 @@ def check_nccl_single_rank(report: Reporter) -> None:
         for label, options in POOL_CASES.items():
             part = f"{label} pool at world size 1 vs dist.all_reduce"
             with report.part(part):
-                with project_imports():  # the presets need PyYAML
-                    import gradientflow_repro.comm.factory  # noqa: F401
-                report.add(*pool_against_all_reduce(options, device), part)
+                with project_imports():  # the presets (read when the options are resolved) need PyYAML
+                    report.add(*pool_against_all_reduce(options, device), part)
     finally:
         dist.destroy_process_group()
 

@@ -1,7 +1,7 @@
 """Every communicator on CUDA tensors: the item ``comm_gloo_cuda``.
 
 Two gloo ranks share GPU 0 (gloo moves CUDA tensors through host memory, so one GPU suffices).
-Each case of ``COMM_CASES`` (the strategy registry's ``GPU_CHECK`` list: allreduce, ddp, lazy, lazy
+Each case of ``COMM_CASES`` (``gpu_check/lineup.py``'s ``GPU_CHECK``: allreduce, ddp, lazy, lazy
 with the fp16 wire, csc, gradientflow) runs a few steps of ``SmallNet`` and must hold the
 communicator's invariant against the ranks' own gradients: p.grad is the mean gradient (dense
 strategies), or p.grad plus the mean of the CSC residuals is the mean of what each rank
@@ -27,9 +27,10 @@ from typing import Any, Optional
 
 import torch
 
-from gradientflow_repro.comm import registry
+from gradientflow_repro import variants
 from gradientflow_repro.gpu_check.devices import collective_device, synchronize
 from gradientflow_repro.gpu_check.hooks import stale_pool
+from gradientflow_repro.gpu_check.lineup import GPU_CHECK
 from gradientflow_repro.gpu_check.processes import REPORTED_EXIT, put_result, spawn_ranks, time_left
 from gradientflow_repro.gpu_check.results import Reporter, Result, Skip, describe, project_imports
 
@@ -41,7 +42,7 @@ CSC_KNOBS = {**POOL, "density": 0.1, "csc_warmup_epochs": 0.0, "chunk_size": 64}
 SIZES_BY_STRATEGY = {"lazy": POOL, "csc": CSC_KNOBS, "gradientflow": CSC_KNOBS}
 COMM_CASES: list[tuple[str, dict[str, Any]]] = [
     (label, {**options, **SIZES_BY_STRATEGY.get(options["strategy"], {})})
-    for label, options in registry.options_of(registry.GPU_CHECK).items()]
+    for label, options in variants.options_of(GPU_CHECK).items()]
 COMM_STEPS = 4
 # The stack under LARS with momentum correction on the device against the same run on the CPU (the
 # path the test suite checks; `comm=gradientflow` itself runs without the correction, its case above):
@@ -124,7 +125,7 @@ def _check_communicator(options: dict[str, Any], rank: int, world: int, device: 
     import torch.distributed as dist
 
     from gradientflow_repro.comm.factory import build_communicator
-    from gradientflow_repro.comm.knobs import resolve
+    from gradientflow_repro.comm.plan import resolve
 
     fp16 = resolve(options).wire == "fp16"
     torch.manual_seed(0)
@@ -265,7 +266,8 @@ def _parity_line(findings: list[dict[str, Any]]) -> tuple[str, str]:
 
 def _comm_line(label: str, options: dict[str, Any], findings: list[dict[str, Any]]) -> tuple[str, str]:
     """The verdict and detail of a communicator case from every rank's findings (``_check_communicator``)."""
-    from gradientflow_repro.comm.knobs import presets, resolve
+    from gradientflow_repro.comm.knobs import presets
+    from gradientflow_repro.comm.plan import resolve
 
     knobs = resolve(options)
     problems = [f"rank {r}: {p}" for r, f in enumerate(findings) for p in f["problems"]]

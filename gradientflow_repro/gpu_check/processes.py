@@ -33,7 +33,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from gradientflow_repro import REPO
+from gradientflow_repro import REPO, logs
 from gradientflow_repro.cluster.world import free_port
 from gradientflow_repro.gpu_check.results import Item, Reporter, Result, describe
 
@@ -155,6 +155,7 @@ def child_main(argv: list[str]) -> None:
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
+    logs.configure()  # the library's lines go to the log beside the report, which names the item
     module, qualname = target.split(":")
     check = importlib.import_module(module)
     for attribute in qualname.split("."):

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from gradientflow_repro import REPO
+from gradientflow_repro import REPO, logs
 from gradientflow_repro.gpu_check.devices import gpu_gate
 from gradientflow_repro.gpu_check.environment import gpu_environment, gpu_summary, versions_summary
 from gradientflow_repro.gpu_check.hooks import limit_scale, test_hooks_problem, test_hooks_set
@@ -150,12 +150,15 @@ def parse_options(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Run the chosen items in order, each within its share of the budget; write the report; return
-    the exit status (the package's docstring says what each value means)."""
+    the exit status (the package's docstring says what each value means). The result lines, the
+    closing line and a refusal are this command's output, printed as the report has them; what the
+    library logs while an item runs in this process is logged with the prefix ``gpu_check``."""
     try:
         args = parse_options(argv)
     except BadOption as error:
         print(f"gpu_check: error: {error}", file=sys.stderr, flush=True)
         return 2
+    logs.configure("gpu_check")
     command = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(
         [sys.executable, "-m", "gradientflow_repro.gpu_check", *argv])
     started = time.monotonic()

@@ -2,18 +2,19 @@
 
 ``make reproduce`` trains the whole schedule too, but on the emulated network and only the
 experiment's default configurations (``reproduce.DEFAULT_RUNGS``); this study trains any of them,
-every one of ``knobs.COMPARED`` by default, on loopback, to say whether sparse communication still
+every one of ``lineup.COMPARED`` by default, on loopback, to say whether sparse communication still
 costs accuracy when training ends, which is what the paper claims it does not. It trains chosen
 configurations over the experiment's whole schedule (never stopping at the target), once per seed,
-and writes ``results/convergence.md``: epochs to
+and writes ``results/convergence.md`` (``--report``; else under ``results/runs/convergence/``) from
+its data, ``convergence.json`` beside it (``study_data``, rendered by ``render/reproduction_study.py``): epochs to
 each target, top-1 after every epoch (median over seeds), top-1 at the end against the dense
 reference seed by seed, the largest fall after the learning-rate warm-up, what our additions to the
 paper's stack buy (``gradientflow`` against ``gradientflow-paper``), and a figure; and its rows of
 ``results/runs.csv`` (``runs.RUNS_CSV_COLUMNS``, study ``convergence``; ``make reproduce``'s rows kept).
 
 Runs go over loopback: accuracy per epoch does not depend on the network's speed. A configuration is
-a label of ``knobs.COMPARED`` (what ``make reproduce`` can train: the strategy registry's ladder,
-sparse variants and peers, ``comm/registry.py``) or ``LABEL=OVERRIDES`` (any Hydra overrides, e.g.
+a label of ``lineup.COMPARED`` (what ``make reproduce`` can train: its ladder, sparse variants and
+peers, ``reproduction/lineup.py``) or ``LABEL=OVERRIDES`` (any Hydra overrides, e.g.
 ``cap0="comm=gradientflow comm.release_cap=0"``), so the experiments behind the recipe tables
 (docs/notes/2026-12-01-digits-recipe-search.md) are one command each. A finished run is kept under
 ``runs_dir`` and reused when the study is run again with the same overrides, world size and code
@@ -24,31 +25,31 @@ sparse variants and peers, ``comm/registry.py``) or ``LABEL=OVERRIDES`` (any Hyd
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shlex
 import shutil
 import statistics
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from gradientflow_repro import REPO
+from gradientflow_repro import REPO, render
 from gradientflow_repro.cluster.launch import run_ranks
-from gradientflow_repro.comm import knobs
 from gradientflow_repro.provenance import code_version, environment_facts
-from gradientflow_repro.reproduction.progress import Timeline
-from gradientflow_repro.reproduction.report import (
-    PAPER_STACK,
-    density_label,
+from gradientflow_repro.reproduction import lineup
+from gradientflow_repro.reproduction.figures import plot_top1
+from gradientflow_repro.reproduction.measures import (
     falls_after_warmup,
     final_gaps,
-    plot_top1,
+    median,
     run_seed,
-    sparsification_section,
-    spread,
+    sparsification_rows,
 )
+from gradientflow_repro.reproduction.progress import Timeline
 from gradientflow_repro.reproduction.reproduce import EXPERIMENT_OVERRIDES, ladder_overrides, machine_overrides
 from gradientflow_repro.reproduction.runs import (
+    compression_label,
     evaluations,
     is_dense,
     largest_fall,
@@ -59,16 +60,20 @@ from gradientflow_repro.reproduction.runs import (
 )
 from gradientflow_repro.tracking import duration
 
-DEFAULT_CONFIGS = tuple(knobs.COMPARED)  # every configuration make reproduce can train: ladder, variants, peers
+log = logging.getLogger(__name__)
+
+KIND = "reproduction.convergence"  # the renderer of the study's document (render/reproduction_study.py)
+PAPER_STACK = "gradientflow-paper"  # the paper's stack as published, which our additions are set against
+DEFAULT_CONFIGS = tuple(lineup.COMPARED)  # every configuration make reproduce can train: ladder, variants, peers
 REFERENCE = "ddp"  # the dense configuration the others are set against, when trained (as make reproduce)
-RUNS_DIR = REPO / "results" / "runs" / "convergence"
-OUT = REPO / "results" / "convergence.md"
+RUNS_DIR = render.RUNS / "convergence"
+OUT = render.output_dir("convergence", report=False) / "convergence.md"  # (``--report``: results/convergence.md)
 RECORD_FILE = "study_run.json"  # how a kept run was trained: overrides, world size, code
 LABEL = re.compile(r"[\w.@+-]+")  # a directory name and a Hydra value as it is
 
 
 def parse_configs(texts: Sequence[str]) -> dict[str, list[str]]:
-    """``LABEL`` (of ``knobs.COMPARED``) or ``LABEL=OVERRIDES`` -> label: Hydra overrides."""
+    """``LABEL`` (of ``lineup.COMPARED``) or ``LABEL=OVERRIDES`` -> label: Hydra overrides."""
     configs: dict[str, list[str]] = {}
     for text in texts:
         label, _, overrides = text.partition("=")
@@ -78,8 +83,8 @@ def parse_configs(texts: Sequence[str]) -> dict[str, list[str]]:
         if label in configs:
             raise ValueError(f"configuration {label!r} given twice")
         if not overrides:
-            if label not in knobs.COMPARED:
-                raise ValueError(f"configuration {label!r}: not one of {', '.join(knobs.COMPARED)}; "
+            if label not in lineup.COMPARED:
+                raise ValueError(f"configuration {label!r}: not one of {', '.join(lineup.COMPARED)}; "
                                  "give LABEL=OVERRIDES for another")
             configs[label] = ladder_overrides(label)
         else:
@@ -162,8 +167,8 @@ def study(*, configs: dict[str, list[str]], experiment: str = "patterns_cpu", wo
         missing = [f"{label} seed {seed}" for label, seed, _ in jobs if (label, seed) not in kept]
         raise ValueError(f"--report-only: no finished run of {', '.join(missing)} under {runs_dir} with these "
                          f"overrides and world size: run the study without --report-only")
-    print(f"convergence: {len(configs)} configurations x {len(seeds)} seeds at world size {world} on loopback, "
-          f"whole schedule; {len(kept)} of {len(jobs)} runs kept from before", flush=True)
+    log.info(f"convergence: {len(configs)} configurations x {len(seeds)} seeds at world size {world} on loopback, "
+             f"whole schedule; {len(kept)} of {len(jobs)} runs kept from before")
     timeline = Timeline([("train", label) for label, seed, _ in jobs if (label, seed) not in kept], name="convergence")
     runs: dict[str, list[dict]] = {label: [] for label in configs}
     for label, seed, run_dir in jobs:
@@ -180,67 +185,62 @@ def study(*, configs: dict[str, list[str]], experiment: str = "patterns_cpu", wo
     write_study(out, runs, configs=configs, targets=targets, world=world, experiment=experiment, command=command,
                 elapsed_s=time.time() - started, kept=len(kept), overrides=list(overrides),
                 machine=environment_facts(), target=own if own is not None else targets[0])
-    print(f"convergence: wrote {out} in {duration(time.time() - started)}", flush=True)
+    log.info(f"convergence: wrote {out} in {duration(time.time() - started)}")
     return runs
 
 
 def write_study(out: Path, runs: dict[str, list[dict]], *, configs: dict[str, list[str]], targets: Sequence[float],
                 world: int, experiment: str, command: str, elapsed_s: float, kept: int, overrides: list[str],
-                machine: dict, target: Optional[float] = None) -> None:
-    """``out`` and its figure beside it (``<stem>_top1.png``) from ``runs`` (label -> one run per seed,
-    trained with ``configs[label]``; ``kept`` of them from an earlier launch), and the runs' rows of
-    ``runs.csv`` beside it, their time and epochs to ``target`` (the experiment's, which ``make
-    reproduce`` stops at; None: the lowest of ``targets``)."""
-    first = next(iter(runs.values()))[0]
-    config = first.get("config") or {}
-    epochs, warmup = config.get("epochs"), run_warmup_epochs(first)
-    dense = [label for label, items in runs.items() if is_dense(items[0])]
-    reference = REFERENCE if REFERENCE in dense else (dense[0] if dense else None)
-    seeds = [run_seed(r) for r in next(iter(runs.values()))]
-    trained = sorted({str(r["summary"].get("git_commit")) for items in runs.values() for r in items})
-    machine_line = machine["gpu"] or f"{machine['cpu']}, {machine['cpu_count']} cores, no GPU"
-    lines = ["# Accuracy over the whole schedule: dense against sparse communication", "",
-             f"- Machine: {machine_line}. torch {machine['torch']}, commit {machine['git_commit']}."
-             + (f" Runs trained at commit {', '.join(trained)}." if trained != [machine["git_commit"]] else ""),
-             f"- Command: `{command}` ({elapsed_s / 60:.1f} min"
-             + (f"; {kept} of {sum(map(len, runs.values()))} runs kept from an earlier launch" if kept else "") + ").",
-             f"- Experiment `{experiment}`, world size {world} on loopback (accuracy per epoch does not depend on "
-             f"the network), {epochs} epochs, learning-rate warm-up {warmup:g} epochs (unless a configuration "
-             f"sets its own), never stopped at the target; seeds "
-             f"{', '.join(str(s) for s in seeds)} (initial weights and data order): median [range]."
-             + (f" Overrides for every run: `{' '.join(overrides)}`." if overrides else ""),
-             "- Configurations: " + "; ".join(f"{label}: `{' '.join(configs[label])}`" for label in runs) + ".", ""]
-    header = ["configuration", "density", *[f"epochs to {t:g}%" for t in targets], "top-1 at the end (%)",
-              *([f"top-1 at the end - `{reference}`'s, same seed (points)"] if reference else []),
-              "best top-1 (%)", "largest fall after the warm-up (points)"]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for label, items in runs.items():
-        cells = [label, density_label(items[0]), *[spread([first_epoch_at(r, t) for r in items], "g") for t in targets],
-                 spread([r["summary"].get("final_top1") for r in items], ".2f"),
-                 *([("- (the reference)" if label == reference else final_gaps(items, runs[reference]))]
-                   if reference else []),
-                 spread([r["summary"].get("best_top1") for r in items], ".2f"),
-                 spread([largest_fall(r) for r in items], ".1f")]
-        lines.append("| " + " | ".join(cells) + " |")
-    evaluated = sorted({e for items in runs.values() for r in items for e, _ in evaluations(r)})
-    lines += ["", "Top-1 after each epoch (%), median over the seeds:", "",
-              "| configuration | " + " | ".join(f"{e:g}" for e in evaluated) + " |",
-              "|---|" + "---|" * len(evaluated)]
-    for label, items in runs.items():
-        at = [[a for r in items for e, a in evaluations(r) if e == epoch] for epoch in evaluated]
-        lines.append(f"| {label} | " + " | ".join(f"{statistics.median(v):.1f}" if v else "-" for v in at) + " |")
-    dropped = falls_after_warmup(runs)
-    lines += ["", f"Falls of more than 5 points from one evaluation to the next after the warm-up: {len(dropped)} in "
-              f"{sum(map(len, runs.values()))} runs" + (": " + "; ".join(dropped) if dropped else "") + ".",
-              "", *_verdicts(runs, reference, targets[0]), *_additions(runs, targets[0]), "",
-              *sparsification_section(runs), f"![validation top-1 against epochs]({out.stem}_top1.png)", ""]
+                machine: dict, target: Optional[float] = None) -> Path:
+    """``out`` (the Markdown), its data beside it (``.json``, ``study_data``) and its figure
+    (``<stem>_top1.png``) from ``runs`` (label -> one run per seed, trained with ``configs[label]``;
+    ``kept`` of them from an earlier launch), and the runs' rows of ``runs.csv`` beside it, their
+    time and epochs to ``target`` (the experiment's, which ``make reproduce`` stops at; None: the
+    lowest of ``targets``). Returns the data's path."""
+    data = study_data(runs, configs=configs, targets=targets, world=world, experiment=experiment, command=command,
+                      elapsed_s=elapsed_s, kept=kept, overrides=overrides, machine=machine,
+                      figure=f"{out.stem}_top1.png")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
-    plot_top1(runs, out.parent / f"{out.stem}_top1.png", x="epoch", targets=targets)
+    written = render.write_data(out.with_suffix(".json"), KIND, data)
+    render.render_file(written, out)
+    plot_top1(runs, out.parent / data["figure"], x="epoch", targets=targets)
     csv_target = targets[0] if target is None else target
     update_runs_csv(out.parent / "runs.csv", "convergence",
                     [run_row(run, study="convergence", label=label, target=csv_target)
                      for label, items in runs.items() for run in items])
+    return written
+
+
+def study_data(runs: dict[str, list[dict]], *, configs: dict[str, list[str]], targets: Sequence[float], world: int,
+               experiment: str, command: str, elapsed_s: float, kept: int, overrides: list[str], machine: dict,
+               figure: str) -> dict[str, Any]:
+    """The study's document: its facts, per configuration its epochs to each target, top-1 at the end
+    (against the dense reference's, seed by seed), best top-1 and largest fall, top-1 after each
+    epoch, the falls after the warm-up, each sparse configuration against the dense reference
+    (``against_dense``), what our additions buy (``additions``) and what sparsification did."""
+    first = next(iter(runs.values()))[0]
+    dense = [label for label, items in runs.items() if is_dense(items[0])]
+    reference = REFERENCE if REFERENCE in dense else (dense[0] if dense else None)
+    evaluated = sorted({e for items in runs.values() for r in items for e, _ in evaluations(r)})
+    return {
+        "machine": {key: machine.get(key) for key in ("gpu", "cpu", "cpu_count", "torch", "git_commit")},
+        "trained": sorted({str(r["summary"].get("git_commit")) for items in runs.values() for r in items}),
+        "command": command, "elapsed_s": elapsed_s, "kept": kept, "runs": sum(map(len, runs.values())),
+        "experiment": experiment, "world": world, "epochs": (first.get("config") or {}).get("epochs"),
+        "warmup": run_warmup_epochs(first), "seeds": [run_seed(r) for r in next(iter(runs.values()))],
+        "overrides": list(overrides), "configs": [[label, list(configs[label])] for label in runs],
+        "targets": list(targets), "reference": reference,
+        "rows": [{"label": label, "density": compression_label(items[0]),
+                  "epochs_to": [[first_epoch_at(r, t) for r in items] for t in targets],
+                  "final": [_final(r) for r in items],
+                  "gaps": None if reference is None or label == reference else final_gaps(items, runs[reference]),
+                  "best": [r["summary"].get("best_top1") for r in items],
+                  "largest_fall": [largest_fall(r) for r in items]} for label, items in runs.items()],
+        "evaluated": evaluated,
+        "per_epoch": [[label, [median([a for r in items for e, a in evaluations(r) if e == epoch])
+                               for epoch in evaluated]] for label, items in runs.items()],
+        "falls": falls_after_warmup(runs), "against_dense": against_dense(runs, reference, targets[0]),
+        "additions": additions(runs, targets[0]), "sparsification": sparsification_rows(runs), "figure": figure}
 
 
 def _final(run: dict) -> Optional[float]:
@@ -253,57 +253,41 @@ def _range(items: list[dict]) -> float:
     return max(ends) - min(ends) if ends else 0.0
 
 
-def _verdicts(runs: dict[str, list[dict]], reference: Optional[str], target: float) -> list[str]:
+def _gaps(pairs: list[tuple[dict, dict]]) -> Optional[list[float]]:
+    """Top-1 at the end of each pair's first run less its second's: [median, lowest, highest, pairs]
+    (None: no pair with both known)."""
+    gaps = [_final(a) - _final(b) for a, b in pairs if _final(a) is not None and _final(b) is not None]
+    return [statistics.median(gaps), min(gaps), max(gaps), len(gaps)] if gaps else None
+
+
+def against_dense(runs: dict[str, list[dict]], reference: Optional[str], target: float) -> Optional[dict[str, Any]]:
     """Each sparse configuration against the dense reference: epochs to ``target`` (medians over the
     seeds that reached it) and top-1 at the end, seed by seed (the same seed: the same initial
-    weights and data order; runs whose seed is unknown are not paired)."""
+    weights and data order; runs whose seed is unknown are not paired). None without a dense one."""
     if reference is None:
-        return ["No dense configuration was trained: nothing to set the sparse ones against."]
-    by_seed = {run_seed(r): r for r in runs[reference] if run_seed(r) != "?"}
+        return None
+    theirs = {run_seed(r): r for r in runs[reference] if run_seed(r) != "?"}
     dense_epochs = [first_epoch_at(r, target) for r in runs[reference]]
-    dense_known = [e for e in dense_epochs if e is not None]
-    lines = [f"Against `{reference}` (dense): epochs to {target:g}% as medians over the seeds that reached it "
-             f"(`{reference}`: {len(dense_known)} of {len(dense_epochs)}), top-1 at the end seed by seed:"]
+    rows = []
     for label, items in runs.items():
         if label == reference or is_dense(items[0]):
             continue
-        pairs = [(r, by_seed[run_seed(r)]) for r in items if run_seed(r) in by_seed]
-        final = [_final(r) - _final(d) for r, d in pairs if _final(r) is not None and _final(d) is not None]
-        epochs = [first_epoch_at(r, target) for r in items]
-        reached = [e for e in epochs if e is not None]
-        if reached and dense_known:
-            mine, theirs = statistics.median(reached), statistics.median(dense_known)
-            to_target = f"{mine:g} epochs to {target:g}% against {theirs:g} ({mine / theirs - 1:+.0%})"
-            if len(reached) < len(epochs):
-                to_target += f", reached in {len(reached)} of {len(epochs)} seeds"
-        else:
-            to_target = f"{target:g}% reached in {len(reached)} of {len(epochs)} seeds"
-        ends = (f"top-1 at the end {statistics.median(final):+.2f} points against the same seed's dense run "
-                f"(from {min(final):+.2f} to {max(final):+.2f} over {len(final)} seeds; the dense runs' own "
-                f"spread over the seeds: {_range(runs[reference]):.2f})" if final else "no pair of seeds to compare")
-        lines.append(f"- `{label}`: {to_target}; {ends}.")
-    return lines
+        rows.append({"label": label, "epochs": [first_epoch_at(r, target) for r in items],
+                     "gaps": _gaps([(r, theirs[run_seed(r)]) for r in items if run_seed(r) in theirs])})
+    return {"target": target, "dense_epochs": dense_epochs, "dense_spread": _range(runs[reference]), "rows": rows}
 
 
-def _additions(runs: dict[str, list[dict]], target: float) -> list[str]:
+def additions(runs: dict[str, list[dict]], target: float) -> Optional[dict[str, Any]]:
     """What our additions to the paper's stack (the release cap, the trust-ratio noise correction)
     buy over the whole schedule: ``gradientflow`` against ``gradientflow-paper`` (the paper's stack as
     published), seed by seed where both ran: epochs to ``target``, top-1 at the end, and falls of more
-    than 5 points after the warm-up. Nothing unless both were trained."""
+    than 5 points after the warm-up. None unless both were trained."""
     ours, paper = runs.get("gradientflow"), runs.get(PAPER_STACK)
     if not ours or not paper:
-        return []
+        return None
     theirs = {run_seed(r): r for r in paper if run_seed(r) != "?"}
-    pairs = [(r, theirs[run_seed(r)]) for r in ours if run_seed(r) in theirs]
-    gaps = [_final(a) - _final(b) for a, b in pairs if _final(a) is not None and _final(b) is not None]
-    epochs = [[first_epoch_at(r, target) for r in items] for items in (ours, paper)]
-    known = [[e for e in each if e is not None] for each in epochs]
-    mine, paper_epochs = (f"{statistics.median(k):g}" + (f" ({len(k)} of {len(e)} seeds)" if len(k) < len(e) else "")
-                          if k else "not reached" for k, e in zip(known, epochs))
-    large = [sum((largest_fall(r) or 0.0) > 5 for r in items) for items in (ours, paper)]
-    ends = (f"top-1 at the end {statistics.median(gaps):+.2f} points against the same seed's (from "
-            f"{min(gaps):+.2f} to {max(gaps):+.2f} over {len(gaps)} seeds)" if gaps else "no pair of seeds to compare")
-    return ["", f"Our additions (release cap, trust-ratio noise correction): `gradientflow` against `{PAPER_STACK}` "
-            f"(the paper's stack as published): epochs to {target:g}% {mine} against {paper_epochs} "
-            f"(medians); {ends}; falls of more than 5 points after the warm-up in {large[0]} of {len(ours)} runs "
-            f"against {large[1]} of {len(paper)}."]
+    return {"target": target, "paper": PAPER_STACK,
+            "epochs": [[first_epoch_at(r, target) for r in items] for items in (ours, paper)],
+            "gaps": _gaps([(r, theirs[run_seed(r)]) for r in ours if run_seed(r) in theirs]),
+            "large_falls": [sum((largest_fall(r) or 0.0) > 5 for r in items) for items in (ours, paper)],
+            "runs": [len(ours), len(paper)]}

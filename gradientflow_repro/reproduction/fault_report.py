@@ -2,7 +2,8 @@
 
 For each fault: what the harness did (exit code, the error it printed), how long after the fault
 fired the job ended (time to detection), and whether anything was lost (the newest complete
-checkpoint, and whether a resumed run finishes from it). Runs use torchrun with gloo on this
+checkpoint, and whether a resumed run finishes from it). The rows go to ``reliability.json`` beside the
+table, which ``render/reproduction_study.py`` writes from them. Runs use torchrun with gloo on this
 machine, the embedded digits data and a narrow model; faults are planned with ``GFR_INJECT_FAULT``
 (``gradientflow_repro/faults.py``).
 """
@@ -10,6 +11,7 @@ machine, the embedded digits data and a narrow model; faults are planned with ``
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -19,10 +21,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from gradientflow_repro import REPO
+from gradientflow_repro import REPO, render
 from gradientflow_repro.checkpoint import complete_checkpoints
 from gradientflow_repro.provenance import environment_facts
 from gradientflow_repro.reproduction import fault_sequences
+
+log = logging.getLogger(__name__)
+
+KIND = "reproduction.reliability"  # the renderer of its document (render/reproduction_study.py)
 
 BASE = ["+experiment=digits_cpu", "model.width=0.125", "logger=jsonl", "threads_per_rank=1",
         "global_batch_size=96", "epochs=3", "optim.warmup_epochs=1", "eval_every_epochs=1",
@@ -98,13 +104,15 @@ def prepare(kind: str | None, work: Path, digits: Path, run_dir: Path, env: dict
     return digits, ""
 
 
-def fault_report(out: Path, digits: Path = REPO / "data" / "digits") -> None:
-    """Run every scenario of ``SCENARIOS`` and write the table to ``out``."""
+def fault_report(out: Path, digits: Path = REPO / "data" / "digits",
+                 command: str = "python scripts/fault_report.py") -> Path:
+    """Run every scenario of ``SCENARIOS``; write the rows as data beside ``out`` (``.json``) and the
+    table, rendered from it, to ``out``. Returns the data's path. FileNotFoundError without the data."""
     if not (digits / "train").is_dir():
-        sys.exit("error: data/digits is missing: run `make data` first")
+        raise FileNotFoundError("data/digits is missing: run `make data` first")
     rows, started = [], time.time()
     for index, (fault, world, inject, extra, kind) in enumerate(SCENARIOS, 1):
-        print(f"[{index}/{len(SCENARIOS)}] {fault}", flush=True)
+        log.info(f"[{index}/{len(SCENARIOS)}] {fault}")
         with tempfile.TemporaryDirectory() as scratch:
             work = Path(scratch)
             run_dir = work / ("a_file/run" if kind == "blocked_run_dir" else "run")
@@ -147,28 +155,20 @@ def fault_report(out: Path, digits: Path = REPO / "data" / "digits") -> None:
             action = f"exit {code}; {first_error(output, work)}"
             rows.append((fault, world, action, detection, lost if kind != "truncate" else f"nothing: {note}, named "
                          "before training"))
-            print(f"    -> {action[:150]} | {detection} | {rows[-1][4][:100]}", flush=True)
+            log.info(f"    -> {action[:150]} | {detection} | {rows[-1][4][:100]}")
     for index, scenario in enumerate(fault_sequences.SCENARIOS, len(SCENARIOS) + 1):
-        print(f"[{index}/{len(SCENARIOS) + len(fault_sequences.SCENARIOS)}] {scenario.__name__}", flush=True)
+        log.info(f"[{index}/{len(SCENARIOS) + len(fault_sequences.SCENARIOS)}] {scenario.__name__}")
         with tempfile.TemporaryDirectory() as scratch:
             rows.append(scenario(Path(scratch), digits))
-        print(f"    -> {rows[-1][2][:150]} | {rows[-1][3]} | {rows[-1][4][:100]}", flush=True)
-    print("[slurm] the templates' faults under the local Slurm", flush=True)
+        log.info(f"    -> {rows[-1][2][:150]} | {rows[-1][3]} | {rows[-1][4][:100]}")
+    log.info("[slurm] the templates' faults under the local Slurm")
     rows += fault_sequences.slurm_rows()
     facts = environment_facts()
-    lines = ["# Reliability under injected faults", "",
-             f"Machine: {facts['cpu']}, {facts['cpu_count']} cores, no GPU; torch {facts['torch']}, gloo, torchrun; "
-             f"commit {facts['git_commit']}. Command: `python scripts/fault_report.py` "
-             f"({(time.time() - started) / 60:.1f} min). World sizes as listed; `dist_timeout_s=30`; faults "
-             "planned with `GFR_INJECT_FAULT` (gradientflow_repro/faults.py). Time to detection: from the "
-             "moment the fault fired to the end of the whole job.", "",
-             "| fault | world size | what the harness did | time to detection | lost |", "|---|---|---|---|---|"]
-    for fault, world, action, detection, lost in rows:
-        lines.append(f"| {fault} | {world} | {action.replace('|', '/')} | {detection} | {lost.replace('|', '/')} |")
-    if any("frozen" in row[0] for row in rows):
-        lines += ["", "A frozen rank cannot act on SIGTERM: the survivors name it after `watchdog_s` (6 s here) "
-                  "and exit, and torchrun's agent then waits its 30 s before it SIGKILLs the stopped process, "
-                  "most of that row's time to the end of the job. Under Slurm, `slurm/task.sh` ends the job "
-                  "step with SIGKILL as soon as the first survivor exits, the frozen rank with it."]
-    out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    data = {"machine": {key: facts.get(key) for key in ("cpu", "cpu_count", "torch", "git_commit")},
+            "command": command, "elapsed_s": time.time() - started,
+            "rows": [{"fault": fault, "world": world, "action": action, "detection": detection, "lost": lost}
+                     for fault, world, action, detection, lost in rows]}
+    written = render.write_data(out.with_suffix(".json"), KIND, data)
+    render.render_file(written, out)
+    log.info(f"wrote {out}")
+    return written

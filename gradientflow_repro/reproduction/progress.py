@@ -6,18 +6,20 @@ where it stopped (``Progress``). ``make reproduce`` and the cluster benchmark us
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import IO, Optional
 
 from gradientflow_repro.tracking import duration
 
+log = logging.getLogger(__name__)
+
 
 class Timeline:
-    """A whole long job as a list of jobs known in advance: before each one it prints which job of
+    """A whole long job as a list of jobs known in advance: before each one it logs which job of
     how many it is, the time so far and an estimate of the time left (each job left costs what jobs
     of the same key took, else jobs of the same kind, else ``guess_s`` of its kind)."""
 
@@ -45,10 +47,10 @@ class Timeline:
         if index < len(self.jobs) and self.jobs[index] == (kind, key):
             left = sum(self._estimate(k, c) for k, c in self.jobs[index:])
         else:  # a display's mistake must not stop the work: say so, estimate nothing
-            print(f"{self.name}: job {index + 1} ({kind} {key}) was not planned there: time left unknown", flush=True)
+            log.info(f"{self.name}: job {index + 1} ({kind} {key}) was not planned there: time left unknown")
             left = float("nan")
-        print(f"{self.name}: [{index + 1}/{len(self.jobs)}] {title} | {duration(time.time() - self.started)} so far, "
-              f"about {duration(left)} left", flush=True)
+        log.info(f"{self.name}: [{index + 1}/{len(self.jobs)}] {title} | "
+                 f"{duration(time.time() - self.started)} so far, about {duration(left)} left")
         self._current = (kind, key, time.time())
 
     def end(self) -> None:
@@ -76,7 +78,7 @@ class Progress:
     A launch with the same plan continues the unfinished work: finished jobs are kept, a job cut
     short runs again. Finished work, or ``fresh``, starts over in an emptied directory. Unfinished
     work of another plan is never discarded unasked, and no two launches work in one directory at
-    once (a lock file beside it): ``CannotContinue``. ``name`` begins what it prints and the group,
+    once (a lock file beside it): ``CannotContinue``. ``name`` begins what it logs and the group,
     ``what`` names the work in its messages. Use as a context manager."""
 
     FILE = "progress.json"
@@ -162,8 +164,8 @@ class Progress:
             self.save()  # this launch's time, however it ends
             stopped = kind is not None and issubclass(kind, (KeyboardInterrupt, SystemExit))
             if stopped and not self.state.get("finished"):
-                print(f"{self.name}: stopped; {len(self.state['done'])} finished jobs are kept in "
-                      f"{self.file.parent}: run the same command again to continue", file=sys.stderr, flush=True)
+                log.warning(f"{self.name}: stopped; {len(self.state['done'])} finished jobs are kept in "
+                            f"{self.file.parent}: run the same command again to continue")
         finally:
             self._lock.close()  # releases it
 

@@ -6,10 +6,10 @@ it) and the paper's (the fixed schedule: the time to finish it, top-1 at the end
 Steps: (1) calibrate: profile the model (``scaling.profile``), run the baseline briefly on an
 unshaped network to get compute time and bytes per step; (2) choose the link rate that gives the
 paper's dense communication/computation ratio; (3) measure the shaped network's bandwidth and per-
-message latency (``scaling.netbench``); (4) train every rung of the ladder (``knobs.LADDER``: the
-strategy registry's ``LADDER`` list, ``comm/registry.py``), gradientflow's variants for
-convergence (``knobs.SPARSE_VARIANTS``, the registry's ``SPARSE_VARIANTS``) and the peers, what
-researchers would use instead and the paper's stack as published (``knobs.PEERS``: PyTorch's fp16 and
+message latency (``scaling.netbench``); (4) train every rung of the ladder (``lineup.LADDER``,
+``reproduction/lineup.py``), gradientflow's variants for convergence (``lineup.SPARSE_VARIANTS``)
+and the peers, what
+researchers would use instead and the paper's stack as published (``lineup.PEERS``: PyTorch's fp16 and
 PowerSGD hooks, ``gradientflow-paper``), or the experiment's own default set (``DEFAULT_RUNGS``),
 over the whole schedule (``target_top1=null``) once per seed (seed-major, so drift spreads over
 all of them), then short step-time runs of the sparse rungs,
@@ -29,6 +29,7 @@ launched again with the same plan and code, continues."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -37,12 +38,14 @@ import time
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from gradientflow_repro import REPO
+from gradientflow_repro import REPO, render
 from gradientflow_repro.cluster import netemu
 from gradientflow_repro.cluster.launch import network, run_ranks
 from gradientflow_repro.comm import knobs
+from gradientflow_repro.comm.plan import resolve
 from gradientflow_repro.config import compose
 from gradientflow_repro.provenance import code_version, environment_facts
+from gradientflow_repro.reproduction import lineup
 from gradientflow_repro.reproduction.progress import MACHINE_KEYS, Progress, Timeline
 from gradientflow_repro.reproduction.report import write_report
 from gradientflow_repro.reproduction.runs import (
@@ -60,21 +63,23 @@ from gradientflow_repro.scaling import perfmodel
 from gradientflow_repro.scaling.netbench import measure_network, small_message_kb
 from gradientflow_repro.tracking import duration
 
+log = logging.getLogger(__name__)
+
 # Dense fp32 ring traffic time over compute time per step, for AlexNet on the paper's cluster
 PAPER_RATIO, PAPER_RATIO_ARITHMETIC = perfmodel.paper_dense_ratio()
 # Per experiment, overrides for every run of the comparison (none today: digits_cpu's recipe is the
 # comparison's, chosen for it; docs/configuration.md).
 EXPERIMENT_OVERRIDES: dict[str, list[str]] = {}
 # Per experiment, the configurations trained by default (``--rungs`` overrides; an experiment not
-# named: every one of ``knobs.COMPARED``). patterns_cpu: a run of its 1,000 steps takes minutes on the
+# named: every one of ``lineup.COMPARED``). patterns_cpu: a run of its 1,000 steps takes minutes on the
 # emulated network, so three seeds of every configuration would take hours; these are the paper's
 # comparison: dense DDP, what researchers would use instead (PyTorch's fp16 and PowerSGD hooks), our
 # full stack and the paper's as published. `make convergence` trains the others (loopback).
 DEFAULT_RUNGS: dict[str, tuple[str, ...]] = {
     "patterns_cpu": ("ddp", "ddp-fp16", "powersgd", "gradientflow", "gradientflow-paper"),
 }
-RUNS_DIR = REPO / "results" / "runs" / "reproduce"
-REPORT = REPO / "results" / "REPORT.md"
+RUNS_DIR = render.RUNS / "reproduce"
+REPORT = render.output_dir("reproduce", report=False) / "REPORT.md"  # (``--report``: results/REPORT.md)
 
 
 def machine_overrides(overrides: Sequence[str], program: Optional[str] = None) -> list[str]:
@@ -83,7 +88,7 @@ def machine_overrides(overrides: Sequence[str], program: Optional[str] = None) -
     bf16 (``precision.native_bf16``), since there bf16 makes each step many times slower, the link
     rate follows the compute down, and the comparison takes hours instead of minutes; nothing where
     the overrides choose a precision (asked for by name, it is what runs). With ``program``, a line
-    that it adapts the runs is printed under that name."""
+    that it adapts the runs is logged under that name."""
     import torch
 
     from gradientflow_repro.precision import native_bf16
@@ -96,14 +101,14 @@ def machine_overrides(overrides: Sequence[str], program: Optional[str] = None) -
     if cfg.precision.dtype != "bf16" or not on_cpu:
         return []
     if program:
-        print(f"{program}: this CPU emulates bf16 (no AVX-512 BF16 or AMX): every run trains with precision=fp32 "
-              f"(bf16 would take many times as long here)", flush=True)
+        log.info(f"{program}: this CPU emulates bf16 (no AVX-512 BF16 or AMX): every run trains with precision=fp32 "
+                 f"(bf16 would take many times as long here)")
     return ["precision=fp32"]
 
 
 def default_rungs(experiment: str) -> list[str]:
     """The configurations ``make reproduce`` trains for ``experiment`` unless told (``DEFAULT_RUNGS``)."""
-    return list(DEFAULT_RUNGS.get(experiment, tuple(knobs.COMPARED)))
+    return list(DEFAULT_RUNGS.get(experiment, tuple(lineup.COMPARED)))
 
 
 def report_target(experiment: str, overrides: Sequence[str]) -> Optional[float]:
@@ -117,7 +122,7 @@ def report_target(experiment: str, overrides: Sequence[str]) -> Optional[float]:
 def ladder_overrides(label: str, small_message_kb: Optional[int] = None) -> list[str]:
     """The Hydra overrides of one compared configuration (``comm=NAME comm.KEY=VALUE``), on a network
     whose switch-over to the ring is ``small_message_kb`` (``knobs.on_network``)."""
-    return knobs.hydra_overrides(knobs.on_network(knobs.COMPARED[label], small_message_kb))
+    return knobs.hydra_overrides(knobs.on_network(lineup.COMPARED[label], small_message_kb))
 
 
 class Job(NamedTuple):
@@ -159,7 +164,7 @@ NETBENCH_LAUNCHES = 2
 
 def sparse_rung(label: str) -> bool:
     """Whether a rung of the ladder sends sparsely after a dense warm-up (CSC below density 1)."""
-    return knobs.sends_sparse(knobs.resolve(knobs.COMPARED[label]))
+    return resolve(lineup.COMPARED[label]).sends_sparse
 
 
 def check_worlds_for(world: int, check_worlds: Optional[Sequence[int]]) -> list[int]:
@@ -193,7 +198,7 @@ def reproduce(*, experiment: str = "patterns_cpu", world: int = 4, check_worlds:
     target = report_target(experiment, overrides)
     # the model checks the speed ladder, scaled to allreduce's compute-only step: without allreduce
     # no step-time run could be checked, so none is planned (the report says so)
-    checked = [label for label in rungs if label in knobs.LADDER] if "allreduce" in rungs else []
+    checked = [label for label in rungs if label in lineup.LADDER] if "allreduce" in rungs else []
     check_worlds = check_worlds if checked else []
     # a sparse rung's step time at the ladder's world size comes from short runs sparse from the start,
     # as at the other world sizes (chosen when its runs stopped at the target, mostly dense warm-up;
@@ -223,13 +228,11 @@ def reproduce(*, experiment: str = "patterns_cpu", world: int = 4, check_worlds:
                 *[job for other in check_worlds for job in
                   [netbench_job(other), *[check_job(label, other, repeat + 1)
                                           for repeat in range(check_repeats) for label in checked]]]]
-        print(f"reproduce: {len(rungs)} configurations x {repeats} seeds at world size {world}; "
-              f"network: {'emulated (namespaces + tbf)' if reason is None else 'loopback (' + reason + ')'}",
-              flush=True)
+        log.info(f"reproduce: {len(rungs)} configurations x {repeats} seeds at world size {world}; "
+                 f"network: {'emulated (namespaces + tbf)' if reason is None else 'loopback (' + reason + ')'}")
         if progress.kept:
-            print(f"reproduce: continuing the interrupted reproduction in {runs_dir} (launch "
-                  f"{len(progress.state['launches'])}): {progress.kept} of {len(jobs)} jobs done before, kept",
-                  flush=True)
+            log.info(f"reproduce: continuing the interrupted reproduction in {runs_dir} (launch "
+                     f"{len(progress.state['launches'])}): {progress.kept} of {len(jobs)} jobs done before, kept")
         timeline = Timeline([(job.kind, job.key) for job in jobs if progress.done(job.name) is None])
 
         def begin(job: Job, title: str, out: Path) -> bool:
@@ -248,10 +251,10 @@ def reproduce(*, experiment: str = "patterns_cpu", world: int = 4, check_worlds:
         calibration = progress.done(calibration_job().name)
         rate = rate_mbit or calibration["bytes_per_step"] * 8 / 1e6 / (PAPER_RATIO * calibration["compute_s"])
         rate = round(rate, 1)
-        print(f"reproduce: compute {calibration['compute_s'] * 1e3:.1f} ms/step, "
-              f"{calibration['bytes_per_step'] / 1e6:.2f} MB sent per rank per step (allreduce, fp32) -> "
-              f"link rate {rate} Mbit/s "
-              f"{'(chosen for comm/compute = %.2f)' % PAPER_RATIO if not rate_mbit else '(given)'}", flush=True)
+        log.info(f"reproduce: compute {calibration['compute_s'] * 1e3:.1f} ms/step, "
+                 f"{calibration['bytes_per_step'] / 1e6:.2f} MB sent per rank per step (allreduce, fp32) -> "
+                 f"link rate {rate} Mbit/s "
+                 f"{'(chosen for comm/compute = %.2f)' % PAPER_RATIO if not rate_mbit else '(given)'}")
 
         gradients = [tensor[0] for tensor in calibration["profile"]["tensors"]]  # (elements, ready, flat[, rows])
 
@@ -300,10 +303,10 @@ def reproduce(*, experiment: str = "patterns_cpu", world: int = 4, check_worlds:
             measured = measured_network(world, net, runs_dir / "netbench")
             network_by_world = {world: measured}
             switch = measured["small_message_kb"]
-            print(f"reproduce: measured link {measured['bandwidth_Bps'] / 1e6:.1f} MB/s, per-message latency "
-                  f"{measured['latency_s'] * 1e6:.0f} us" + (f": our algorithms send messages of up to {switch} KiB "
-                                                            "by recursive doubling, larger ones by the ring"
-                                                            if switch else ""), flush=True)
+            log.info(f"reproduce: measured link {measured['bandwidth_Bps'] / 1e6:.1f} MB/s, per-message latency "
+                     f"{measured['latency_s'] * 1e6:.0f} us" + (f": our algorithms send messages of up to {switch} KiB "
+                                                               "by recursive doubling, larger ones by the ring"
+                                                               if switch else ""))
             for index, seed in enumerate(seeds):  # (4) every configuration, seed-major
                 for label in rungs:  # (so drift spreads over all of them)
                     run_dir = runs_dir / label / f"seed{seed}"
@@ -336,15 +339,15 @@ def reproduce(*, experiment: str = "patterns_cpu", world: int = 4, check_worlds:
         (runs_dir / "reproduce.json").write_text(json.dumps(facts, indent=1))
         report_from(runs_dir, report)
         progress.finish()  # after the report: a launch stopped while writing it keeps every run
-        print(f"reproduce: wrote {report} in {duration(time.time() - progress.started)}"
-              + (f" ({duration(progress.elapsed_s)} over {len(progress.state['launches'])} launches)"
-                 if len(progress.state["launches"]) > 1 else ""), flush=True)
+        log.info(f"reproduce: wrote {report} in {duration(time.time() - progress.started)}"
+                 + (f" ({duration(progress.elapsed_s)} over {len(progress.state['launches'])} launches)"
+                    if len(progress.state["launches"]) > 1 else ""))
 
 
 def report_from(runs_dir: Path, report: Path) -> None:
-    """(Re)write the report from a finished reproduction's directory (``--report-only``), and the runs'
-    rows of ``runs.csv`` beside it (study ``reproduce``; ``make convergence``'s rows are kept, and
-    the report reads their top-1 at the end)."""
+    """(Re)write the report (and its data, ``.json`` beside it: ``report.write_report``) from a finished
+    reproduction's directory (``--report-only``), and the runs' rows of ``runs.csv`` beside it (study
+    ``reproduce``; ``make convergence``'s rows are kept, and the report reads their top-1 at the end)."""
     facts = json.loads((runs_dir / "reproduce.json").read_text())
     runs = {label: [measured_against(load_run(d), facts)
                     for d in sorted((runs_dir / label).glob("seed*"), key=lambda d: int(d.name[4:]))]

@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from gradientflow_repro.comm import knobs, registry
+from gradientflow_repro.comm.plan import Plan, resolve
 from gradientflow_repro.tracking import read_records
 
 
@@ -32,20 +32,20 @@ def load_run(run_dir: Path) -> dict:
 
 
 def comm_options(config: dict, summary: dict) -> dict[str, Any]:
-    """The ``comm.*`` keys a run was configured with (``knobs.resolve`` takes them)."""
-    fields = {f.name for f in dataclasses.fields(knobs.CommConfig)}
-    options = {key: value for key, value in (config.get("comm") or {}).items() if key in fields}
+    """The ``comm.*`` keys a run was configured with (``plan.resolve`` takes them: keys of a sparsifier
+    other than the run's, as runs recorded every key before sparsifiers declared their own, it leaves out)."""
+    options = dict(config.get("comm") or {})
     return options if options.get("strategy") else {"strategy": summary.get("strategy", "allreduce")}
 
 
-def run_knobs(run: dict) -> knobs.CommConfig:
-    """The run's communication knobs, resolved (from its strategy alone when its options are unknown)."""
-    return knobs.resolve(run.get("comm") or {"strategy": run["summary"].get("strategy")})
+def run_knobs(run: dict) -> Plan:
+    """The run's communication plan, resolved (from its strategy alone when its options are unknown)."""
+    return resolve(run.get("comm") or {"strategy": run["summary"].get("strategy")})
 
 
 def is_dense(run: dict) -> bool:
     """Every step sends every gradient: the same SGD whatever the communication strategy."""
-    return not knobs.sends_sparse(run_knobs(run))
+    return not run_knobs(run).sends_sparse
 
 
 def evaluations(run: dict) -> list[tuple[float, float]]:
@@ -83,8 +83,8 @@ def run_warmup_epochs(run: dict) -> float:
 
 
 def dense_warmup_epochs(run: dict) -> float:
-    """Epochs the run trained densely before its steady state (``knobs.dense_warmup_epochs``)."""
-    return knobs.dense_warmup_epochs(run_knobs(run), run_warmup_epochs(run))
+    """Epochs the run trained densely before its steady state (``Plan.dense_warmup_epochs``)."""
+    return dataclasses.replace(run_knobs(run), lr_warmup_epochs=run_warmup_epochs(run)).dense_warmup_epochs
 
 
 def steady_step(run: dict, after_epoch: float = 0.0) -> dict[str, float]:
@@ -158,9 +158,9 @@ def compression_label(run: dict) -> str:
     if is_dense(run):
         return "1 (dense)"
     options = run_knobs(run)
-    if registry.sparsifier(options.sparsity).pricing == "low_rank":
-        return f"rank {options.powersgd_rank}"
-    return f"{options.density:g}"
+    if options.sparsifier.pricing == "low_rank":
+        return f"rank {options.keys.powersgd_rank}"
+    return f"{options.keys.density:g}"
 
 
 def falls(run: dict, warmup_epochs: Optional[float] = None) -> list[tuple[float, float, float, float]]:
@@ -184,7 +184,7 @@ STUDIES = ("reproduce", "convergence")  # who writes results/runs.csv, in the fi
 RUNS_CSV_COLUMNS = (
     "study",  # reproduce (on the emulated network) | convergence (on loopback): both train the whole schedule
     # (reproductions from before that stopped at the target)
-    "strategy",  # the configuration's label (knobs.COMPARED, or a study's own LABEL)
+    "strategy",  # the configuration's label (lineup.COMPARED, or a study's own LABEL)
     "seed", "world_size", "experiment",
     "target_top1",  # the target the row's time and epochs to target are for (the experiment's)
     "reached_target",  # true | false: a run that never reached it has its time and epochs to target empty

@@ -18,18 +18,20 @@ labels share one strategy. Every metric named here is checked against what a rea
 every compared configuration logged (tests/test_wandb_dashboards.py).
 
 Needs the ``wandb-workspaces`` package (an optional dependency: ``pip install -e .[dashboards]``)
-and a wandb login or ``--entity``; without them ``save_dashboards`` prints the command to run later
+and a wandb login or ``--entity``; without them ``save_dashboards`` logs the command to run later
 and returns 2. The runs must be uploaded first (``upload_hint``).
 """
 
 from __future__ import annotations
 
-import sys
+import logging
 from pathlib import Path
 from typing import Any, Optional
 
 from gradientflow_repro import REPO
 from gradientflow_repro.tracking import WANDB_LABEL_KEY
+
+log = logging.getLogger(__name__)
 
 PROJECT = "gradientflow-repro"
 X_AXIS = "time/mlperf_s"  # MLPerf's clock, as tracking.wandb_keys logs it
@@ -134,38 +136,38 @@ def build_workspace(ws: Any, wr: Any, group: str, entity: str, project: str = PR
 
 def save_dashboards(group: str, project: str = PROJECT, entity: Optional[str] = None) -> int:
     """Save the report and the workspace view of wandb group ``group``; returns the exit status
-    (2: something is missing, and the command to run once it is there was printed)."""
+    (2: something is missing, and the command to run once it is there was logged)."""
     hint = upload_hint()
     if hint:
-        print(hint, file=sys.stderr)
+        log.warning(hint)
     later = f"then run:\n  {dashboard_command(group, project, entity)}"
     try:
         import wandb
         import wandb_workspaces.reports.v2 as wr
         import wandb_workspaces.workspaces as ws
     except ImportError as error:
-        print(f"error: {error.name} is not installed (pip install -e .[dashboards]); {later}", file=sys.stderr)
+        log.error(f"{error.name} is not installed (pip install -e .[dashboards]); {later}")
         return 2
     try:
         api = wandb.Api()
         entity = entity or api.default_entity
     except Exception as error:  # noqa: BLE001 - no login, no network: say what to do instead of a traceback
-        print(f"error: wandb: {error}\nLog in (`wandb login`) or pass --entity; {later}", file=sys.stderr)
+        log.error(f"wandb: {error}\nLog in (`wandb login`) or pass --entity; {later}")
         return 2
     if not entity:
-        print(f"error: not logged in to wandb and no --entity given; `wandb login`, {later}", file=sys.stderr)
+        log.error(f"not logged in to wandb and no --entity given; `wandb login`, {later}")
         return 2
     try:
         if len(api.runs(f"{entity}/{project}", filters={"group": group})) == 0:
-            print(f"error: no runs in group {group!r} of {entity}/{project}: upload them first:\n  {SYNC_COMMAND}\n"
-                  f"{later}", file=sys.stderr)
+            log.error(f"no runs in group {group!r} of {entity}/{project}: upload them first:\n  {SYNC_COMMAND}\n"
+                      f"{later}")
             return 2
         report = build_report(wr, group, entity, project)
         report.save()
         workspace = build_workspace(ws, wr, group, entity, project)
         workspace.save()
     except Exception as error:  # noqa: BLE001
-        print(f"error: wandb: {type(error).__name__}: {error}\n{later}", file=sys.stderr)
+        log.error(f"wandb: {type(error).__name__}: {error}\n{later}")
         return 2
-    print(f"report saved: {report.url}\nworkspace view saved: {workspace.url}")
+    log.info(f"report saved: {report.url}\nworkspace view saved: {workspace.url}")
     return 0

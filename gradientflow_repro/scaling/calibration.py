@@ -36,10 +36,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
-from gradientflow_repro.comm import registry
+from gradientflow_repro import variants
+from gradientflow_repro.reproduction import lineup as reproduction_lineup
+from gradientflow_repro.scaling import lineup
 from gradientflow_repro.scaling import perfmodel as pm
 from gradientflow_repro.scaling.projection import Setup
-from gradientflow_repro.scaling.published import INTRA_NODE, ROWS, Published
+from gradientflow_repro.scaling.published import FABRICS, INTRA_NODE, ROWS, Published
 
 # NCCL's maintainers: a ring's bus bandwidth is ~96% of an InfiniBand NIC's line rate with
 # GPUDirect RDMA (nccl-tests#29, #119; nccl#307, #812): the prior for a fabric no fitted row measures
@@ -273,13 +275,12 @@ PAPER_SINGLE_GPU = {"P100 (TF benchmarks)": 2987.0, "implied by the paper": pm.P
 
 
 # What a researcher would run instead at the paper's scale: DDP, and PyTorch's own fp16 and PowerSGD
-# hooks (the registry's peers that the model projects)
+# hooks (the peers of `make reproduce` that the model projects)
 # Local work beside backward (``Network.local_work_slowdown``): hidden as communication is (None),
 # or none of it hidden (1: on a GPU it takes SMs and memory bandwidth for all its time): not stated
 # by the paper, and not measured on a GPU here
 PAPER_LOCAL_WORK_SLOWDOWN: tuple[Optional[float], ...] = (None, 1.0)
-PEER_LABELS = ("ddp", *(label for label in registry.labels(registry.PEERS)
-                         if label in registry.labels(registry.PROJECTION)))
+PEER_LABELS = ("ddp", *(label for label in reproduction_lineup.PEER_LABELS if label in lineup.PROJECTION))
 
 
 def paper_band(params: Parameters, test_rms_points: float,
@@ -287,7 +288,7 @@ def paper_band(params: Parameters, test_rms_points: float,
     """The paper's setups projected over its unknowns, with the fitted parameters.
 
     For each of the full stack (``gradientflow``), dense lazy allreduce with the fp16 wire
-    (``registry.LAZY_FP16``), DDP and the peers in PyTorch (``PEER_LABELS``) at 512 GPUs, and the
+    (``variants.LAZY_FP16``), DDP and the peers in PyTorch (``PEER_LABELS``) at 512 GPUs, and the
     open-source baseline (``allreduce``) at 64: the
     speedup for every combination of GPUs per node (``PAPER_GPUS_PER_NODE``), single-GPU throughput
     (``PAPER_SINGLE_GPU``), framework overhead (none, or Horovod's fitted one) and how much of the
@@ -299,7 +300,7 @@ def paper_band(params: Parameters, test_rms_points: float,
     "gpu", "overhead_s", "local_work_slowdown", "speedup"}, ...]}}``; ``central``: 8 GPUs per node,
     the paper's implied throughput, no overhead, local work hidden as communication is."""
     paper = {row.strategy: row for row in ROWS if row.name.startswith("the paper")}
-    targets = (("gradientflow", 512, paper["gradientflow"].reported_speedup), (registry.LAZY_FP16, 512, None),
+    targets = (("gradientflow", 512, paper["gradientflow"].reported_speedup), (variants.LAZY_FP16, 512, None),
                *((label, 512, None) for label in PEER_LABELS),
                ("allreduce", 64, paper["allreduce"].reported_speedup))
     out: dict[str, dict] = {}
@@ -343,25 +344,82 @@ def paper_decomposition(params: Parameters, overhead_s: float = 0.0,
     return [(what, row.gpus * predicted_efficiency(row, step, profile)) for what, step in steps]
 
 
-def band_section(path: Optional[Path] = None) -> list[str]:
-    """The paper's band as Markdown lines, read from what ``scripts/model_check.py`` wrote
-    (``results/model_check.json``): fast and torch-free, for ``scripts/simulate_scaling.py``; no
-    lines when it has not been written."""
+COMMITTED = "results/model_check.json"  # the committed calibration (``scripts/model_check.py --report``)
+
+
+def committed(path: Optional[Path] = None) -> Optional[dict]:
+    """The calibration ``scripts/model_check.py`` wrote (``COMMITTED`` unless ``path``): its data, or
+    None where it has not been written. Torch-free: a JSON file."""
     from gradientflow_repro import REPO
 
-    path = path or REPO / "results" / "model_check.json"
-    if not path.exists():
-        return []
-    data = json.loads(path.read_text())
-    lines = ["## The paper's projection, calibrated on published results", "",
-             f"From `{data['command']}` (commit {data['environment'].get('git_commit', 'unknown')}, "
-             "`results/model_check.md`): the model's free parameters fitted on published results (fit RMS "
-             f"{data['fit_rms_points']:.1f} points, test RMS {data['test_rms_points']:.1f}), the paper's unknowns "
-             "(GPUs per node, GPU, framework overhead, how much local work backward hides) spanned, the band "
-             "widened by the test RMS.", "",
-             "| strategy | GPUs | paper | central | band |", "|---|---|---|---|---|"]
-    for label, entry in data["paper_band"].items():
-        reported = f"{entry['reported']:g}x" if entry["reported"] else "-"
-        lines.append(f"| `{label}` | {entry['gpus']} | {reported} | {entry['central']:.1f}x "
-                     f"| {entry['low']:.1f}x - {entry['high']:.1f}x |")
-    return lines
+    path = path or REPO / COMMITTED
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def band_section(path: Optional[Path] = None) -> Optional[dict]:
+    """The paper's band as the committed calibration holds it (``committed``), without each label's
+    grid: what ``scripts/simulate_scaling.py`` shows beside the paper's projection. None when it has
+    not been written."""
+    data = committed(path)
+    if data is None:
+        return None
+    return {"command": data["command"], "commit": data["environment"].get("git_commit", "unknown"),
+            "fit_rms_points": data["fit_rms_points"], "test_rms_points": data["test_rms_points"],
+            "paper_band": {label: {k: v for k, v in entry.items() if k != "grid"}
+                           for label, entry in data["paper_band"].items()}}
+
+
+def fabric_of(link_gbps: float) -> Optional[str]:
+    """The fabric of ``published.FABRICS`` whose nominal rate is ``link_gbps``, where exactly one is."""
+    matching = [key for key in FABRICS if key != "none" and _fabric_gbps(key) == link_gbps]
+    return matching[0] if len(matching) == 1 else None
+
+
+def _fabric_gbps(fabric: str) -> Optional[float]:
+    rates = [row.link_gbps for row in ROWS if row.fabric == fabric]
+    return rates[0] if rates else None
+
+
+def terms(fabric: Optional[str], framework: Optional[str], gpus_per_node: int,
+          path: Optional[Path] = None) -> Optional[list[dict]]:
+    """The fitted terms a projection takes by default from the committed calibration (``committed``),
+    each as ``{"term", "option", "value", "shown", "source"}``: the link efficiency of ``fabric``
+    (fitted on the rows that measure it, else its prior; None: nominal), the overlap slowdown, and
+    the per-step overhead of ``framework`` (None: none; for one process driving a node's GPUs, its
+    value per GPU times ``gpus_per_node`` - 1). None where no calibration is written."""
+    data = committed(path)
+    if data is None:
+        return None
+    params = Parameters(**data["parameters"])
+    fitted = [row for row in data["rows"] if row["subset"] == "fitted"]
+    where = f"`{(path or COMMITTED)}` (`{data['command']}`, commit {data['environment'].get('git_commit', 'unknown')})"
+
+    def on(rows: list[dict]) -> str:
+        return f"fitted on {len(rows)} published rows: " + "; ".join(row["name"] for row in rows)
+
+    if fabric is None:
+        link = (1.0, "nominal: no fabric of `scaling/published.py` has this rate alone (name one with --fabric)")
+    elif fabric in params.link_efficiency:
+        link = (params.link(fabric), f"{where}, {on([r for r in fitted if r['fabric'] == fabric])}")
+    else:
+        prior = PRIORS.get(fabric, 1.0)
+        said = f"as {prior}'s fit" if isinstance(prior, str) else "NCCL's maintainers' figure for InfiniBand"
+        link = (params.link(fabric), f"prior ({said}, `calibration.PRIORS`): no fitted row measures {fabric}")
+    out = [{"term": f"link efficiency ({fabric or 'no fabric named'}: {FABRICS.get(fabric, 'nominal rate')})",
+            "option": "link_efficiency", "value": link[0], "shown": f"{link[0]:g}", "source": link[1]},
+           {"term": "overlap slowdown", "option": "overlap_slowdown", "value": params.overlap_slowdown,
+            "shown": f"{params.overlap_slowdown:g}",
+            "source": f"{where}, fitted on the {len(fitted)} rows of its fitted subset"}]
+    if framework is None:
+        out.append({"term": "framework overhead per step", "option": "step_overhead_s", "value": 0.0, "shown": "0 ms",
+                    "source": "no framework named (--framework: "
+                              + ", ".join(sorted(params.step_overhead_s)) + ")"})
+    else:
+        value = params.step_overhead_s.get(framework, 0.0)
+        per_gpu = framework in ONE_PROCESS_PER_NODE
+        total = value * max(0, gpus_per_node - 1) if per_gpu else value
+        out.append({"term": f"framework overhead per step ({framework})", "option": "step_overhead_s", "value": total,
+                    "shown": f"{1e3 * total:g} ms" + (f" ({1e3 * value:g} ms per GPU beyond the first of a node)"
+                                                      if per_gpu else ""),
+                    "source": f"{where}, {on([r for r in fitted if r['framework'] == framework])}"})
+    return out

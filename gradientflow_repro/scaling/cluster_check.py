@@ -20,7 +20,9 @@ from __future__ import annotations
 import statistics
 from typing import Any, Optional
 
-from gradientflow_repro.comm import knobs, registry
+from gradientflow_repro import variants
+from gradientflow_repro.comm.plan import resolve
+from gradientflow_repro.reproduction.lineup import PEER_LABELS
 from gradientflow_repro.scaling import perfmodel as pm
 
 GOAL_ERROR = 0.15  # the model within 15% of every measured strategy
@@ -84,7 +86,7 @@ def model_network(measured: dict[str, Any], burst_bytes: float = 0.0,
 def strategy(label: str, options: dict[str, Any]) -> pm.Strategy:
     """The model's view of a benchmarked strategy; the benchmark replays gradients under SGD, so CSC
     sends no trust-ratio noise sketches."""
-    return pm.Strategy.from_knobs(label, knobs.resolve(options), lars=False)
+    return pm.Strategy.from_plan(label, resolve(options), lars=False)
 
 
 def launch_of(item: dict[str, Any]) -> int:
@@ -175,8 +177,8 @@ def markdown_lines(facts: dict[str, Any]) -> list[str]:
                   f"(each prediction against its own launch's step): {sum(e <= GOAL_ERROR for e in singles)} of "
                   f"{len(singles)} within {GOAL_ERROR:.0%}, largest {max(singles) * 100:.0f}%."]
     for layout in sorted({r["layout"] for r in rows if r["world"] == 8}):
-        by_label = {registry.canonical(r["strategy"]): r for r in rows if r["layout"] == layout}
-        full, ddp = by_label.get(registry.HIERARCHICAL), by_label.get(registry.DDP_STYLE)
+        by_label = {variants.canonical(r["strategy"]): r for r in rows if r["layout"] == layout}
+        full, ddp = by_label.get(variants.HIERARCHICAL), by_label.get(variants.DDP_STYLE)
         if full and ddp:
             ratio = full["comm_s_median"] / ddp["comm_s_median"]
             ddp_by_launch = dict(zip(ddp["launches"], ddp["comm_s_launches"]))
@@ -187,16 +189,16 @@ def markdown_lines(facts: dict[str, Any]) -> list[str]:
                          f"{ddp['comm_s_median'] * 1e3:.0f} ms per step, medians; side by side in each launch: "
                          f"{_each_launch(launches, ratios, '.2f', 'x')}). Goal at "
                          f"most {GOAL_RATIO}x: {'met' if ratio <= GOAL_RATIO else 'NOT met'}.")
-        peers = [by_label[label] for label in registry.labels(registry.PEERS) if label in by_label]
+        peers = [by_label[label] for label in PEER_LABELS if label in by_label]
         if full and peers:
             ahead = all(full["comm_s_median"] < peer["comm_s_median"] for peer in peers)
             fewest = min([full, *peers], key=lambda r: r["bytes_per_step"])
             lines.append(f"- {layout}: `gradientflow` (hierarchical) against what ships in PyTorch (medians): "
                          f"{full['comm_s_median'] * 1e3:.0f} ms and {full['bytes_per_step'] / 2**20:.2f} MiB per "
-                         "step against " + ", ".join(f"`{registry.canonical(p['strategy'])}` "
+                         "step against " + ", ".join(f"`{variants.canonical(p['strategy'])}` "
                                                      f"{p['comm_s_median'] * 1e3:.0f} ms and "
                                                      f"{p['bytes_per_step'] / 2**20:.2f} MiB" for p in peers)
                          + f". Goal ahead of {'both' if len(peers) == 2 else 'each'} on communication time: "
                          f"{'met' if ahead else 'NOT met'}; fewest bytes: "
-                         f"`{registry.canonical(fewest['strategy'])}`.")
+                         f"`{variants.canonical(fewest['strategy'])}`.")
     return lines

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import statistics
 import sys
@@ -46,6 +47,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
 from gradientflow_repro.scaling.perfmodel import ModelProfile, TensorProfile
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -261,6 +264,8 @@ def profile_model(out: Path, overrides: Sequence[str], world: int = 4) -> None:
     ``world`` ranks, and the local work per element; written to ``out`` as JSON."""
     import torch
 
+    from gradientflow_repro.comm.csc import CSCKeys
+    from gradientflow_repro.comm.powersgd import PowerSGDKeys
     from gradientflow_repro.config import compose  # Hydra: here only (the GPU check imports sparsify_work without it)
     from gradientflow_repro.models import build_model
     from gradientflow_repro.optim import build_optimizer
@@ -276,10 +281,12 @@ def profile_model(out: Path, overrides: Sequence[str], world: int = 4) -> None:
     profile = measure_profile(model, images, labels)
     # the run's own optimizer (Lars: several times the SGD-like update), on the last step's gradients
     optimizer_s, plain_optimizer_s = measure_optimizer_s(build_optimizer(model, cfg.optim, cfg.global_batch_size))
-    sparsify = measure_sparsify_s_per_element(profile.elements, cfg.comm.chunk_size or 32768)
+    # the sparsifiers' local work at the experiment's sizes where it sets them (comm.chunk_size for
+    # whichever strategy runs under it), else at their declared defaults
+    sparsify = measure_sparsify_s_per_element(profile.elements, cfg.comm.get("chunk_size") or CSCKeys().chunk_size)
     cast = measure_wire_cast_s_per_element(profile.elements)
     low_rank = measure_low_rank_s_per_element([tuple(p.shape) for p in model.parameters() if p.requires_grad],
-                                              cfg.comm.powersgd_rank)
+                                              cfg.comm.get("powersgd_rank") or PowerSGDKeys().powersgd_rank)
     out.write_text(json.dumps({"forward_s": profile.forward_s, "backward_s": profile.backward_s,
                                "optimizer_s": optimizer_s, "plain_optimizer_s": plain_optimizer_s,
                                "sparsify_s_per_element": sparsify, "wire_cast_s_per_element": cast,
@@ -558,11 +565,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args == ["--shipped"]:
         for path in write_shipped_profiles():
-            print(path.relative_to(PROFILE_DIR.parents[2]))
+            log.info("%s", path.relative_to(PROFILE_DIR.parents[2]))
         return
     out, overrides = Path(args[0]), args[2:] if args[1:2] == ["--"] else args[1:]
     profile_model(out, overrides, int(os.environ.get("PROFILE_WORLD", "4")))
 
 
 if __name__ == "__main__":
+    from gradientflow_repro import logs
+
+    logs.configure("profile")
     main()

@@ -18,39 +18,36 @@ density for every strategy. Its defaults are the paper's setting, each value wit
 - CSC's and the fp16 wire's local work priced as memory traffic over the GPU's bandwidth
   (``perfmodel.gpu_local_work``), with a sensitivity table.
 
-``write_scaling`` writes a report (.md and .png): the speedup of every strategy for any GPU counts,
-world sizes whose last node is partly filled, the sensitivity of the full stack at the largest count
-and where its step goes; and, only for the paper's own setup, the checks against the paper (410.2x
-at 512 GPUs for the full stack, 2.5x at 64 for the baseline) with the goals. There every goal is
-judged on the calibrated model (``calibrated``: the terms fitted on published results by
-``scripts/model_check.py``, with its band), never on the uncalibrated rules, which over-predict every
-published result and are shown as what they are: a ceiling set by communication alone.
+``projection_data`` measures a projection into data (``write_scaling`` writes it as JSON beside its
+figure, and ``render/scaling.py`` words it as Markdown): the speedup of every strategy for any GPU
+counts, world sizes whose last node is partly filled, the sensitivity of the full stack at the
+largest count and where its step goes; and, only for the paper's own setup, the checks against the
+paper (410.2x at 512 GPUs for the full stack, 2.5x at 64 for the baseline) with each goal's verdict
+as a value. There every goal is judged on the calibrated model (``calibrated``: the terms fitted on
+published results by ``scripts/model_check.py``, with its band), never on the uncalibrated rules,
+which over-predict every published result and are shown as what they are: a ceiling set by
+communication alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from gradientflow_repro.comm import knobs, registry
+from gradientflow_repro import variants
+from gradientflow_repro.reproduction.lineup import PEER_LABELS
 from gradientflow_repro.scaling import perfmodel as pm
+from gradientflow_repro.scaling.strategy import (  # noqa: F401 - the labels it projects, read there
+    default_strategies,
+    parse_strategies,
+    priced,
+    strategy_options,
+)
 
 GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 UNEVEN_GPU_COUNTS = (12, 100, 500)  # not multiples of 8: a partly filled last node (``uneven_counts(8, 512)``)
 UNEVEN_FULL_NODES = (1, 12, 62, 250)  # full nodes before the half-filled last one (``uneven_counts``)
-
-
-def strategy_options() -> dict[str, dict]:
-    """Strategies the projection knows, label -> ``comm`` options: every label of the registry (the
-    ablation ladder, where ``gradientflow`` takes the two-level ring on multi-GPU nodes:
-    ``comm.algorithm=auto``; the full stack forced onto the flat ring; ...) and every preset by its
-    name. Labels that take their layout from a benchmark (``ranks_per_node``) are left out."""
-    options = {label: registry.options(label) for label, (_, variant) in registry.variants().items()
-               if not variant.layout_keys}
-    for name in registry.names():
-        options.setdefault(name, {"strategy": name})
-    return options
 
 
 def uneven_counts(gpus_per_node: int, largest: int) -> tuple[int, ...]:
@@ -60,26 +57,6 @@ def uneven_counts(gpus_per_node: int, largest: int) -> tuple[int, ...]:
     if gpus_per_node < 2:
         return ()
     return tuple(n for n in (m * gpus_per_node + gpus_per_node // 2 for m in UNEVEN_FULL_NODES) if n <= largest)
-
-
-def parse_strategies(value: str) -> tuple[str, ...]:
-    """Strategy labels from one command-line value: the value itself where it is a label (or an old
-    one, ``registry.canonical``), else a comma-separated list of them. Raises ValueError naming the
-    allowed labels."""
-    options = strategy_options()
-    if registry.canonical(value.strip()) in options:
-        return (registry.canonical(value.strip()),)
-    chosen = tuple(registry.canonical(part.strip()) for part in value.split(",") if part.strip())
-    unknown = [label for label in chosen if label not in options]
-    if unknown or not chosen:
-        raise ValueError(f"unknown strategy {', '.join(map(repr, unknown)) or repr(value)}: allowed are "
-                         f"{'; '.join(options)}")
-    return chosen
-
-
-def default_strategies() -> tuple[str, ...]:
-    """What the projection projects unless told: the registry's ``PROJECTION`` list."""
-    return registry.labels(registry.PROJECTION)
 
 
 DEFAULT_STRATEGIES = default_strategies()  # as registered when this module loads
@@ -113,7 +90,7 @@ class Setup:
     def is_paper(self) -> bool:
         """The paper's cluster and model, with the strategies its checks compare."""
         return (replace(self, strategies=default_strategies()) == Setup()
-                and {"gradientflow", "allreduce", registry.LAZY_FP16} <= set(self.strategies))
+                and {"gradientflow", "allreduce", variants.LAZY_FP16} <= set(self.strategies))
 
     def profile(self) -> pm.ModelProfile:
         from gradientflow_repro.scaling.profile import flop_profile
@@ -133,17 +110,7 @@ class Setup:
         """``label``'s strategy as the model prices it, with the setup's pool part size and density
         (where set) in place of its preset's: the part size on every fused strategy (DDP's bucket
         for ``ddp``), the density on every sparse one; per-tensor and dense strategies ignore them."""
-        options, label = strategy_options(), registry.canonical(label)  # an old label: its current one
-        if label not in options:
-            raise ValueError(f"unknown strategy {label!r}: allowed are {', '.join(options)}")
-        chosen = dict(options[label])
-        if self.bucket_mb is not None or self.density is not None:
-            preset = knobs.resolve(chosen)
-            if self.bucket_mb is not None:
-                chosen["ddp_bucket_mb" if preset.fusion == "ddp" else "bucket_mb"] = self.bucket_mb
-            if self.density is not None and registry.sparsifier(preset.sparsity).pricing in ("chunks", "csc"):
-                chosen["density"] = self.density
-        return pm.Strategy.from_knobs(label, knobs.resolve(chosen))
+        return priced(label, self.bucket_mb, self.density)
 
     def extras(self) -> list[str]:
         """What the setup sets beyond the cluster's rates, in words (nothing for the defaults)."""
@@ -169,16 +136,12 @@ def calibrated(setup: Setup, path: Optional[Path] = None) -> Optional[tuple[Setu
     prior where no fitted row measures it) and the overlap slowdown, without a framework's overhead
     (the band spans it); and the file's data (its ``paper_band``). None where it has not been written.
     Torch-free: a JSON file."""
-    import json
+    from gradientflow_repro.scaling import calibration
 
-    from gradientflow_repro import REPO
-    from gradientflow_repro.scaling.calibration import Parameters
-
-    path = path or REPO / "results" / "model_check.json"
-    if not path.exists():
+    data = calibration.committed(path)
+    if data is None:
         return None
-    data = json.loads(path.read_text())
-    params = Parameters(**data["parameters"])
+    params = calibration.Parameters(**data["parameters"])
     return replace(setup, link_efficiency=params.link("ib56"), overlap_slowdown=params.overlap_slowdown), data
 
 
@@ -222,86 +185,74 @@ def local_work_s(profile: pm.ModelProfile, strategy: pm.Strategy) -> float:
     return sum(m.local_work_s for m in pm.messages(profile, strategy))
 
 
-def _local_work_rows(setup: Setup, profile: pm.ModelProfile, strategy: pm.Strategy, gpus: int,
-                     versus: bool) -> list[str]:
+def _local_work_rows(setup: Setup, profile: pm.ModelProfile, strategy: pm.Strategy, gpus: int) -> list[dict]:
     """Speedup at ``gpus`` GPUs against the local work per step, 0 to 5 ms (the GPU's memory rate
     scaled): on the communication path, hidden by backward as the setup has it, and, as the worst
     case, not hidden at all (``Network.local_work_slowdown`` 1: the GPU's memory traffic for it
-    slows backward by as much). ``versus``: a column against the paper's 410.2x."""
+    slows backward by as much)."""
     unit = local_work_s(pm.gpu_local_work(profile, 1.0), strategy)  # seconds at 1 byte/s
     net, rows = setup.network(), []
     unhidden = replace(net, local_work_slowdown=1.0)
     for target_ms in (0.0, 1.0, 2.0, 3.0, 5.0):
         priced = (replace(profile, sparsify_s_per_element=0.0, wire_cast_s_per_element=0.0) if target_ms == 0
                   else pm.gpu_local_work(profile, unit / (target_ms * 1e-3)))
-        overlapped = pm.speedup(priced, gpus, net, strategy)
-        serial = pm.speedup(priced, gpus, unhidden, strategy)
-        rows.append(f"| GPU local work {target_ms:.0f} ms per step (hidden as the setup has it; not hidden) "
-                    f"| {overlapped:.1f}x; {serial:.1f}x |"
-                    + (f" {_versus(overlapped)}; {_versus(serial)} |" if versus else ""))
+        rows.append({"local_work_ms": target_ms, "hidden": pm.speedup(priced, gpus, net, strategy),
+                     "unhidden": pm.speedup(priced, gpus, unhidden, strategy)})
     return rows
 
 
-def _versus(value: float) -> str:
-    return "above" if value > pm.PAPER_SPEEDUP else "BELOW"
+LATENCIES_US = (2, 5, 10, 20)  # the sensitivity's latencies per message
 
 
 def sensitivity(setup: Setup, profile: pm.ModelProfile, label: str = "gradientflow", gpus: int = 512,
-                versus: Optional[bool] = None) -> list[str]:
+                versus: Optional[bool] = None) -> dict[str, Any]:
     """The full stack's speedup at ``gpus`` GPUs as one assumption at a time moves (the others at the
-    setup's values), then latency and node size together; against the paper's 410.2x only for the
-    paper's own setup (``versus``; None: whether ``setup`` is the paper's)."""
+    setup's values), then latency and node size together, and against the local work per step;
+    against the paper's 410.2x only for the paper's own setup (``versus``; None: whether ``setup`` is
+    the paper's), each row's ``above_paper`` a verdict."""
     versus = setup.is_paper if versus is None else versus
     strategy, versus = setup.strategy(label), versus and gpus == pm.PAPER_GPUS
 
     def at(**changes: float | int) -> float:
         return pm.speedup(profile, gpus, replace(setup, **changes).network(), strategy)
 
-    def row(what: str, value: float) -> str:
-        return f"| {what} | {value:.1f}x |" + (f" {_versus(value)} |" if versus else "")
-
-    lines = ([f"| assumption (others as above) | `{label}` at {gpus} GPUs | vs the paper's {pm.PAPER_SPEEDUP}x |",
-              "|---|---|---|"] if versus else
-             [f"| assumption (others as above) | `{label}` at {gpus} GPUs |", "|---|---|"])
-    for latency in (2, 5, 10, 20):
-        lines.append(row(f"{latency} us per message", at(latency_us=latency)))
     node_sizes = sorted({4, 8, setup.gpus_per_node})
-    for per_node in node_sizes:
-        lines.append(row(f"{per_node} GPUs per node", at(gpus_per_node=per_node)))
-    lines += _local_work_rows(setup, profile, strategy, gpus, versus)
-    grid = ["", f"Latency and node size together (`{label}`, speedup at {gpus} GPUs):", "",
-            "| GPUs per node | " + " | ".join(f"{lat} us" for lat in (2, 5, 10, 20)) + " |", "|---|---|---|---|---|"]
-    for per_node in node_sizes:
-        grid.append(f"| {per_node} | " + " | ".join(f"{at(latency_us=lat, gpus_per_node=per_node):.1f}x"
-                                                   for lat in (2, 5, 10, 20)) + " |")
-    return lines + grid
+    rows = ([{"what": f"{latency} us per message", "speedup": at(latency_us=latency)} for latency in LATENCIES_US]
+            + [{"what": f"{per_node} GPUs per node", "speedup": at(gpus_per_node=per_node)} for per_node in node_sizes])
+    local = _local_work_rows(setup, profile, strategy, gpus)
+    if versus:
+        for row in rows:
+            row["above_paper"] = row["speedup"] > pm.PAPER_SPEEDUP
+        for row in local:
+            row["hidden_above_paper"] = row["hidden"] > pm.PAPER_SPEEDUP
+            row["unhidden_above_paper"] = row["unhidden"] > pm.PAPER_SPEEDUP
+    return {"label": label, "gpus": gpus, "versus_paper": versus, "paper_speedup": pm.PAPER_SPEEDUP,
+            "rows": rows, "local_work": local, "latencies_us": list(LATENCIES_US), "node_sizes": node_sizes,
+            "grid": [[at(latency_us=lat, gpus_per_node=per_node) for lat in LATENCIES_US] for per_node in node_sizes]}
 
 
-def breakdown(setup: Setup, profile: pm.ModelProfile, label: str, gpus: int = 512) -> list[str]:
+def breakdown(setup: Setup, profile: pm.ModelProfile, label: str, gpus: int = 512) -> dict[str, Any]:
     """Where a step's time goes for ``label`` at ``gpus`` GPUs: each message's readiness, cost and
     end, against the end of backward (stretched by the communication it overlaps, where the setup's
-    ``overlap_slowdown`` says so; the links at the setup's efficiency)."""
+    ``overlap_slowdown`` says so; the links at the setup's efficiency). Seconds and bytes."""
     strategy, net = setup.strategy(label), setup.network()
     step = pm.predict_step(profile, gpus, net, strategy)
     net = pm.effective_network(net)
     profile = pm.stretched_backward(profile, gpus, net, strategy)
-    lines = ["| message | ready (ms) | payload (MB) | small allreduce (KB) | local work (ms) | busy (ms) | ends (ms) |",
-             "|---|---|---|---|---|---|---|"]
-    clock = 0.0 if strategy.overlap else profile.backward_s
-    for index, message in enumerate(pm.messages(profile, strategy)):
+    clock, rows = (0.0 if strategy.overlap else profile.backward_s), []
+    for message in pm.messages(profile, strategy):
         cost = pm.message_s(message, gpus, net, strategy)
         clock = max(clock, message.ready_s if strategy.overlap else profile.backward_s) + cost
-        lines.append(f"| {index} | {message.ready_s * 1e3:.1f} | {message.payload_bytes / 1e6:.2f} "
-                     f"| {message.small_bytes / 1e3:.1f} | {message.local_work_s * 1e3:.2f} | {cost * 1e3:.2f} "
-                     f"| {clock * 1e3:.1f} |")
-    lines += ["", f"Backward ends at {profile.backward_s * 1e3:.1f} ms; communication exposed after it "
-              f"{step.exposed_comm_s * 1e3:.2f} ms; step {step.step_s * 1e3:.1f} ms against "
-              f"{step.compute_s * 1e3:.1f} ms of compute."]
-    return lines
+        rows.append({"ready_s": message.ready_s, "payload_bytes": message.payload_bytes,
+                     "small_bytes": message.small_bytes, "local_work_s": message.local_work_s, "busy_s": cost,
+                     "ends_s": clock})
+    return {"messages": rows, "backward_s": profile.backward_s, "exposed_comm_s": step.exposed_comm_s,
+            "step_s": step.step_s, "compute_s": step.compute_s}
 
 
-def _readiness_note(profile: pm.ModelProfile) -> str:
-    """How the FLOP profile differs from spreading backward by parameter count."""
+def _readiness(profile: pm.ModelProfile) -> dict[str, float]:
+    """How the FLOP profile differs from spreading backward by parameter count: when the largest
+    gradient is ready, as a share of backward, each way."""
     total = profile.elements
     largest = max(profile.tensors, key=lambda t: t.elements)
     done = 0
@@ -309,148 +260,117 @@ def _readiness_note(profile: pm.ModelProfile) -> str:
         done += tensor.elements
         if tensor is largest:
             break
-    return (f"The largest gradient ({largest.elements / 1e6:.1f}M elements) is complete "
-            f"{100 * largest.ready_s / profile.backward_s:.0f}% into backward by FLOPs; spread by parameter "
-            f"count it would be {100 * done / total:.0f}%.")
+    return {"largest_elements": largest.elements, "ready_share_by_flops": largest.ready_s / profile.backward_s,
+            "ready_share_by_count": done / total}
 
 
-def paper_check(setup: Setup = Setup(), counts: Sequence[int] = GPU_COUNTS) -> tuple[list[str], dict[str, list[float]]]:
-    """The projection for ``counts`` GPUs as Markdown lines (checks against the paper when the setup
-    is the paper's, at the paper's counts whatever ``counts`` is), and the speedup table over
-    ``counts`` that its figure and any claim drawn from it use: the calibrated model's where the setup
-    is the paper's and a calibration is written (``calibrated``), else the setup's own."""
-    counts = tuple(counts)
-    profile = setup.profile()
-    table = curves(setup, counts, profile)
-    step = setup.images_per_gpu / setup.single_gpu_images_s
-    gflops = _gflops(setup)
-    lines = [
-        f"Setup: model `{setup.model}` at {setup.image_size} pixels, {setup.images_per_gpu} images per GPU, "
-        f"one GPU at {setup.single_gpu_images_s:,.0f} images/s (a step of {step * 1e3:.1f} ms: forward "
-        f"{profile.forward_s * 1e3:.1f}, backward {profile.backward_s * 1e3:.1f}, split by FLOPs: {gflops}), "
-        f"{profile.elements / 1e6:.1f}M gradients; links of {setup.link_gbps:g} Gbit/s per node, "
-        f"{setup.gpus_per_node} GPUs per node sharing it, {setup.intra_node_GBps:g} GB/s inside a node, "
-        f"{setup.latency_us:g} us per message; CSC's, the fp16 wire's and PowerSGD's local work at "
-        f"{setup.gpu_memory_GBps:g} GB/s of GPU memory traffic ({pm.CSC_BYTES_PER_ELEMENT}, "
-        f"{pm.FP16_WIRE_BYTES_PER_ELEMENT} and {pm.LOW_RANK_BYTES_PER_ELEMENT} bytes per element)"
-        + "".join(f"; {said}" for said in setup.extras()) + ". Weak scaling.", "",
-        "Sources: " + (pm.paper_dense_ratio()[1] + ". " if setup.is_paper else "") +
-        "Backward readiness: FLOPs of the real model counted by `torch.utils.flop_counter` "
-        f"(`gradientflow_repro/scaling/profile.py`{_shipped_note(setup)}). " + _readiness_note(profile) + " "
-        "Assumed where the paper is silent (`gradientflow_repro/scaling/perfmodel.py`): GPUs per node, latency, "
-        "intra-node rate, GPU memory rate; their effect is in the sensitivity table below."]
-    fitted = calibrated(setup) if setup.is_paper else None
-    model_setup = fitted[0] if fitted else setup  # what the goals, the sensitivity and the breakdown use
-    ceiling = " (uncalibrated: nominal links, free overlap, no per-step overhead; a ceiling, not a forecast)"
-    if setup.is_paper:
-        paper_table = table if counts == GPU_COUNTS else curves(setup, GPU_COUNTS, profile)
-        lines += ["", *_paper_rows(setup, profile, paper_table, fitted)]
-        if fitted:
-            calibrated_table = curves(model_setup, counts, profile)
-            lines += ["", f"Predicted speedup against GPU count, calibrated (central setup: {_terms(model_setup)}):",
-                      "", *_speedup_table(calibrated_table, counts)]
-    lines += ["", "Predicted speedup against GPU count" + (ceiling if setup.is_paper else "") + ":", "",
-              *_speedup_table(table, counts)]
-    uneven_sizes = uneven_counts(setup.gpus_per_node, max(counts))
-    if uneven_sizes:
-        uneven = curves(model_setup, uneven_sizes, profile)
-        lines += ["", f"World sizes that are not a multiple of {setup.gpus_per_node} (the last node half filled"
-                  + (", calibrated" if fitted else ceiling if setup.is_paper else "") + "):",
-                  "", *_speedup_table(uneven, uneven_sizes)]
-    gpus = pm.PAPER_GPUS if setup.is_paper else max(counts)
-    if "gradientflow" in setup.strategies and gpus > 1:
-        lines += ["", "## Sensitivity" + (" (calibrated)" if fitted else ""), "",
-                  *sensitivity(model_setup, profile, gpus=gpus, versus=setup.is_paper), "",
-                  f"## Where the full stack's step goes at {gpus} GPUs" + (" (calibrated)" if fitted else ""), "",
-                  *breakdown(model_setup, profile, "gradientflow", gpus)]
-    # never the ceiling: what the figure plots and the reports quote is the calibrated model where there is one
-    return lines, (calibrated_table if setup.is_paper and fitted else table)
-
-
-def _terms(setup: Setup) -> str:
-    return (f"links at {setup.link_efficiency:g} of their rate, backward slowed by {setup.overlap_slowdown:g} s per "
-            "second of communication it overlaps, no framework overhead")
-
-
-def _speedup_table(table: dict[str, list[float]], counts: Sequence[int]) -> list[str]:
-    return (["| strategy | " + " | ".join(str(n) for n in counts) + " |", "|---|" + "---|" * len(counts)]
-            + [f"| {name} | " + " | ".join(f"{v:.1f}" for v in values) + " |" for name, values in table.items()])
-
-
-def _shipped_note(setup: Setup) -> str:
-    from gradientflow_repro.scaling.profile import shipped_flops, shipped_path
-
-    if shipped_flops(setup.model, setup.image_size, setup.num_classes) is None:
-        return ""
-    path = shipped_path(setup.model, setup.image_size)
-    return f"; shipped as `{path.relative_to(path.parents[3]).as_posix()}`"
-
-
-def _gflops(setup: Setup) -> str:
-    from gradientflow_repro.scaling.profile import flops_per_image
-
-    counted = flops_per_image(setup.model, setup.image_size, setup.num_classes)
-    return (f"{counted.forward_flops / 1e9:.2f} GFLOPs forward and {counted.backward_flops / 1e9:.2f} backward "
-            "per image")
-
-
-def _paper_rows(setup: Setup, profile: pm.ModelProfile, table: dict[str, list[float]],
-                fitted: Optional[tuple[Setup, dict]]) -> list[str]:
+def _paper_checks(setup: Setup, profile: pm.ModelProfile, table: dict[str, list[float]],
+                  fitted: Optional[tuple[Setup, dict]]) -> dict[str, Any]:
     """The checks against the paper: each goal judged on the calibrated model (``fitted``: the
     calibrated setup and ``results/model_check.json``'s band), the uncalibrated figure beside it as
-    the ceiling it is; without a calibration, the ceilings alone and no goal judged."""
+    the ceiling it is; without a calibration, the ceilings alone and no goal judged (``goals`` None)."""
     at512, at64 = table["gradientflow"][GPU_COUNTS.index(512)], table["allreduce"][GPU_COUNTS.index(64)]
-    flat = table.get(registry.FLAT, [0.0])[-1]
+    checks: dict[str, Any] = {"ceiling_full_stack_512": at512, "ceiling_baseline_64": at64, "goals": None,
+                              "paper_speedup": pm.PAPER_SPEEDUP, "paper_baseline_speedup": pm.PAPER_BASELINE_SPEEDUP,
+                              "lazy": variants.LAZY_FP16, "flat": variants.FLAT}
     if fitted is None:
-        return ["No calibration has been written (`python scripts/model_check.py`), so no goal is judged here: "
-                f"the uncalibrated model gives `gradientflow` {at512:.1f}x at 512 GPUs and `allreduce` {at64:.1f}x "
-                "at 64, ceilings set by communication alone (nominal links, free overlap, no per-step overhead) "
-                "that over-predict every published result."]
+        return checks
     model_setup, data = fitted
-    band = data["paper_band"]
-    labels = ("gradientflow", registry.LAZY_FP16, "allreduce", registry.FLAT)
+    band = {label: {k: v for k, v in entry.items() if k != "grid"} for label, entry in data["paper_band"].items()}
+    labels = ("gradientflow", variants.LAZY_FP16, "allreduce", variants.FLAT)
     central = curves(replace(model_setup, strategies=tuple(label for label in labels if label in table)),
                      GPU_COUNTS, profile)
-    lazy = central.get(registry.LAZY_FP16)
+    lazy = central.get(variants.LAZY_FP16)
     below = ([n for n, g, d in zip(GPU_COUNTS, central["gradientflow"], lazy) if n >= 16 and g <= d]
              if lazy else [])
     naive = model_setup.strategy("allreduce")
     effective = replace(model_setup, link_efficiency=1.0)  # the rate a ring reaches, not the nominal one
-    rate = bandwidth_for(pm.PAPER_BASELINE_SPEEDUP, 64, naive, effective, profile)
-    latency = latency_for(pm.PAPER_BASELINE_SPEEDUP, 64, naive, effective, profile)
 
-    def judged(label: str, paper: float) -> tuple[str, str]:
-        entry = band[label]
-        inside = entry["low"] <= paper <= entry["high"]
-        return (f"{entry['central']:.1f}x; band {entry['low']:.1f}x - {entry['high']:.1f}x",
-                f"band contains {paper:g}x: {'met' if inside else 'NOT met'}")
+    def contains(label: str, paper: float) -> bool:
+        return band[label]["low"] <= paper <= band[label]["high"]
 
-    full, base = judged("gradientflow", pm.PAPER_SPEEDUP), judged("allreduce", pm.PAPER_BASELINE_SPEEDUP)
-    lines = [
-        f"Every goal below is judged on the calibrated model (`results/model_check.md`, {_terms(model_setup)}; "
-        f"the band spans the paper's unknowns and the test rows' RMS error, {data['test_rms_points']:.1f} points); "
-        "the uncalibrated figure is a ceiling set by communication alone, shown for comparison only.", "",
-        "| check | paper | uncalibrated ceiling | calibrated (central; band) | goal |", "|---|---|---|---|---|",
-        f"| full stack (`gradientflow`, two-level ring), 512 GPUs | {pm.PAPER_SPEEDUP}x | {at512:.1f}x | {full[0]} "
-        f"| {full[1]} |",
-        f"| `gradientflow` above dense lazy (`{registry.LAZY_FP16}`) from 16 GPUs | - | - | "
-        f"{'yes at every count' if lazy and not below else 'not at ' + ', '.join(map(str, below))} | "
-        f"{'met' if lazy and not below else 'NOT met'} |",
-        f"| naive baseline (`allreduce`), 64 GPUs | {pm.PAPER_BASELINE_SPEEDUP}x | {at64:.1f}x | {base[0]} "
-        f"| {base[1]}: the calibrated model reaches 2.5x with links of {rate:.1f} Gbit/s effective, or "
-        f"{latency * 1e3:.2f} ms per message at 56 Gbit/s; the baseline systems used neither the link's rate "
-        "nor its latency (TCP, parameter servers) |",
-        f"| full stack on our flat ring, 512 GPUs | - | {flat:.1f}x | {central.get(registry.FLAT, [0.0])[-1]:.1f}x "
-        "| the flat ring's 2(N-1) = 1022 latencies per pool part are why the two-level ring is the default |"]
-    peers = [label for label in ("gradientflow", "ddp", *registry.labels(registry.PEERS)) if label in band]
-    if len(peers) > 1:
-        lines += ["", "At 512 GPUs, the full stack beside DDP and what ships in PyTorch (its fp16 and PowerSGD "
-                  "hooks, each after its dense warm-up: the steady state), calibrated as above:", "",
-                  "| strategy | uncalibrated ceiling | calibrated central | band |", "|---|---|---|---|"]
-        ceilings = curves(replace(setup, strategies=tuple(peers)), (512,), profile)
-        lines += [f"| `{label}` | {ceilings[label][0]:.1f}x | {band[label]['central']:.1f}x "
-                  f"| {band[label]['low']:.1f}x - {band[label]['high']:.1f}x |" for label in peers]
-    return lines
+    peers = [label for label in ("gradientflow", "ddp", *PEER_LABELS) if label in band]
+    ceilings = curves(replace(setup, strategies=tuple(peers)), (512,), profile) if len(peers) > 1 else {}
+    checks.update({
+        "link_efficiency": model_setup.link_efficiency, "overlap_slowdown": model_setup.overlap_slowdown,
+        "test_rms_points": data["test_rms_points"], "band": band, "lazy_counts_below": below,
+        "lazy_projected": lazy is not None,
+        "goals": {"full_stack_band_contains_paper": contains("gradientflow", pm.PAPER_SPEEDUP),
+                  "full_stack_above_dense_lazy_from_16": lazy is not None and not below,
+                  "baseline_band_contains_paper": contains("allreduce", pm.PAPER_BASELINE_SPEEDUP)},
+        "baseline_link_gbps_for_paper": bandwidth_for(pm.PAPER_BASELINE_SPEEDUP, 64, naive, effective, profile),
+        "baseline_latency_s_for_paper": latency_for(pm.PAPER_BASELINE_SPEEDUP, 64, naive, effective, profile),
+        "ceiling_flat_512": table.get(variants.FLAT, [0.0])[-1],
+        "calibrated_flat_512": central.get(variants.FLAT, [0.0])[-1],
+        "peers": [{"label": label, "ceiling": ceilings[label][0], **band[label]} for label in peers]
+        if len(peers) > 1 else []})
+    return checks
+
+
+def _setup_facts(setup: Setup, profile: pm.ModelProfile) -> dict[str, Any]:
+    """What the projection's text says of its setup, and where its inputs come from."""
+    from gradientflow_repro.scaling.profile import flops_per_image, shipped_flops, shipped_path
+
+    counted = flops_per_image(setup.model, setup.image_size, setup.num_classes)
+    shipped = None
+    if shipped_flops(setup.model, setup.image_size, setup.num_classes) is not None:
+        path = shipped_path(setup.model, setup.image_size)
+        shipped = path.relative_to(path.parents[3]).as_posix()
+    return {"model": setup.model, "image_size": setup.image_size, "images_per_gpu": setup.images_per_gpu,
+            "single_gpu_images_s": setup.single_gpu_images_s,
+            "step_s": setup.images_per_gpu / setup.single_gpu_images_s, "forward_s": profile.forward_s,
+            "backward_s": profile.backward_s, "forward_gflops": counted.forward_flops / 1e9,
+            "backward_gflops": counted.backward_flops / 1e9, "elements": profile.elements,
+            "link_gbps": setup.link_gbps, "gpus_per_node": setup.gpus_per_node,
+            "intra_node_GBps": setup.intra_node_GBps, "latency_us": setup.latency_us,
+            "gpu_memory_GBps": setup.gpu_memory_GBps,
+            "bytes_per_element": {"csc": pm.CSC_BYTES_PER_ELEMENT, "fp16_wire": pm.FP16_WIRE_BYTES_PER_ELEMENT,
+                                  "low_rank": pm.LOW_RANK_BYTES_PER_ELEMENT},
+            "extras": setup.extras(), "shipped_profile": shipped, "readiness": _readiness(profile),
+            "paper_dense_ratio": pm.paper_dense_ratio()[1] if setup.is_paper else None}
+
+
+def projection_data(setup: Setup = Setup(), counts: Sequence[int] = GPU_COUNTS,
+                    calibrate: bool = True) -> dict[str, Any]:
+    """The projection for ``counts`` GPUs as data (checks against the paper when the setup is the
+    paper's, at the paper's counts whatever ``counts`` is; ``calibrate``: judge them on the committed
+    calibration, ``calibrated``, where one is written). ``speedup`` is the table that its figure and
+    any claim drawn from it use: the calibrated model's where the setup is the paper's and it is
+    calibrated, else the setup's own (``ceiling``)."""
+    counts = tuple(counts)
+    profile = setup.profile()
+    table = curves(setup, counts, profile)
+    fitted = calibrated(setup) if setup.is_paper and calibrate else None
+    model_setup = fitted[0] if fitted else setup  # what the goals, the sensitivity and the breakdown use
+    data: dict[str, Any] = {"paper": setup.is_paper, "setup": _setup_facts(setup, profile), "counts": list(counts),
+                            "ceiling": table, "calibrated": None, "checks": None, "uneven": None,
+                            "sensitivity": None, "breakdown": None}
+    if setup.is_paper:
+        paper_table = table if counts == GPU_COUNTS else curves(setup, GPU_COUNTS, profile)
+        data["checks"] = _paper_checks(setup, profile, paper_table, fitted)
+        if fitted:
+            data["calibrated"] = curves(model_setup, counts, profile)
+    uneven_sizes = uneven_counts(setup.gpus_per_node, max(counts))
+    if uneven_sizes:
+        data["uneven"] = {"gpus_per_node": setup.gpus_per_node, "counts": list(uneven_sizes),
+                          "table": curves(model_setup, uneven_sizes, profile)}
+    gpus = pm.PAPER_GPUS if setup.is_paper else max(counts)
+    if "gradientflow" in setup.strategies and gpus > 1:
+        data["sensitivity"] = sensitivity(model_setup, profile, gpus=gpus, versus=setup.is_paper)
+        data["breakdown"] = {"gpus": gpus, **breakdown(model_setup, profile, "gradientflow", gpus)}
+    # never the ceiling: what the figure plots and the reports quote is the calibrated model where there is one
+    data["speedup"] = data["calibrated"] or table
+    return data
+
+
+def paper_check(setup: Setup = Setup(), counts: Sequence[int] = GPU_COUNTS,
+                calibrate: bool = True) -> tuple[list[str], dict[str, list[float]]]:
+    """The projection (``projection_data``) as Markdown lines (``render/scaling.py``), and the
+    speedup table over ``counts`` that its figure and any claim drawn from it use."""
+    from gradientflow_repro.render import scaling as render_scaling
+
+    data = projection_data(setup, counts, calibrate)
+    return render_scaling.projection_lines(data), data["speedup"]
 
 
 def plot(table: dict[str, list[float]], path: Path, counts: Sequence[int] = GPU_COUNTS, paper: bool = True) -> None:
@@ -480,20 +400,19 @@ def plot(table: dict[str, list[float]], path: Path, counts: Sequence[int] = GPU_
 
 
 def write_scaling(out: Path, setup: Setup = Setup(), command: str = "python scripts/simulate_scaling.py",
-                  counts: Sequence[int] = GPU_COUNTS, sections: Sequence[str] = ()) -> str:
-    """``out``.md and ``out``.png for ``counts`` GPUs, with ``sections`` (Markdown lines) after the
-    projection; returns the Markdown. Torch-free where the model's FLOP counts ship."""
-    lines, table = paper_check(setup, counts)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    plot(table, out.with_suffix(".png"), tuple(counts), paper=setup.is_paper)
+                  counts: Sequence[int] = GPU_COUNTS, band: Optional[dict] = None, terms: Sequence[dict] = (),
+                  calibrate: bool = True) -> str:
+    """``out``.json (the projection's data, ``projection_data``, with the paper's calibrated ``band``
+    and the calibration ``terms`` the setup took, each with its source), ``out``.md rendered from it
+    (``render/scaling.py``) and ``out``.png for ``counts`` GPUs; returns the Markdown. Torch-free
+    where the model's FLOP counts ship."""
+    from gradientflow_repro import render
     from gradientflow_repro.provenance import git_commit
 
-    commit = git_commit() or "unknown"
-    text = "\n".join(["# Scaling model" + (" against the paper" if setup.is_paper else ""), "",
-                      f"Command: `{command}`; commit {commit}; a model: no machine's speed enters it. "
-                      "The model's rules are checked against measurement on an emulated two-level cluster "
-                      "(`results/cluster_comm.md`) and in the training ladder (`results/REPORT.md`).", "",
-                      *lines, *(["", *sections] if sections else []), "",
-                      f"![speedup against GPUs]({out.with_suffix('.png').name})", ""])
-    out.with_suffix(".md").write_text(text)
-    return text
+    data = projection_data(setup, counts, calibrate)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plot(data["speedup"], out.with_suffix(".png"), tuple(counts), paper=setup.is_paper)
+    data.update(command=command, commit=git_commit() or "unknown", figure=out.with_suffix(".png").name,
+                band=band, terms=list(terms))
+    written = render.write_data(out.with_suffix(".json"), "scaling.projection", data)
+    return render.render_file(written).read_text()

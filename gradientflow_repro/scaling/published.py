@@ -12,7 +12,7 @@ paper's two claims), ``reported_speedup`` carries it and the goal is 15% of it.
 How a baseline system is modelled, by what it ran:
 - Horovod 2017 (README tables, 16/64 GPUs; charts at 128/512): fp32 gradients, NCCL's flat ring,
   Tensor Fusion buffers sent as backward produces them: a DDP-like bucketed builtin strategy
-  (``registry.DDP_STYLE``) on NCCL;
+  (``variants.DDP_STYLE``) on NCCL;
 - TensorFlow's ``replicated`` variable update with NCCL (the DGX-1 benchmarks): one NCCL allreduce
   per variable, started as its gradient is ready in the dataflow graph, so per tensor with overlap
   (``PER_TENSOR_OVERLAP``);
@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from gradientflow_repro.comm import registry
+from gradientflow_repro import variants
 
 # The fabrics between nodes (``Published.fabric``); the link efficiency of each is fitted or set
 # from the NCCL maintainers' figures (``calibration``)
@@ -54,9 +54,9 @@ INTRA_NODE = {
     "nvswitch-a100": (230.0, "DGX A100 NVSwitch: ~230 GB/s all-reduce bus bandwidth (assumed)"),
     "nvswitch-v100": (120.0, "DGX-2 NVSwitch (V100): ~120 GB/s all-reduce bus bandwidth (assumed)"),
 }
-# per tensor, overlapped: the registry's pool of 1 MB parts of builtin allreduces, overlapped (a
+# per tensor, overlapped: the pool of 1 MB parts of builtin allreduces, overlapped (a
 # tensor over 1 MB goes alone; the small ones, under 1% of the bytes, are packed)
-PER_TENSOR_OVERLAP = registry.PER_TENSOR_OVERLAPPED
+PER_TENSOR_OVERLAP = variants.PER_TENSOR_OVERLAPPED
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ _README_B = "Horovod README f7eb2177 Table B (64 GPUs, 40G TCP)"
 def _horovod(model: str, gpus: int, fabric: str, gbps: float, efficiency: float, source: str, fitted: bool,
              single: dict[str, float], latency_us: float, note: str = "") -> Published:
     return Published(f"Horovod 2017 {model} {gpus} GPUs {fabric}", source, model, _SIZE[model], 64, single[model],
-                     gpus, 4, fabric, gbps, "pcie3", registry.DDP_STYLE, "horovod", reported_efficiency=efficiency,
+                     gpus, 4, fabric, gbps, "pcie3", variants.DDP_STYLE, "horovod", reported_efficiency=efficiency,
                      fitted=fitted, latency_us=latency_us, ring_only=True, note=note)
 
 
@@ -162,7 +162,7 @@ ROWS: tuple[Published, ...] = (
           ("DGX A100 80GB", "AMP", 256, 2470, 16621, "nvswitch-a100"))),
     # test: DeepLearningExamples, ResNet-50 v1.5, TensorFlow with Horovod on one node (fp32 gradients)
     *(Published(f"DLE TensorFlow {system} {precision}", "NVIDIA DeepLearningExamples ResNet-50 v1.5 TensorFlow "
-                "README", "resnet50", 224, batch, single, gpus, gpus, "none", 0.0, intra, registry.DDP_STYLE,
+                "README", "resnet50", 224, batch, single, gpus, gpus, "none", 0.0, intra, variants.DDP_STYLE,
                 "horovod", reported_efficiency=images / (gpus * single), confidence="H",
                 note="Horovod (secondary); fp32 gradients; averaged over an epoch (data pipeline included)")
       for system, precision, batch, single, gpus, images, intra in (

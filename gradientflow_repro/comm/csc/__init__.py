@@ -95,42 +95,99 @@ Example, the paper's full stack (``configs/comm/gradientflow.yaml``)::
 
 and from the command line ``python -m gradientflow_repro.train comm=gradientflow comm.density=0.05``;
 in code, ``comm.factory.build_communicator({"strategy": "gradientflow", "density": 0.05}, device)``.
+
+This module is CSC as the registry sees it (``registry.Sparsifier``): its keys (``CSCKeys``, with
+their checks), its builder, how the scaling model prices it (``csc``: whole chunks, plus the noise
+sketches under momentum correction and LARS) and the fusion it needs (the pool). It imports no torch:
+the config check reads it; the algorithm's modules load when first used.
 """
 
-from gradientflow_repro.comm.csc.communicator import CSCCommunicator, check_settings
-from gradientflow_repro.comm.csc.momentum import (
-    TAKEN,
-    LocalStep,
-    give_back,
-    merged_settings,
-    take_settings,
-    velocity_from_optimizer,
-)
-from gradientflow_repro.comm.csc.selection import (
-    Agreed,
-    agree_on_norms,
-    chunk_l1_norms,
-    density_at,
-    hold_back,
-    select_chunks,
-)
-from gradientflow_repro.comm.csc.state import SAME_ON_EVERY_RANK, BucketState, Sent, rank_rules
-from gradientflow_repro.comm.csc.trust import (
-    NOISE_KEEP,
-    SIGN_SHIFTS,
-    SKETCH_SEED,
-    TrustNoise,
-    adapts,
-    lars_rescale_,
-    sketch_into,
-    sketch_signs,
-)
+from __future__ import annotations
 
-__all__ = [
-    "CSCCommunicator", "check_settings",
-    "TAKEN", "LocalStep", "give_back", "merged_settings", "take_settings", "velocity_from_optimizer",
-    "Agreed", "agree_on_norms", "chunk_l1_norms", "density_at", "hold_back", "select_chunks",
-    "SAME_ON_EVERY_RANK", "BucketState", "Sent", "rank_rules",
-    "NOISE_KEEP", "SIGN_SHIFTS", "SKETCH_SEED", "TrustNoise", "adapts", "lars_rescale_", "sketch_into",
-    "sketch_signs",
-]
+import importlib
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gradientflow_repro.checks import boolean, in_range, non_negative, one_of, positive, setting
+from gradientflow_repro.comm.registry import Sparsifier
+
+if TYPE_CHECKING:
+    import torch
+
+    from gradientflow_repro.comm.base import Communicator, SumFn
+    from gradientflow_repro.comm.plan import Plan
+
+
+@dataclass(frozen=True)
+class CSCKeys:
+    """CSC's own ``comm.*`` keys (the tuning advice above says what each does)."""
+
+    chunk_size: int = setting(32768, positive)  # elements per chunk
+    density: float = setting(0.1, in_range(0, 1, low_open=True))  # fraction of chunks sent
+    density_ramp_epochs: int = setting(0, non_negative)  # epochs over which density falls
+    momentum_correction: bool = setting(True, boolean)
+    momentum_masking: bool = setting(True, boolean)
+    # with momentum_masking, mask only the sent chunks that waited more than this many steps since
+    # their last send; 0: every sent chunk (DGC's rule). Masking erases the momentum still due to a
+    # chunk's last sends, which DGC meant for chunks sent every ~1,000 steps, not every ~1/density
+    masking_min_wait: float = setting(0.0, non_negative)
+    # under momentum correction and LARS: rank chunks by the norm of the trust-rescaled velocity
+    # ("rescaled": what is sent) or of the same divided by its layer's trust ratio ("raw": the gradients
+    # that built it up; what is sent is unchanged)
+    rank_by: str = setting("rescaled", one_of("rescaled", "raw"))
+    # under momentum correction: weight decay rides in the sent velocity ("velocity") or keeps a
+    # velocity of its own on each rank, applied every step and never sent ("local": DGC's reference
+    # optimizer, dgc/optim/sgd.py; refused under LARS on several ranks: each rank's own trust ratio
+    # would rescale it differently and the weights would drift apart)
+    weight_decay_in: str = setting("velocity", one_of("velocity", "local"))
+    # a chosen chunk sends at most this many times the norm of what the step added to it (its
+    # velocity under momentum correction), the rest staying in the residual; 0: no cap (DGC's rule)
+    release_cap: float = setting(0.0, in_range(0, math.inf, high_open=True))
+    # under momentum correction and LARS: each rank's trust ratio corrected for the noise of its
+    # own gradient, estimated from sketches that ride with the chunk norms (trust.py, TrustNoise)
+    trust_noise_correction: bool = setting(True, boolean)
+
+
+def build(plan: Plan, device: torch.device, sum_fn: SumFn) -> Communicator:
+    """CSC over the lazy pool, dense for the plan's warm-up (the learning rate's unless
+    ``comm.csc_warmup_epochs`` is set)."""
+    from gradientflow_repro.comm.csc.communicator import CSCCommunicator
+
+    keys: CSCKeys = plan.keys
+    return CSCCommunicator(device, sum_fn, plan.bucket_bytes, plan.overlap, chunk_size=keys.chunk_size,
+                           density=keys.density, warmup_epochs=plan.warmup_epochs,
+                           momentum_correction=keys.momentum_correction, momentum_masking=keys.momentum_masking,
+                           density_ramp_epochs=keys.density_ramp_epochs, release_cap=keys.release_cap,
+                           trust_noise_correction=keys.trust_noise_correction,
+                           masking_min_wait=keys.masking_min_wait, rank_by=keys.rank_by,
+                           weight_decay_in=keys.weight_decay_in)
+
+
+def _schedule(keys: CSCKeys) -> str:
+    ramp = f", falling to it over {keys.density_ramp_epochs} epoch(s)" if keys.density_ramp_epochs else ""
+    return f"density {keys.density:g}{ramp}"
+
+
+SPARSIFIER = Sparsifier(
+    "csc", keys=CSCKeys, builder=build, pricing="csc", fusion="lazy",
+    # below density 1 some steps send part of the gradients; at 1 it is lazy allreduce exactly
+    sends_sparse=lambda keys: keys.density < 1, describe=_schedule)
+
+# The algorithm's names, loaded on first use (this module stays torch-free)
+_EXPORTS = {
+    "communicator": ("CSCCommunicator", "check_settings"),
+    "momentum": ("TAKEN", "LocalStep", "give_back", "merged_settings", "take_settings", "velocity_from_optimizer"),
+    "selection": ("Agreed", "agree_on_norms", "chunk_l1_norms", "density_at", "hold_back", "select_chunks"),
+    "state": ("SAME_ON_EVERY_RANK", "BucketState", "Sent", "rank_rules"),
+    "trust": ("NOISE_KEEP", "SIGN_SHIFTS", "SKETCH_SEED", "TrustNoise", "adapts", "lars_rescale_", "sketch_into",
+              "sketch_signs"),
+}
+_WHERE = {name: module for module, exported in _EXPORTS.items() for name in exported}
+__all__ = ["CSCKeys", "SPARSIFIER", "build", *_WHERE]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

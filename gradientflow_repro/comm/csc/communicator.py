@@ -27,18 +27,19 @@ from gradientflow_repro.comm.csc.momentum import (
 from gradientflow_repro.comm.csc.selection import density_at
 from gradientflow_repro.comm.csc.state import BucketState, rank_rules
 from gradientflow_repro.comm.csc.trust import adapts
-from gradientflow_repro.comm.knobs import CommConfig
 from gradientflow_repro.comm.lazy import Bucket, LazyAllreduce
 from gradientflow_repro.comm.pool import csc_parts
 from gradientflow_repro.comm.recursive_doubling import small_sum
 
 
 def check_settings(**values: Any) -> None:
-    """Refuse ``comm.*`` values (keyword: the ``CommConfig`` field) that their declarations in
-    ``knobs.CommConfig`` refuse, naming the key, as ``knobs.resolve`` does. The rules live on the
+    """Refuse ``comm.*`` values (keyword: the ``CSCKeys`` field) that their declarations in
+    ``csc.CSCKeys`` refuse, naming the key, as ``plan.resolve`` does. The rules live on the
     declarations only (``checks.field_problems``): a configuration from the factory was checked there
     already, and a ``CSCCommunicator`` built directly gets the same rules, not a second copy."""
-    for key, value, allowed in field_problems(CommConfig, CommConfig(**values), "comm."):
+    from gradientflow_repro.comm.csc import CSCKeys
+
+    for key, value, allowed in field_problems(CSCKeys, CSCKeys(**values), "comm."):
         raise ValueError(f"config key '{key}' = {value!r}: {allowed}")
 
 
