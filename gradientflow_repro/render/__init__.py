@@ -32,6 +32,12 @@ def output_dir(name: str, report: bool) -> Path:
     return RESULTS if report else RUNS / name
 
 
+def shown(path: Path) -> str:
+    """``path`` relative to the checkout where it is inside it (for a log line: no machine's paths)."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(REPO) if resolved.is_relative_to(REPO) else path)
+
+
 def write_data(path: Path, kind: str, data: Mapping[str, Any]) -> Path:
     """``data`` as ``path`` (.json), tagged with the renderer ``kind`` that renders it."""
     renderer(kind)  # refuse a kind nobody renders before writing anything

@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
-from gradientflow_repro import REPO, render
+from gradientflow_repro import render
 from gradientflow_repro.scaling import calibration
 from gradientflow_repro.scaling.profile import SHIPPED, model_name_error, shipped_flops
 from gradientflow_repro.scaling.projection import (
@@ -72,12 +72,6 @@ def strategies(value: str) -> tuple[str, ...]:
         return parse_strategies(value)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def shown(path: Path) -> str:
-    """``path`` relative to the checkout where it is inside it."""
-    resolved = path.resolve()
-    return str(resolved.relative_to(REPO) if resolved.is_relative_to(REPO) else path)
 
 
 def build_parser(description: str = __doc__, runs: Path = render.RUNS / NAME,
@@ -143,11 +137,11 @@ def build_parser(description: str = __doc__, runs: Path = render.RUNS / NAME,
                           help="density of every sparse strategy, in (0, 1] (default: each preset's)")
     output = parser.add_argument_group("output")
     output.add_argument("--name", default=None,
-                        help=f"the files' name under {shown(runs)}/ (default: the model and image size)")
+                        help=f"the files' name under {render.shown(runs)}/ (default: the model and image size)")
     output.add_argument("--out", type=Path, default=None,
                         help="path without suffix, instead of --name (not in the committed results/)")
     output.add_argument("--report", action="store_true",
-                        help=f"rewrite the committed {shown(report)}.md, .json and .png (make bench)")
+                        help=f"rewrite the committed {render.shown(report)}.md, .json and .png (make bench)")
     return parser
 
 
@@ -176,7 +170,7 @@ def check(args: argparse.Namespace, report: Path = render.RESULTS / NAME) -> Opt
         return "--report writes results/scaling; it takes neither --out nor --name"
     if args.out is not None and _committed(args.out):
         return (f"--out {args.out}: results/ outside results/runs/ holds committed reports; "
-                f"use --report to rewrite {shown(report)}.md")
+                f"use --report to rewrite {render.shown(report)}.md")
     fitted = (calibration.committed() or {}).get("parameters", {}).get("step_overhead_s", {})
     if args.framework is not None and args.framework not in fitted:
         return f"--framework {args.framework!r}: no overhead fitted for it (fitted: {', '.join(sorted(fitted))})"
@@ -255,7 +249,7 @@ def main(argv: Optional[Sequence[str]] = None, runs: Path = render.RUNS / NAME, 
     setup, terms = calibrated_setup(args, setup_of(args, image_size))
     out = report if args.report else args.out or runs / (args.name or f"{args.model}-{image_size}")
     if not args.report and _committed(out):  # a --name that climbs out of results/runs/
-        parser.error(f"{shown(out)}: results/ outside results/runs/ holds committed reports; use --report")
+        parser.error(f"{render.shown(out)}: results/ outside results/runs/ holds committed reports; use --report")
     for term in terms:
         log.info("%s: %s (%s)", term["term"], term["shown"], term["source"])
     command = "python scripts/simulate_scaling.py" + "".join(
@@ -269,7 +263,7 @@ def main(argv: Optional[Sequence[str]] = None, runs: Path = render.RUNS / NAME, 
         sys.exit(f"{parser.prog}: error: no FLOP counts ship for {args.model} at {image_size} pixels, and "
                  f"counting them needs torch ({error})")
     log.info("%s", text)
-    log.info("written: %s, .json and .png", shown(out.with_suffix(".md")))
+    log.info("written: %s, .json and .png", render.shown(out.with_suffix(".md")))
 
 
 def _quote(arg: str) -> str:

@@ -204,5 +204,5 @@ def main(argv: Optional[Sequence[str]] = None, command: str = "python scripts/mo
     data = render.write_data(out.with_suffix(".json"), "scaling.model_check", document)
     markdown = render.render_file(data)
     log.info("%s", markdown.read_text())
-    log.info("written: %s and %s", markdown, data)
+    log.info("written: %s and %s", render.shown(markdown), render.shown(data))
     return markdown
