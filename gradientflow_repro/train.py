@@ -71,7 +71,7 @@ def main(cfg: DictConfig) -> None:
     for line in owned.said:  # rank 0's first lines: what was adopted, moved aside or taken over
         log.info(line)
     if (faults_ignored := ignored_warning()) and world.is_main:  # faults left set in the environment
-        log.warning(faults_ignored.removeprefix("warning: "))
+        log.warning(faults_ignored)
     try:
         _train(cfg, world, phases)
     finally:

@@ -51,7 +51,8 @@ def main() -> None:
     parser.add_argument("--layouts", type=layout, nargs="+", default=list(bench.LAYOUTS),
                         help="WORLDxRANKS_PER_NODE (default: 8x4 8x2 4x2)")
     parser.add_argument("--strategies", nargs="+", default=list(bench.strategy_labels()),
-                        choices=list(bench.strategy_labels()), help="labels of the strategy registry")
+                        choices=list(bench.strategy_labels()),
+                        help="strategy labels (variants.py; the default: bench/lineup.py)")
     parser.add_argument("--steps", type=int, default=7, help="timed steps per strategy (after --warmup)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--launches", type=positive, default=bench.LAUNCHES,

@@ -34,7 +34,7 @@
 #    copies share a NUMA node. Each task then sees every GPU of its NUMA domain (4 of 8 on a
 #    two-socket node), shared with the node's other tasks there; each rank takes the one at its
 #    place among them, whichever way Slurm spread the tasks over the sockets (gpu_index in
-#    gradientflow_repro/distributed.py). Off by default, since where Slurm's view of the sockets is
+#    gradientflow_repro/distributed/world.py). Off by default, since where Slurm's view of the sockets is
 #    wrong a bad binding is slower than none: check 'nvidia-smi topo -m' against the job's rank lines)
 #   (one task per GPU; 12 CPUs per task feed DALI; the warning comes 3 min before the limit, as
 #    Slurm may send it up to a minute late; remove one '#' from a '##SBATCH' line to use it)

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradientflow_repro.comm import STRATEGIES, build_communicator, knobs
+from gradientflow_repro.comm import STRATEGIES, build_communicator, knobs, registry
 from gradientflow_repro.comm.base import CommStats
 from gradientflow_repro.comm.factory import prepare_backend
 from gradientflow_repro.comm.plan import resolve
@@ -87,7 +87,7 @@ def test_every_preset_sums_by_nccls_allreduce_on_nccl(world: int, tmp_path: Path
 def test_every_preset_of_configs_comm_is_in_the_double_test() -> None:
     """A YAML added to configs/comm/ is a registered strategy (``knobs.presets`` refuses it otherwise),
     so it is in VARIANTS, run under the NCCL-ordering double above at world sizes 2, 3 and 4."""
-    yamls = {path.stem for path in knobs.PRESET_DIR.glob("*.yaml")}
+    yamls = {path.stem for path in registry.PRESET_DIR.glob("*.yaml")}
     assert yamls and yamls == set(knobs.presets()) and yamls <= set(VARIANTS)
 
 

@@ -1,5 +1,5 @@
-"""The liveness checks of gradientflow_repro/distributed.py against a real store: who is lost, and
-how many store round trips a poll costs. At 512 ranks every rank polls the store in rank 0 at
+"""The liveness checks of gradientflow_repro/distributed/liveness.py against a real store: who is
+lost, and how many store round trips a poll costs. At 512 ranks every rank polls the store in rank 0 at
 once, so a poll must cost the same few calls whatever the world size (the store then sends one
 count per rank in one answer). Other ranks are emulated by writing their keys."""
 

@@ -553,7 +553,7 @@ def test_a_job_whose_runs_make_no_progress_stops_requeueing(slurm, tmp_path: Pat
 
 # --- GPU binding: --gpu-bind=closest, each task seeing the GPUs of its NUMA domain ----------------
 
-# What select_device does with CUDA (gradientflow_repro/distributed.py), with the fake GPUs named by
+# What select_device does with CUDA (gradientflow_repro/distributed/world.py), with the fake GPUs named by
 # CUDA_VISIBLE_DEVICES (torch sees none of them): prints node, local rank, the task's GPUs and the
 # one it picked.
 GPU_PROBE = """

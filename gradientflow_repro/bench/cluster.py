@@ -26,8 +26,8 @@ per-message costs alone take). The measurements go to a JSON document (``render.
 kind ``bench.cluster_comm``) with the check's verdict as a value; ``render/bench.py`` makes the
 Markdown from it. ``scripts/bench_cluster.py`` is the command line.
 
-The strategy lists and options are read from ``comm/`` in one place, the section "what is
-measured" below (``strategy_labels``, ``strategy_options``, ``dense_fp32``, ``algorithm``).
+The strategies' labels and options are read (``bench/lineup.py``, ``variants.py``) in one place,
+the section "what is measured" below (``strategy_labels``, ``strategy_options``, ``dense_fp32``, ``algorithm``).
 """
 
 from __future__ import annotations

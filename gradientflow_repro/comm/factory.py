@@ -48,8 +48,8 @@ def build_sum(algorithm: str, wire: str, ranks_per_node: int | None = None,
               backend: Optional[str] = None, at_world_1: bool = False) -> SumFn:
     """The summing function of ``algorithm`` (with the fp16 wire around it) on ``backend`` (None:
     the process group's) under ``comm.implementation``: what ``knobs.summing`` says, the backend's
-    allreduce by default on NCCL (``comm.algorithm=ring`` then selects NCCL's ring through
-    NCCL_ALGO, ``prepare_backend``), our algorithms by default elsewhere. ``ranks_per_node``: how
+    allreduce by default on NCCL (its tuner picks ring or tree; no configuration sets NCCL_ALGO),
+    our algorithms by default elsewhere. ``ranks_per_node``: how
     many consecutive ranks share a node, as the launcher says (torchrun's LOCAL_WORLD_SIZE, Slurm's
     tasks per node) or ``comm.ranks_per_node`` sets; ``local_rank`` checks that layout. Our own
     algorithms send small messages (at most ``small_bytes``: by default ``SMALL_MESSAGE_BYTES``,

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 from gradientflow_repro.checks import (
@@ -50,7 +49,6 @@ SMALL_MESSAGE_BYTES = 1 << 20
 # CSC under momentum correction and LARS: buckets of each layer's noise sketch (comm/csc/trust.py,
 # TrustNoise), which ride with the chunk norms; here, torch-free, because the model counts them.
 TRUST_SKETCH_BUCKETS = 64
-PRESET_DIR: Path = registry.PRESET_DIR
 # sparsity: the package's sparsifiers (``plan.resolve`` checks every registered one)
 KNOB_VALUES: dict[str, tuple[Any, ...]] = {
     "algorithm": ("builtin", "ring", "hierarchical", "auto"), "wire": ("fp32", "fp16"),
@@ -115,7 +113,7 @@ def two_level(algorithm: str, world: int, ranks_per_node: Optional[int]) -> bool
 @dataclass(frozen=True)
 class Summing:
     """What sums a message, for one job: the one definition that the factory builds
-    (``factory.build_sum``), the run's first lines print (``factory.describe_sum``) and the scaling
+    (``factory.build_sum``), the run's first lines print (``plan.describe_sum``) and the scaling
     model prices (``perfmodel``).
 
     ``how``: ``backend`` (the process group's own allreduce, one call per message), ``ring`` (our

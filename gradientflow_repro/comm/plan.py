@@ -106,12 +106,9 @@ def _given(options: Union[Mapping[str, Any], Any]) -> dict[str, Any]:
     return {name: getattr(options, name) for name in dir(options) if not name.startswith("_")}
 
 
-def _owner(key: str) -> Optional[registry.Sparsifier]:
-    """The sparsifier whose key ``key`` is, among those registered (None: nobody's)."""
-    for declared in registry.sparsifiers().values():
-        if key in declared.key_names():
-            return declared
-    return None
+def _owners() -> dict[str, registry.Sparsifier]:
+    """Every registered sparsifier's key -> that sparsifier."""
+    return {key: declared for declared in registry.sparsifiers().values() for key in declared.key_names()}
 
 
 def _checked(schema: type, values: Mapping[str, Any]) -> Any:
@@ -145,9 +142,10 @@ def resolve(options: Union[Mapping[str, Any], Any], *, world: int = 1, backend: 
               "strategy": strategy}
     sparsifier = registry.sparsifier(merged.get("sparsity") or "dense")
     own = set(sparsifier.key_names())
-    ignored = []
-    for key in sorted(set(merged) - set(SHARED_KEYS) - own):
-        owner = _owner(key)
+    ignored, foreign = [], sorted(set(merged) - set(SHARED_KEYS) - own)
+    owners = _owners() if foreign else {}
+    for key in foreign:
+        owner = owners.get(key)
         if owner is None:
             raise ValueError(f"config key 'comm.{key}': no such key (comm.sparsity={sparsifier.name} takes "
                              f"{', '.join(sorted(own)) or 'none of its own'})")

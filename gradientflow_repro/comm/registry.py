@@ -114,9 +114,13 @@ def names() -> tuple[str, ...]:
 def preset(name: str) -> dict[str, Any]:
     """The keys strategy ``name``'s preset sets (``strategy`` aside). Raises ValueError for a name
     with no preset, or a YAML that names another strategy."""
-    path = _presets().get(name)
+    return _preset(name, _presets())
+
+
+def _preset(name: str, found: dict[str, Path]) -> dict[str, Any]:
+    path = found.get(name)
     if path is None:
-        raise ValueError(f"config key 'comm.strategy' = {name!r}: allowed values are {', '.join(names())}")
+        raise ValueError(f"config key 'comm.strategy' = {name!r}: allowed values are {', '.join(found)}")
     values = dict(_read_yaml(path, path.stat().st_mtime))
     if values.pop("strategy", None) != name:
         raise ValueError(f"{path.name}: 'strategy' must be {name!r}, the file's name")
@@ -135,8 +139,9 @@ def sparsifiers() -> dict[str, Sparsifier]:
     """Every sparsifier: dense, the package's, and those the presets' ``module`` keys bring."""
     found = {"dense": DENSE}
     modules = [*BUILTIN.values()]
-    for name in names():
-        module = preset(name).get("module")
+    presets = _presets()  # the folders scanned once
+    for name in presets:
+        module = _preset(name, presets).get("module")
         if module and module not in modules:
             modules.append(module)
     for module in modules:

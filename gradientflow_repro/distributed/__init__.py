@@ -22,6 +22,7 @@ hang in Python): its heartbeat moves, and the others wait for it in the next col
 heartbeat also publishes the rank's mark (``mark_progress``: how many marks, where, for how long;
 ``Mark``), and every rank makes the same marks, so the stuck rank is the one furthest behind. Its
 peers name it stuck, with where it is, not lost: under gloo when their collective times out
+(``diagnose_failure``: the ranks that do not answer and whose heartbeat still moves), under NCCL
 when their watchdog fires; the stuck rank's own watchdog says that it is the one.
 
 Modules: ``world`` (the world and the device), ``liveness`` (heartbeat, watchdog, marks),

@@ -34,7 +34,7 @@ from gradientflow_repro.gpu_check.lineup import GPU_CHECK
 from gradientflow_repro.gpu_check.processes import REPORTED_EXIT, put_result, spawn_ranks, time_left
 from gradientflow_repro.gpu_check.results import Reporter, Result, Skip, describe, project_imports
 
-# (label, comm options): the strategy registry's GPU_CHECK list, each over the check's own sizes.
+# (label, comm options): gpu_check/lineup.py's GPU_CHECK, each over the check's own sizes.
 # Presets whose algorithm is the ring run with algorithm=builtin (gloo has no send/recv of CUDA
 # tensors), with pool parts of about 1 KiB so that the small model fills several.
 POOL = {"algorithm": "builtin", "bucket_mb": 0.001}

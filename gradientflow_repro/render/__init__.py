@@ -77,6 +77,14 @@ def table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: Optional[
     return "\n".join(lines)
 
 
+def size(nbytes: float) -> str:
+    """A byte count as people read it: 16 MiB, 64 KiB, 4 B."""
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes:g} B"
+
+
 def provenance_line(facts: Mapping[str, Any]) -> str:
     """One line naming what produced a document: machine, world size, commit, command."""
     parts = [f"{key}: {facts[key]}" for key in ("machine", "world", "commit", "command") if facts.get(key)]

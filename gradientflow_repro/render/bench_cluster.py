@@ -10,13 +10,7 @@ import math
 import statistics
 from typing import Any, Mapping, Optional
 
-
-def _size(nbytes: float) -> str:
-    """A byte count as people read it: 16 MiB, 64 KiB, 4 B."""
-    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
-    return f"{nbytes:g} B"
+from gradientflow_repro.render import size as size_label
 
 
 def suggestion(check: Mapping[str, Any]) -> str:
@@ -132,7 +126,7 @@ def cluster_comm(facts: Mapping[str, Any]) -> str:
                   "| size | " + " | ".join(tables) + " |", "|---|" + "---|" * len(tables)]
         first = next(iter(tables.values()))[0]
         for i, (size, _) in enumerate(first):
-            lines.append(f"| {_size(size)} | " + " | ".join(
+            lines.append(f"| {size_label(size)} | " + " | ".join(
                 f"{statistics.median(table[i][1] for table in each) * 1e3:.2f} ms" for each in tables.values()) + " |")
         lines.append("")
     rows_of_every_launch = facts["rows_over_launches"]

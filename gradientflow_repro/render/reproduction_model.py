@@ -5,16 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
 
+from gradientflow_repro.render import size
 from gradientflow_repro.render.reproduction_cells import said, spread
 
 Document = Mapping[str, Any]
-
-
-def size(nbytes: float) -> str:
-    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
-    return f"{nbytes:g} B"
 
 
 def network_table(network_by_world: Sequence[Sequence[Any]], default_bytes: int) -> list[str]:

@@ -160,7 +160,8 @@ def compression_label(run: dict) -> str:
     options = run_knobs(run)
     if options.sparsifier.pricing == "low_rank":
         return f"rank {options.keys.powersgd_rank}"
-    return f"{options.keys.density:g}"
+    density = getattr(options.keys, "density", None)  # CSC's; another sparsifier says what it sends
+    return f"{density:g}" if density is not None else options.sparsifier.in_words(options.keys)
 
 
 def falls(run: dict, warmup_epochs: Optional[float] = None) -> list[tuple[float, float, float, float]]:

@@ -31,7 +31,7 @@ class Strategy:
     density: float = 1.0
     chunk_elements: int = 32768
     algorithm: str = "ring"  # builtin | ring | hierarchical | auto, as ``comm.algorithm``
-    # as ``comm.implementation`` (``knobs.summing``); by hand: our algorithms (``from_knobs``: the
+    # as ``comm.implementation`` (``knobs.summing``); by hand: our algorithms (``from_plan``: the
     # configuration's, auto by default: NCCL's allreduce on an NCCL network). Not compared: a rung is
     # the same strategy (the same messages) whoever carries them; the pricing asks ``summing``
     implementation: str = field(default="ours", compare=False)
