@@ -150,6 +150,10 @@ def test_a_strategy_of_two_files_is_listed_by_the_benchmarks(toy: Path) -> None:
     assert "front" in bench_lineup.cluster_bench() and "front" in bench_lineup.comm_bench()
     assert variants.options("front") == {"strategy": "front"}
     assert "front" not in reproduction_lineup.LADDER  # a list that names its rungs
+    from gradientflow_repro.reproduction.runs import compression_label
+
+    run = {"summary": {"strategy": "front"}, "comm": {"strategy": "front"}, "config": {}}
+    assert compression_label(run) == "the first 0.25 of each gradient"  # the report says what it sends
 
 
 def test_the_package_presets_are_all_registered_and_set_every_knob() -> None:
