@@ -11,6 +11,7 @@ import torch
 
 from gradientflow_repro.bench import cluster as bench_cluster
 from gradientflow_repro.bench import replay
+from gradientflow_repro.render.bench_cluster import model_check_lines
 
 
 def test_the_replay_releases_each_gradient_in_the_given_order_with_its_value() -> None:
@@ -140,7 +141,7 @@ def test_the_model_is_set_against_the_median_over_launches_with_each_launchs_err
 
     monkeypatch.setattr(cluster_check, "predictions", lambda facts: each)
     layouts = [{"layout": "2x4", "network": {"local_work_in_step": {"sparsify_s_per_element": 1e-9}}}]
-    text = "\n".join(cluster_check.markdown_lines({"launches": 3, "layouts": layouts, "rows": []}))
+    text = "\n".join(model_check_lines(cluster_check.model_check({"launches": 3, "layouts": layouts, "rows": []})))
     assert "| 2x4 | gradientflow (hierarchical) | 70.0 | 62.0 | -11% | -25%, -6%, -9% |" in text
     assert "| 2x4 | ddp-style bucketed builtin | 1140.0 | 1100.0 | -4% | -6%, -, +3% |" in text  # its launches, named
     assert "2 of 2 are" in text and "4 of 5 within 15%, largest 25%" in text  # the one launch that missed, said
@@ -158,11 +159,13 @@ def test_the_peers_goal_is_judged_on_the_medians_of_communication_time(monkeypat
                 "bytes_per_step": mib * 2**20, "predicted_s": measured, "error": 0.0}
 
     layouts = [{"layout": "2x4", "network": {"local_work_in_step": {"sparsify_s_per_element": 1e-9}}}]
-    for powersgd_s, verdict in ((0.174, "met"), (0.090, "NOT met")):
+    for powersgd_s, verdict, met in ((0.174, "met", True), (0.090, "NOT met", False)):
         each = [row("gradientflow (hierarchical)", 0.097, 1.79), row("ddp-fp16", 1.401, 7.52),
                 row("powersgd", powersgd_s, 0.23)]
         monkeypatch.setattr(cluster_check, "predictions", lambda facts, each=each: each)
-        text = "\n".join(cluster_check.markdown_lines({"launches": 1, "layouts": layouts, "rows": []}))
+        check = cluster_check.model_check({"launches": 1, "layouts": layouts, "rows": []})
+        assert [goal["met"] for goal in check["goals"] if goal["goal"] == "peers"] == [met]  # the verdict, a value
+        text = "\n".join(model_check_lines(check))
         assert (f"- 2x4: `gradientflow` (hierarchical) against what ships in PyTorch (medians): 97 ms and 1.79 MiB "
                 f"per step against `ddp-fp16` 1401 ms and 7.52 MiB, `powersgd` {powersgd_s * 1e3:.0f} ms and 0.23 MiB. "
                 f"Goal ahead of both on communication time: {verdict}; fewest bytes: `powersgd`.") in text, text

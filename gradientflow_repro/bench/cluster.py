@@ -47,7 +47,7 @@ from gradientflow_repro.cluster.launch import network, run_ranks
 from gradientflow_repro.comm.plan import resolve
 from gradientflow_repro.render.bench_cluster import suggestion
 from gradientflow_repro.reproduction.progress import MACHINE_KEYS, Progress, Timeline
-from gradientflow_repro.scaling.cluster_check import markdown_lines, over_launches
+from gradientflow_repro.scaling.cluster_check import model_check, over_launches
 
 log = logging.getLogger(__name__)
 MODULE = ("-m", "gradientflow_repro.bench.cluster_rank")
@@ -203,8 +203,8 @@ def bench_cluster(out_md: Path = OUT_MD, out_json: Path = OUT_JSON, rate_mbit: f
                  "layouts": [{k: v for k, v in r.items() if k != "rows"} for r in results],
                  "rows": [row for r in results for row in r["rows"]], "burst_bytes": netemu.BURST_BYTES}
         facts["rows_over_launches"] = over_launches(facts["rows"])  # each strategy's median over the launches
-        if facts["emulated"]:  # the scaling model's words on these measurements (scaling/cluster_check.py)
-            facts["model_check_lines"] = markdown_lines(facts)
+        if facts["emulated"]:  # the scaling model on these measurements, its goals' verdicts as values
+            facts["model_check"] = model_check(facts)
         document = render.write_data(out_json, KIND, facts)
         text = render.render_file(document, out_md).read_text()
         progress.finish()

@@ -1,8 +1,8 @@
 """The cluster benchmark's Markdown (results/cluster_comm.md) from its document (``bench.cluster``):
 the network-bound check with its verdict, the network each launch measured, the strategies' medians
-over the launches with each launch's figure, and the scaling model's section as the measuring side
-wrote it (``model_check_lines``, from ``scaling/cluster_check.py``). Registered as the renderer
-``bench.cluster_comm`` (``render/bench.py``)."""
+over the launches with each launch's figure, and the scaling model against them with its two goals
+(``model_check_lines``, from the data of ``scaling/cluster_check.model_check``: the verdicts are its
+values). Registered as the renderer ``bench.cluster_comm`` (``render/bench.py``)."""
 
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ def cluster_comm(facts: Mapping[str, Any]) -> str:
                   + ". Each emulated uplink also passes a burst at once after it has idled (tbf's bucket, "
                   f"{facts['burst_bytes'] >> 10} KiB: {_burst_ms(facts)} of the uplink's time), which the model "
                   "spends and refills (`perfmodel.Network.burst_bytes`).", "",
-                  *facts.get("model_check_lines", []), ""]
+                  *(model_check_lines(facts["model_check"]) if facts.get("model_check") else []), ""]
     return "\n".join(lines)
 
 
@@ -195,3 +195,48 @@ def _switch_over_note(facts: Mapping[str, Any], layout: str) -> str:
 def _launch(item: Mapping[str, Any]) -> int:
     """Which launch of its layout a layout's figures are (1 in results recorded with one)."""
     return int(item.get("launch", 1))
+
+
+def _each_launch(launches: int, figures: Mapping[int, float], form: str, suffix: str = "") -> str:
+    """One figure per launch, in launch order; "-" where the strategy failed or was not modelled."""
+    return ", ".join(format(figures[launch], form) + suffix if launch in figures else "-"
+                     for launch in range(1, launches + 1))
+
+
+def model_check_lines(check: Mapping[str, Any]) -> list[str]:
+    """The model against every measured strategy (the median over the launches, each launch's error
+    beside it), and the two goals, worded from ``cluster_check.model_check``'s data."""
+    launches, rows, goal_error = check["launches"], check["rows"], check["goal_error"]
+    lines = [f"| layout | strategy | measured (ms) | model (ms) | error | error in each of the {launches} launches |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['layout']} | {row['strategy']} | {row['comm_s_median'] * 1e3:.1f} "
+                     f"| {row['predicted_s'] * 1e3:.1f} | {row['error'] * 100:+.0f}% "
+                     f"| {_each_launch(launches, dict(zip(row['launches'], row['error_launches'])), '+.0%')} |")
+    if check["unmodelled"]:
+        lines += ["", f"Not modelled: {', '.join(check['unmodelled'])} (no local work measured in the launch: "
+                  "recorded before it was, or without the network measurement)."]
+    errors, singles = [abs(r["error"]) for r in rows], check["single_errors"]
+    if errors:
+        lines += ["", f"Measured: the median over {launches} launch(es) of each launch's median step; model: the "
+                  "median of its predictions, each on the network measured in that launch. Goal: the model within "
+                  f"{goal_error:.0%} of each. {check['within_goal']} of {len(errors)} are; median "
+                  f"error {statistics.median(errors) * 100:.0f}%, largest {max(errors) * 100:.0f}%. Launch by launch "
+                  f"(each prediction against its own launch's step): {sum(e <= goal_error for e in singles)} of "
+                  f"{len(singles)} within {goal_error:.0%}, largest {max(singles) * 100:.0f}%."]
+    for goal in check["goals"]:
+        if goal["goal"] == "ddp_ratio":
+            lines.append(f"- {goal['layout']}: `gradientflow` (hierarchical) communicates {goal['ratio']:.2f}x as "
+                         f"long as DDP-style bucketed builtin allreduce ({goal['full_s'] * 1e3:.0f} against "
+                         f"{goal['ddp_s'] * 1e3:.0f} ms per step, medians; side by side in each launch: "
+                         f"{_each_launch(launches, dict(goal['by_launch']), '.2f', 'x')}). Goal at "
+                         f"most {check['goal_ratio']}x: {'met' if goal['met'] else 'NOT met'}.")
+        else:
+            peers = goal["peers"]
+            lines.append(f"- {goal['layout']}: `gradientflow` (hierarchical) against what ships in PyTorch "
+                         f"(medians): {goal['full_s'] * 1e3:.0f} ms and {goal['full_bytes'] / 2**20:.2f} MiB per "
+                         "step against " + ", ".join(f"`{p['label']}` {p['comm_s'] * 1e3:.0f} ms and "
+                                                     f"{p['bytes'] / 2**20:.2f} MiB" for p in peers)
+                         + f". Goal ahead of {'both' if len(peers) == 2 else 'each'} on communication time: "
+                         f"{'met' if goal['met'] else 'NOT met'}; fewest bytes: `{goal['fewest']}`.")
+    return lines

@@ -144,61 +144,40 @@ def predictions(facts: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _each_launch(launches: int, figures: dict[int, float], form: str, suffix: str = "") -> str:
-    """One figure per launch, in launch order; "-" where the strategy failed or was not modelled."""
-    return ", ".join(format(figures[launch], form) + suffix if launch in figures else "-"
-                     for launch in range(1, launches + 1))
-
-
-def markdown_lines(facts: dict[str, Any]) -> list[str]:
-    """The model against every measured strategy (the median over the launches, each launch's error
-    beside it), and the two goals."""
-    launches = facts.get("launches", 1)
+def model_check(facts: dict[str, Any]) -> dict[str, Any]:
+    """The model against every measured strategy, as data: each strategy's median over the launches
+    and its prediction (``rows``), each launch's own error (``single_errors``), the layouts not
+    modelled, and the two goals per 8-rank layout, each with its verdict as a value (``met``):
+    gradientflow (hierarchical) at most ``GOAL_RATIO`` of DDP-style bucketed builtin allreduce, and
+    ahead of what ships in PyTorch (``PEER_LABELS``) on communication time (medians)."""
     each = predictions(facts)
     rows = over_launches(each)
-    lines = [f"| layout | strategy | measured (ms) | model (ms) | error | error in each of the {launches} launches |",
-             "|---|---|---|---|---|---|"]
-    for row in rows:
-        lines.append(f"| {row['layout']} | {row['strategy']} | {row['comm_s_median'] * 1e3:.1f} "
-                     f"| {row['predicted_s'] * 1e3:.1f} | {row['error'] * 100:+.0f}% "
-                     f"| {_each_launch(launches, dict(zip(row['launches'], row['error_launches'])), '+.0%')} |")
-    unmodelled = sorted({layout["layout"] for layout in facts["layouts"]
-                         if not (layout["network"] or {}).get("local_work_in_step")})
-    if unmodelled:
-        lines += ["", f"Not modelled: {', '.join(unmodelled)} (no local work measured in the launch: recorded "
-                  "before it was, or without the network measurement)."]
     errors = [abs(r["error"]) for r in rows]
-    if errors:
-        singles = [abs(r["error"]) for r in each]
-        lines += ["", f"Measured: the median over {launches} launch(es) of each launch's median step; model: the "
-                  "median of its predictions, each on the network measured in that launch. Goal: the model within "
-                  f"{GOAL_ERROR:.0%} of each. {sum(e <= GOAL_ERROR for e in errors)} of {len(errors)} are; median "
-                  f"error {statistics.median(errors) * 100:.0f}%, largest {max(errors) * 100:.0f}%. Launch by launch "
-                  f"(each prediction against its own launch's step): {sum(e <= GOAL_ERROR for e in singles)} of "
-                  f"{len(singles)} within {GOAL_ERROR:.0%}, largest {max(singles) * 100:.0f}%."]
+    check: dict[str, Any] = {
+        "launches": facts.get("launches", 1), "rows": rows, "single_errors": [abs(r["error"]) for r in each],
+        "goal_error": GOAL_ERROR, "goal_ratio": GOAL_RATIO,
+        "within_goal": sum(e <= GOAL_ERROR for e in errors), "goals": [],
+        "unmodelled": sorted({layout["layout"] for layout in facts["layouts"]
+                              if not (layout["network"] or {}).get("local_work_in_step")})}
     for layout in sorted({r["layout"] for r in rows if r["world"] == 8}):
         by_label = {variants.canonical(r["strategy"]): r for r in rows if r["layout"] == layout}
         full, ddp = by_label.get(variants.HIERARCHICAL), by_label.get(variants.DDP_STYLE)
         if full and ddp:
-            ratio = full["comm_s_median"] / ddp["comm_s_median"]
             ddp_by_launch = dict(zip(ddp["launches"], ddp["comm_s_launches"]))
-            ratios = {launch: seconds / ddp_by_launch[launch] for launch, seconds
-                      in zip(full["launches"], full["comm_s_launches"]) if launch in ddp_by_launch}
-            lines.append(f"- {layout}: `gradientflow` (hierarchical) communicates {ratio:.2f}x as long as "
-                         f"DDP-style bucketed builtin allreduce ({full['comm_s_median'] * 1e3:.0f} against "
-                         f"{ddp['comm_s_median'] * 1e3:.0f} ms per step, medians; side by side in each launch: "
-                         f"{_each_launch(launches, ratios, '.2f', 'x')}). Goal at "
-                         f"most {GOAL_RATIO}x: {'met' if ratio <= GOAL_RATIO else 'NOT met'}.")
+            ratio = full["comm_s_median"] / ddp["comm_s_median"]
+            check["goals"].append({
+                "goal": "ddp_ratio", "layout": layout, "ratio": ratio, "met": ratio <= GOAL_RATIO,
+                "full_s": full["comm_s_median"], "ddp_s": ddp["comm_s_median"],
+                "by_launch": [[launch, seconds / ddp_by_launch[launch]] for launch, seconds
+                              in zip(full["launches"], full["comm_s_launches"]) if launch in ddp_by_launch]})
         peers = [by_label[label] for label in PEER_LABELS if label in by_label]
         if full and peers:
-            ahead = all(full["comm_s_median"] < peer["comm_s_median"] for peer in peers)
             fewest = min([full, *peers], key=lambda r: r["bytes_per_step"])
-            lines.append(f"- {layout}: `gradientflow` (hierarchical) against what ships in PyTorch (medians): "
-                         f"{full['comm_s_median'] * 1e3:.0f} ms and {full['bytes_per_step'] / 2**20:.2f} MiB per "
-                         "step against " + ", ".join(f"`{variants.canonical(p['strategy'])}` "
-                                                     f"{p['comm_s_median'] * 1e3:.0f} ms and "
-                                                     f"{p['bytes_per_step'] / 2**20:.2f} MiB" for p in peers)
-                         + f". Goal ahead of {'both' if len(peers) == 2 else 'each'} on communication time: "
-                         f"{'met' if ahead else 'NOT met'}; fewest bytes: "
-                         f"`{variants.canonical(fewest['strategy'])}`.")
-    return lines
+            check["goals"].append({
+                "goal": "peers", "layout": layout, "full_s": full["comm_s_median"],
+                "full_bytes": full["bytes_per_step"],
+                "met": all(full["comm_s_median"] < peer["comm_s_median"] for peer in peers),
+                "peers": [{"label": variants.canonical(p["strategy"]), "comm_s": p["comm_s_median"],
+                           "bytes": p["bytes_per_step"]} for p in peers],
+                "fewest": variants.canonical(fewest["strategy"])})
+    return check
