@@ -171,12 +171,14 @@ def describe_schedule(plan: Plan) -> str:
         return ""
     warmup = plan.warmup_epochs
     why = "the learning rate's warm-up" if plan.config.csc_warmup_epochs is None else "comm.csc_warmup_epochs"
-    sends = plan.sparsifier.in_words(plan.keys)
-    if plan.sparsifier.pricing == "low_rank":  # PowerSGD: never before torch's iteration 2
-        start = f"dense for the first {warmup:g} epoch(s) ({why}), then" if warmup else "dense for 2 steps, then"
+    sparsifier = plan.sparsifier
+    if warmup:
+        start = f"dense for the first {warmup:g} epoch(s) ({why}), then"
+    elif sparsifier.dense_steps:
+        start = f"dense for {sparsifier.dense_steps} steps, then"
     else:
-        start = f"dense for the first {warmup:g} epoch(s) ({why}), then" if warmup else "sparse from the first step:"
-    return f"{start} {sends}"
+        start = "sparse from the first step:"
+    return f"{start} {sparsifier.in_words(plan.keys)}"
 
 
 def describe_sum(plan: Plan, nccl_algo: str = "") -> str:

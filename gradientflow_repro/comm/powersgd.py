@@ -45,4 +45,5 @@ def build(plan: Plan, device: torch.device, sum_fn: SumFn) -> Communicator:
 
 SPARSIFIER = Sparsifier("powersgd", keys=PowerSGDKeys, builder=build, pricing="low_rank", fusion="ddp",
                         priced_as=lambda keys: {"rank": keys.powersgd_rank},
+                        dense_steps=2,  # torch's hook compresses from its iteration 2 on, never before
                         describe=lambda keys: f"PowerSGD rank {keys.powersgd_rank}")

@@ -47,8 +47,9 @@ class Sparsifier:
     ``priced_as``: the rule's parameters from the keys (default: the keys as they are).
     ``fusion``: the one ``comm.fusion`` it works over (CSC: ``lazy``; PowerSGD: ``ddp``); None: any.
     ``sends_sparse``: whether, given its keys, some steps send less than every gradient (default:
-    always, once its dense warm-up is over). ``describe``: what a sparse step sends, in words, for the
-    run's first lines ("density 0.1"; default: its name)."""
+    always, once its dense warm-up is over). ``dense_steps``: steps it sends whole whatever the
+    warm-up (PowerSGD's hook: 2). ``describe``: what a sparse step sends, in words, for the run's
+    first lines ("density 0.1"; default: its name)."""
 
     name: str
     keys: Optional[type] = None
@@ -57,6 +58,7 @@ class Sparsifier:
     priced_as: Optional[Callable[[Any], Mapping[str, Any]]] = None
     fusion: Optional[str] = None
     sends_sparse: Callable[[Any], bool] = lambda keys: True
+    dense_steps: int = 0
     describe: Optional[Callable[[Any], str]] = None
 
     def __post_init__(self) -> None:
