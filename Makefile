@@ -11,7 +11,7 @@
 #   make lint                 ruff (configured in pyproject.toml), as CI runs it before the tests
 #   make bench / reliability  benchmark tables / fault-injection table under results/
 #   make gpu-check GPU_CHECK_OUT=DIR/gpu_check.md   on a GPU machine: the CUDA path item by item,
-#                             at most 3 minutes -> that file (default results/gpu_check.md) and its .log
+#                             at most 3 minutes -> that file (default: the committed results/gpu_check.md) and its .log
 #   make venv CUDA=12         the CUDA 12 stack instead of CUDA 13, for NVIDIA drivers older than 580
 #                             (requirements-cu12.txt; docs/clusters.md, "CUDA 12: drivers older than 580")
 PYTHON ?= python3
@@ -111,7 +111,7 @@ reliability: venv data
 # from this directory, needing only torch (what else is missing is SKIP).
 GPU_CHECK_PY = $(if $(filter command line environment,$(origin PYTHON)),$(PYTHON),$(if $(wildcard $(PY)),$(PY),$(PYTHON)))
 gpu-check:
-	$(GPU_CHECK_PY) -m gradientflow_repro.gpu_check$(if $(GPU_CHECK_OUT), --out $(GPU_CHECK_OUT)) $(ARGS)
+	$(GPU_CHECK_PY) -m gradientflow_repro.gpu_check $(if $(GPU_CHECK_OUT),--out $(GPU_CHECK_OUT),--report) $(ARGS)
 
 clean:
 	rm -rf results/runs .pytest_cache

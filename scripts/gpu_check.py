@@ -9,9 +9,10 @@ each item checks and what a bare machine needs: ``gradientflow_repro/gpu_check/i
     python3 -m gradientflow_repro.gpu_check --out DIR/gpu_check.md   # the command: from the repo root,
                                                                      # needs only torch (and timm)
     make gpu-check GPU_CHECK_OUT=DIR/gpu_check.md    # the same; installs nothing (the venv's python, else python3)
-    python scripts/gpu_check.py [--out FILE] [--only nccl_2gpu nccl_1rank ...] [--strict]
+    python scripts/gpu_check.py [--out FILE | --report] [--only nccl_2gpu nccl_1rank ...] [--strict]
 
-Without ``--out`` the report goes to results/gpu_check.md in the checkout (the log beside it).
+Without ``--out`` the report goes to results/runs/gpu_check/gpu_check.md in the checkout (the log beside
+it); ``--report`` writes the committed results/gpu_check.md.
 """
 
 from __future__ import annotations

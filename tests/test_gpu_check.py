@@ -505,3 +505,13 @@ def test_local_work_beside_the_step_is_measured_and_on_the_cpu_takes_turns() -> 
         "alexnet_bn", torch.device("cpu"), batch=4, image=32, width=0.25, warmup=2, timed=15)
     assert step_ms > 0 and local_ms > 0 and both_ms > step_ms
     assert 0.4 < slowdown < 2.5, (step_ms, local_ms, both_ms)
+
+
+def test_by_hand_the_report_goes_under_runs_and_report_writes_the_committed_one() -> None:
+    from gradientflow_repro.gpu_check import runner
+
+    assert runner.parse_options([]).out == runner.DEFAULT_OUT
+    assert runner.DEFAULT_OUT.relative_to(REPO).parts[:2] == ("results", "runs")
+    assert runner.REPORT_OUT == REPO / "results" / "gpu_check.md"
+    with pytest.raises(runner.BadOption, match="give --out or --report, not both"):
+        runner.parse_options(["--report", "--out", "elsewhere.md"])

@@ -20,8 +20,9 @@ for a part of one):
 - SKIP: it could not run here; the line names what was missing (a GPU, a package, the budget).
 
 All lines and a header (date, host, GPUs, versions, commit, command) go to ``--out`` (by default
-``results/gpu_check.md`` in the checkout; on a machine whose runner brings back only an output
-folder, name a file in it), rewritten before every item so that a check cut short still leaves its
+``results/runs/gpu_check/gpu_check.md`` in the checkout, ``--report`` the committed
+``results/gpu_check.md``; on a machine whose runner brings back only an output folder, name a file
+in it), rewritten before every item so that a check cut short still leaves its
 file; every child process's full output goes to the ``.log`` beside it.
 
 Exit status: 0 when no line is FAIL; 1 if any line is FAIL (with ``--strict`` also if any is SKIP);

@@ -8,7 +8,8 @@ count. An item given less than ``MIN_ITEM_S`` is SKIP (it could not even start C
 
 The report goes to ``--out`` (the log beside it): name a file in a folder of its own, ``--out
 DIR/gpu_check.md``, so that a runner that brings back only an output folder brings both back (the
-default, ``results/gpu_check.md`` in the checkout, is for a run by hand). It is rewritten before
+default, ``results/runs/gpu_check/gpu_check.md`` in the checkout, is for a run by hand; ``--report``
+writes the committed ``results/gpu_check.md``). It is rewritten before
 every item, so a check cut short (by its budget, a hang it could not recover from, Ctrl-C) still
 leaves its file. Options are checked before anything runs, and a bad one is refused in one line
 with exit status 2, leaving no report and no log.
@@ -38,7 +39,8 @@ from gradientflow_repro.gpu_check.results import Item, Result
 from gradientflow_repro.provenance import git_commit
 
 DESCRIPTION = "The GPU check: whether this project's CUDA path works on this machine, item by item."
-DEFAULT_OUT = REPO / "results" / "gpu_check.md"
+DEFAULT_OUT = REPO / "results" / "runs" / "gpu_check" / "gpu_check.md"  # a run by hand
+REPORT_OUT = REPO / "results" / "gpu_check.md"  # --report: the committed one
 BUDGET_S = 180.0  # the whole check: 3 minutes even when items hang
 MIN_ITEM_S = 15.0  # an item given less than this is SKIP: it could not even start CUDA and NCCL
 
@@ -125,8 +127,10 @@ def parse_options(argv: Optional[list[str]]) -> argparse.Namespace:
     """The options, or BadOption naming the first bad one (nothing has run yet)."""
     parser = _Parser(prog="gradientflow_repro.gpu_check", description=DESCRIPTION,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report file, e.g. DIR/gpu_check.md (default "
-                        f"{DEFAULT_OUT}, inside the checkout); the children's output goes to the .log beside it")
+    parser.add_argument("--out", type=Path, default=None, help="report file, e.g. DIR/gpu_check.md (default "
+                        "results/runs/gpu_check/gpu_check.md in the checkout); the children's output goes to the "
+                        ".log beside it")
+    parser.add_argument("--report", action="store_true", help="write the committed results/gpu_check.md")
     parser.add_argument("--only", nargs="+", metavar="ITEM",
                         help=f"run only these items, of: {', '.join(ITEM_BY_NAME)}")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S,
@@ -135,6 +139,9 @@ def parse_options(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--strict", action="store_true", help="exit status 1 on a SKIP too (by default only a "
                         "FAIL makes it non-zero)")
     args = parser.parse_args(argv)
+    if args.report and args.out is not None:
+        raise BadOption("--report writes results/gpu_check.md: give --out or --report, not both")
+    args.out = args.out or (REPORT_OUT if args.report else DEFAULT_OUT)
     unknown = [name for name in args.only or [] if name not in ITEM_BY_NAME]
     if unknown:
         raise BadOption(f"--only: unknown item(s) {', '.join(unknown)}; the items are {', '.join(ITEM_BY_NAME)}")
