@@ -1,6 +1,7 @@
 """The tree's layering: the library (trainer, comm, data, models, config) never imports the tooling
-around it (reproduction, cluster, bench, scaling, gpu_check), so a training job carries none of it
-and the tooling can change without touching what trains."""
+around it (reproduction, cluster, bench, scaling, gpu_check, render, and the labels the tools compare,
+variants.py), so a training job carries none of it and the tooling can change without touching what
+trains."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from pathlib import Path
 from conftest import REPO
 
 PACKAGE = REPO / "gradientflow_repro"
-TOOLING = ("reproduction", "cluster", "bench", "scaling", "gpu_check")
+TOOLING = ("reproduction", "cluster", "bench", "scaling", "gpu_check", "render", "variants")
 
 
 def _is_tooling(path: Path) -> bool:
-    return path.relative_to(PACKAGE).parts[0] in TOOLING
+    return path.relative_to(PACKAGE).with_suffix("").parts[0] in TOOLING
 
 
 def _imported_modules(path: Path) -> set[str]:
