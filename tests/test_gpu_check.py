@@ -465,7 +465,8 @@ def test_the_trainers_step_needs_no_matplotlib(tmp_path: Path) -> None:
 
 
 def test_make_gpu_check_installs_nothing(tmp_path: Path) -> None:
-    """Without a venv it runs the machine's python3 (or PYTHON=...); with one, the venv's python."""
+    """Without a venv it runs the machine's python3 (or PYTHON=...); with one, the venv's python. Without
+    GPU_CHECK_OUT it writes the committed results/gpu_check.md (``--report``)."""
     def dry_run(*args: str) -> list[str]:
         # under a parent make (as `make test` runs it) MAKELEVEL/MAKEFLAGS would add "Entering directory"
         env = {k: v for k, v in os.environ.items()
@@ -475,14 +476,15 @@ def test_make_gpu_check_installs_nothing(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr
         return [line.strip() for line in done.stdout.splitlines() if line.strip()]
 
-    assert dry_run(f"VENV={tmp_path / 'none'}") == ["python3 -m gradientflow_repro.gpu_check"]
+    assert dry_run(f"VENV={tmp_path / 'none'}") == ["python3 -m gradientflow_repro.gpu_check --report"]
     assert dry_run(f"VENV={tmp_path / 'none'}", "PYTHON=/opt/py/bin/python3", "ARGS=--only dali") == [
-        "/opt/py/bin/python3 -m gradientflow_repro.gpu_check --only dali"]
+        "/opt/py/bin/python3 -m gradientflow_repro.gpu_check --report --only dali"]
     assert dry_run(f"VENV={tmp_path / 'none'}", "GPU_CHECK_OUT=/out/gpu_check.md", "ARGS=--strict") == [
         "python3 -m gradientflow_repro.gpu_check --out /out/gpu_check.md --strict"]
     (tmp_path / "venv" / "bin").mkdir(parents=True)
     (tmp_path / "venv" / "bin" / "python").write_text("")
-    assert dry_run(f"VENV={tmp_path / 'venv'}") == [f"{tmp_path / 'venv'}/bin/python -m gradientflow_repro.gpu_check"]
+    assert dry_run(f"VENV={tmp_path / 'venv'}") == [
+        f"{tmp_path / 'venv'}/bin/python -m gradientflow_repro.gpu_check --report"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the item runs instead of skipping")
